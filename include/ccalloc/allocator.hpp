@@ -1,0 +1,130 @@
+// ccalloc::Allocator — the caching allocator of one device.
+//
+// Memory comes from the device in segments; a segment is split into blocks that tile it.
+// Freed blocks stay cached in per-stream pools (small <= 1 MiB, large > 1 MiB) and are
+// reused best-fit; neighbouring free blocks merge. A block used on another stream
+// (record_stream) returns to its pool only once events recorded on those streams at free
+// time have completed. When the cache cannot serve a request, the OOM ladder frees cached
+// memory step by step before giving up with OutOfMemoryError. Behaviour follows PyTorch's
+// CUDACachingAllocator unless the config says otherwise (see config.hpp).
+//
+// Thread safety: every public method may be called concurrently from any thread. Each
+// stream has its own arena and lock, so threads working on different streams do not
+// contend on the hot path.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ccalloc/config.hpp"
+#include "ccalloc/driver.hpp"
+#include "ccalloc/errors.hpp"
+#include "ccalloc/stats.hpp"
+#include "ccalloc/trace.hpp"
+
+namespace ccalloc {
+
+namespace core {
+class Engine;
+}
+
+enum class BlockState : std::uint8_t {
+  kActiveAllocated,    // handed out to the program
+  kActivePendingFree,  // freed, waiting for events on other streams
+  kInactive,           // free and cached
+};
+std::string_view to_string(BlockState state);
+
+struct BlockInfo {
+  DevicePtr address = 0;
+  std::size_t size = 0;
+  std::size_t requested_size = 0;  // stale for inactive blocks, as in PyTorch
+  BlockState state = BlockState::kInactive;
+};
+
+struct SegmentInfo {
+  int device = 0;
+  DevicePtr address = 0;
+  std::size_t total_size = 0;
+  std::size_t allocated_size = 0;  // sum of allocated blocks
+  std::size_t active_size = 0;     // allocated or pending-free blocks
+  std::size_t requested_size = 0;  // requested bytes of active blocks
+  StreamId stream = 0;
+  bool is_small = false;  // small pool (<= 1 MiB requests)
+  bool is_expandable = false;
+  std::vector<BlockInfo> blocks;  // address order, tiling the segment
+};
+
+class Allocator {
+ public:
+  // Called on OOM before the error is thrown, without allocator locks held:
+  // (device, requested bytes, memory limit, device free bytes).
+  using OomObserver = std::function<void(int, std::size_t, std::size_t, std::size_t)>;
+  // Asked to free memory held elsewhere when the cache misses; returns true if it freed
+  // anything. Called without allocator locks held; it may free ccalloc memory.
+  using FreeMemoryCallback = std::function<bool()>;
+
+  // The driver must outlive the allocator.
+  explicit Allocator(Driver& driver, Config config = Config::from_environment());
+  // Returns every segment to the device; pointers handed out become invalid.
+  ~Allocator();
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  // Returns `size` bytes usable on `stream`, 512-byte aligned. size 0 returns 0.
+  // Throws OutOfMemoryError.
+  DevicePtr malloc(std::size_t size, StreamId stream = 0);
+  // Frees a pointer returned by malloc. Throws InvalidPointerError for any other pointer.
+  void free(DevicePtr ptr);
+  // Marks `ptr` as used on `stream`: when freed, it is reused only after the work queued on
+  // `stream` up to the free has completed.
+  void record_stream(DevicePtr ptr, StreamId stream);
+  // Returns every cached, wholly free segment to the device (after waiting for pending
+  // cross-stream frees).
+  void empty_cache();
+
+  DeviceStats stats() const;
+  std::map<std::string, std::int64_t> memory_stats() const { return stats().to_map(); }
+  std::string memory_summary(bool abbreviated = false) const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+
+  // Caps reserved memory at fraction x device capacity; 1.0 removes the cap.
+  // Throws ConfigError outside [0, 1].
+  void set_memory_fraction(double fraction);
+  double memory_fraction() const;
+  MemInfo mem_get_info();
+
+  // Segments and their blocks, sorted by address (the snapshot's `segments`).
+  std::vector<SegmentInfo> segments() const;
+  // Size of the block behind a live allocation (rounded), or 0 if `ptr` is not live.
+  std::size_t allocation_size(DevicePtr ptr) const;
+
+  void add_oom_observer(OomObserver observer);
+  void add_free_memory_callback(FreeMemoryCallback callback);
+  // Observers see every trace entry in order; calls are serialised by the allocator.
+  void add_trace_observer(TraceObserver observer);
+
+  // Verifies every invariant of the allocator's state (DESIGN.md "Invariants"); throws
+  // InvariantError naming the first violation.
+  void check_invariants() const;
+  // When on, check_invariants() runs after every public operation. Defaults to the
+  // environment variable CCALLOC_CHECK_INVARIANTS=1.
+  void set_check_invariants(bool on);
+
+  const Config& config() const;
+  int device() const;
+  Driver& driver() const;
+
+  core::Engine& engine() const { return *impl_; }
+
+ private:
+  std::unique_ptr<core::Engine> impl_;
+};
+
+}  // namespace ccalloc

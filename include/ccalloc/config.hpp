@@ -1,0 +1,78 @@
+// Allocator configuration in PyTorch's grammar:
+//
+//   [preset,]key:value(,key:value)*     value := token | [k:v,k:v,...]
+//
+// read from CCALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF. Whitespace
+// is ignored; booleans are exactly True/False. An optional bare preset name comes first:
+// `pytorch` is PyTorch's native behaviour exactly (also after ccalloc's own defaults
+// change); `ccalloc` (the default) is ccalloc's recommended behaviour. Keys given after the
+// preset override it.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace ccalloc {
+
+inline constexpr std::size_t kMiB = 1024 * 1024;
+
+enum class Backend { kNative, kCudaMallocAsync };
+
+struct Config {
+  // Number of power-of-two intervals of the roundup table: [1 MiB, 2 MiB) ... [32 GiB, inf).
+  static constexpr int kRoundupIntervals = 16;
+
+  std::string preset = "ccalloc";
+  Backend backend = Backend::kNative;
+  // Blocks of at least this size are "oversize": never split, never given to smaller
+  // requests, releasable by the OOM ladder. SIZE_MAX means unlimited.
+  std::size_t max_split_size = SIZE_MAX;
+  // A request >= max_split_size may take a cached block only if block < request + this.
+  std::size_t max_non_split_rounding_size = 20 * kMiB;
+  // Segment size for 1-10 MiB requests.
+  std::size_t large_segment_size = 20 * kMiB;
+  // Divisions per power-of-two interval for request rounding; 0 or 1 means 512 B rounding.
+  std::array<std::size_t, kRoundupIntervals> roundup_power2_divisions{};
+  // Age-based release of cached segments once reserved memory exceeds this fraction of the
+  // memory limit (the per-process fraction if set, else device capacity). 0 disables.
+  double garbage_collection_threshold = 0.0;
+  bool expandable_segments = false;
+  // Accepted for compatibility. ccalloc holds only the calling stream's arena lock around a
+  // device allocation, so other streams are never blocked by it.
+  bool release_lock_on_cudamalloc = false;
+  // Reserved memory is capped at this fraction of device capacity (1.0 = no cap).
+  double per_process_memory_fraction = 1.0;
+  // Accepted for compatibility; CUDA graph capture is not modelled.
+  bool graph_capture_record_stream_reuse = false;
+  // Pinned-host allocator options: accepted and reported, not used (no host allocator).
+  bool pinned_use_cuda_host_register = false;
+  std::size_t pinned_num_register_threads = 1;
+  bool pinned_use_background_threads = false;
+  std::size_t pinned_reserve_segment_size_mb = 0;
+  // Every malloc is a device allocation and every free a device free (as
+  // PYTORCH_NO_CUDA_MEMORY_CACHING=1): no cache, no stats, no trace entries.
+  bool uncached = false;
+
+  // The raw string this config was parsed from ("" for defaults).
+  std::string source;
+
+  // Parses a config string. Throws ConfigError naming the key, the value, the offset and
+  // the accepted form.
+  static Config parse(std::string_view text);
+  // The config in force for a new allocator: CCALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF,
+  // else PYTORCH_ALLOC_CONF; `uncached` is also set by CCALLOC_NO_CACHING=1 or
+  // PYTORCH_NO_CUDA_MEMORY_CACHING=1.
+  static Config from_environment();
+
+  // Divisions that apply to a request of `size` bytes (the table lookup of §1.4).
+  std::size_t roundup_divisions_for(std::size_t size) const;
+  // Canonical string of every setting, parseable by parse().
+  std::string to_string() const;
+
+  bool operator==(const Config&) const = default;
+};
+
+}  // namespace ccalloc

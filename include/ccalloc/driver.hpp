@@ -1,0 +1,65 @@
+// The Driver interface: everything the engine needs from a device.
+//
+// The engine (src/core) never calls CUDA. It talks to one Driver per device: the
+// simulated GPU (src/drivers/sim) for tests, replay and CI, or the CUDA driver
+// (src/drivers/cuda) for real devices. Out-of-memory is reported as a value, never as an
+// exception, because it is an expected outcome that the OOM ladder handles.
+//
+// Thread safety: every method may be called from any thread concurrently; implementations
+// synchronise internally. Units: bytes and microseconds.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace ccalloc {
+
+// A device address. 0 is never a valid allocation.
+using DevicePtr = std::uintptr_t;
+
+// A stream handle as an integer (cudaStream_t cast to an integer; 0 is the legacy default
+// stream). The engine only compares and hashes streams.
+using StreamId = std::uint64_t;
+
+// An event handle owned by the driver. Events are created with timing disabled.
+using EventId = std::uint64_t;
+
+struct MemInfo {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+class Driver {
+ public:
+  virtual ~Driver() = default;
+
+  // Device ordinal this driver serves.
+  virtual int device() const = 0;
+
+  // Allocates `bytes` of device memory. Returns 0 when the device is out of memory (the
+  // driver clears any sticky error); throws DriverError on any other failure.
+  virtual DevicePtr allocate(std::size_t bytes) = 0;
+  // Frees memory returned by allocate(). `bytes` is the size that was allocated.
+  virtual void free(DevicePtr ptr, std::size_t bytes) = 0;
+  virtual MemInfo mem_info() = 0;
+
+  virtual EventId create_event() = 0;
+  virtual void destroy_event(EventId event) = 0;
+  // Records `event` on `stream`: it completes when the work queued on the stream so far has.
+  virtual void record_event(EventId event, StreamId stream) = 0;
+  // True when the event has completed; never blocks.
+  virtual bool query_event(EventId event) = 0;
+  // Blocks until the event has completed.
+  virtual void synchronize_event(EventId event) = 0;
+  virtual void synchronize_stream(StreamId stream) = 0;
+
+  // Wall time in microseconds since the Unix epoch, used to stamp trace entries. The
+  // simulated GPU returns its virtual clock instead.
+  virtual std::int64_t now_us() = 0;
+
+  // A short description for messages, e.g. "simulated GPU 0 (141.00 GiB)".
+  virtual std::string name() const = 0;
+};
+
+}  // namespace ccalloc

@@ -1,0 +1,441 @@
+// The hot path: malloc, free, record_stream, and the block operations they use.
+// The OOM ladder lives in oom_ladder.cpp, events in events.cpp.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/allocator_impl.hpp"
+#include "core/rounding.hpp"
+
+namespace ccalloc::core {
+namespace {
+
+std::atomic<std::uint64_t> g_next_engine_uid{1};
+
+// Per-thread cache of the last arenas used: most threads use one or two streams.
+struct CachedArena {
+  std::uint64_t engine_uid = 0;
+  StreamId stream = 0;
+  Arena* arena = nullptr;
+};
+constexpr std::size_t kArenaCacheSize = 4;
+thread_local std::array<CachedArena, kArenaCacheSize> t_arena_cache{};
+thread_local std::size_t t_arena_cache_next = 0;
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
+std::string pointer_error(const char* what, DevicePtr ptr, int device) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "ccalloc: %s of pointer 0x%" PRIxPTR
+                " on device %d, which is not a live allocation: it was never returned by "
+                "malloc, or it was already freed",
+                what, ptr, device);
+  return buf;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Public operations
+
+Engine::Engine(Driver& driver, Config config)
+    : driver_(driver),
+      config_(std::move(config)),
+      uid_(g_next_engine_uid.fetch_add(1)),
+      event_pool_(driver) {
+  if (config_.backend != Backend::kNative) {
+    throw ConfigError("ccalloc: backend:cudaMallocAsync is not available in this build; use "
+                      "backend:native");
+  }
+  if (config_.expandable_segments) {
+    throw ConfigError("ccalloc: expandable_segments:True is not available in this build; use "
+                      "expandable_segments:False");
+  }
+  check_invariants_ = env_flag("CCALLOC_CHECK_INVARIANTS");
+  capacity_ = driver_.mem_info().total_bytes;
+  device_stats_.max_split_size = config_.max_split_size == SIZE_MAX
+                                     ? -1
+                                     : static_cast<std::int64_t>(config_.max_split_size);
+  set_memory_fraction(config_.per_process_memory_fraction);
+}
+
+DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
+  if (size == 0) return 0;
+  if (size > kOneExabyte) {
+    throw OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.",
+                           driver_.device(), size);
+  }
+  if (config_.uncached) return malloc_uncached(size);
+  if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
+
+  const Request req = make_request(size, stream);
+  Arena& arena = arena_for(stream);
+  std::unique_lock lock(arena.mutex);
+  Block* block = take_free_block(arena, req, /*advance_gc_clock=*/true);
+  if (block == nullptr) return malloc_slow(arena, req, std::move(lock));
+  const DevicePtr ptr = hand_out(arena, block, req);
+  lock.unlock();
+  after_operation();
+  return ptr;
+}
+
+void Engine::free(DevicePtr ptr) {
+  if (ptr == 0) return;
+  if (config_.uncached) {
+    free_uncached(ptr);
+    return;
+  }
+  Arena* arena = active_.arena_of(ptr);
+  if (arena == nullptr) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
+  {
+    std::lock_guard lock(arena->mutex);
+    Block* block = active_.erase(ptr);  // may be gone: a concurrent double free
+    if (block == nullptr) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
+    release_allocation(*arena, block);
+  }
+  after_operation();
+}
+
+void Engine::record_stream(DevicePtr ptr, StreamId stream) {
+  if (config_.uncached) return;  // uncached memory is freed synchronously
+  Arena* arena = active_.arena_of(ptr);
+  if (arena == nullptr) {
+    throw InvalidPointerError(pointer_error("record_stream", ptr, device()), ptr);
+  }
+  {
+    std::lock_guard lock(arena->mutex);
+    Block* block = active_.find(ptr);
+    if (block == nullptr) {
+      throw InvalidPointerError(pointer_error("record_stream", ptr, device()), ptr);
+    }
+    // Uses on the block's own stream are ordered by the stream itself.
+    if (stream != arena->stream &&
+        std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
+            block->stream_uses.end()) {
+      block->stream_uses.push_back(stream);
+    }
+  }
+  after_operation();
+}
+
+std::size_t Engine::allocation_size(DevicePtr ptr) const {
+  Arena* arena = active_.arena_of(ptr);
+  if (arena == nullptr) return 0;
+  std::lock_guard lock(arena->mutex);
+  const Block* block = active_.find(ptr);
+  return block == nullptr ? 0 : block->size;
+}
+
+// ---------------------------------------------------------------------------------------
+// Block operations (the arena's lock is held)
+
+Request Engine::make_request(std::size_t size, StreamId stream) const {
+  Request r;
+  r.requested = size;
+  r.size = round_size(size, config_);
+  r.small = is_small_size(r.size);
+  r.segment_size = segment_size_for(r.size, config_);
+  r.stream = stream;
+  return r;
+}
+
+Block* Engine::take_free_block(Arena& arena, const Request& req, bool advance_gc_clock) {
+  FreePool& pool = arena.pool_for(req.small);
+  if (advance_gc_clock && gc_enabled()) {
+    pool_searches_[req.small ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  }
+  const auto it = pool.lower_bound(req.size);
+  if (it == pool.blocks.end() || !oversize_allows((*it)->size, req.size, config_)) {
+    return nullptr;
+  }
+  Block* block = *it;
+  pool.blocks.erase(it);
+  return block;
+}
+
+DevicePtr Engine::hand_out(Arena& arena, Block* block, const Request& req) {
+  block = carve(arena, block, req);
+  active_.insert(block);
+  record_trace(TraceAction::kAlloc, block->ptr, req.requested, arena.stream);
+  return block->ptr;
+}
+
+// Takes req.size bytes from the low end of `block` (not in any pool), returning the rest
+// to the pool when should_split() says it is worth a block of its own.
+Block* Engine::carve(Arena& arena, Block* block, const Request& req) {
+  FreePool& pool = *block->pool;
+  const bool already_split = block->is_split();
+  DeviceStats& st = arena.stats;
+  const StatType kinds[2] = {kAggregate, pool_stat(pool.is_small)};
+
+  if (should_split(block->size, req.size, pool.is_small, config_)) {
+    Block* remaining = block;
+    block = arena.blocks.make();
+    block->ptr = remaining->ptr;
+    block->size = req.size;
+    block->pool = &pool;
+    block->prev = remaining->prev;
+    if (block->prev != nullptr) block->prev->next = block;
+    block->next = remaining;
+    remaining->prev = block;
+    remaining->ptr += req.size;
+    remaining->size -= req.size;
+    insert_into_pool(pool, remaining);
+    for (StatType t : kinds) {
+      if (already_split) {
+        st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
+      } else {
+        st.inactive_split_bytes[t].increase(static_cast<std::int64_t>(remaining->size));
+        st.inactive_split[t].increase(1);
+      }
+    }
+  } else if (already_split) {
+    for (StatType t : kinds) {
+      st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
+      st.inactive_split[t].decrease(1);
+    }
+  }
+
+  block->allocated = true;
+  block->requested_size = req.requested;
+  for (StatType t : kinds) {
+    st.allocation[t].increase(1);
+    st.allocated_bytes[t].increase(static_cast<std::int64_t>(block->size));
+    st.active[t].increase(1);
+    st.active_bytes[t].increase(static_cast<std::int64_t>(block->size));
+    st.requested_bytes[t].increase(static_cast<std::int64_t>(req.requested));
+  }
+  if (is_oversize(block->size, config_)) st.oversize_allocations.increase(1);
+  return block;
+}
+
+// The program freed `block`: it returns to its pool now, or once events on the other
+// streams that used it have completed.
+void Engine::release_allocation(Arena& arena, Block* block) {
+  DeviceStats& st = arena.stats;
+  block->allocated = false;
+  for (StatType t : {kAggregate, pool_stat(block->pool->is_small)}) {
+    st.allocation[t].decrease(1);
+    st.allocated_bytes[t].decrease(static_cast<std::int64_t>(block->size));
+  }
+  record_trace(TraceAction::kFreeRequested, block->ptr, block->requested_size, arena.stream);
+  if (is_oversize(block->size, config_)) st.oversize_allocations.decrease(1);
+  if (block->stream_uses.empty()) {
+    free_block(arena, block);
+  } else {
+    insert_events(arena, block);
+  }
+}
+
+// Returns a block with no outstanding uses to its pool, merging it with free neighbours.
+void Engine::free_block(Arena& arena, Block* block) {
+  record_trace(TraceAction::kFreeCompleted, block->ptr, block->requested_size, arena.stream);
+  const auto original_size = static_cast<std::int64_t>(block->size);
+  const auto requested = static_cast<std::int64_t>(block->requested_size);
+  FreePool& pool = *block->pool;
+
+  std::int64_t net_split_blocks = 0;
+  std::int64_t net_split_bytes = 0;
+  for (Block* neighbour : std::array<Block*, 2>{block->prev, block->next}) {
+    if (const std::size_t subsumed = try_merge(arena, block, neighbour); subsumed > 0) {
+      net_split_blocks -= 1;
+      net_split_bytes -= static_cast<std::int64_t>(subsumed);
+    }
+  }
+  insert_into_pool(pool, block);
+  if (block->is_split()) {
+    net_split_blocks += 1;
+    net_split_bytes += static_cast<std::int64_t>(block->size);
+  }
+
+  DeviceStats& st = arena.stats;
+  for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
+    if (net_split_blocks > 0) st.inactive_split[t].increase(net_split_blocks);
+    if (net_split_blocks < 0) st.inactive_split[t].decrease(-net_split_blocks);
+    if (net_split_bytes > 0) st.inactive_split_bytes[t].increase(net_split_bytes);
+    if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
+    st.active[t].decrease(1);
+    st.active_bytes[t].decrease(original_size);
+    st.requested_bytes[t].decrease(requested);
+  }
+}
+
+// Absorbs the free neighbour `src` into `dst` (being freed, not in a pool). Returns the
+// bytes absorbed, 0 if `src` is absent or not free.
+std::size_t Engine::try_merge(Arena& arena, Block* dst, Block* src) {
+  if (src == nullptr || src->allocated || src->event_count > 0 || !src->stream_uses.empty()) {
+    return 0;
+  }
+  src->pool->blocks.erase(src);
+  if (dst->prev == src) {
+    dst->ptr = src->ptr;
+    dst->prev = src->prev;
+    if (dst->prev != nullptr) dst->prev->next = dst;
+  } else {
+    dst->next = src->next;
+    if (dst->next != nullptr) dst->next->prev = dst;
+  }
+  const std::size_t subsumed = src->size;
+  dst->size += subsumed;
+  arena.blocks.recycle(src);
+  return subsumed;
+}
+
+void Engine::insert_into_pool(FreePool& pool, Block* block) {
+  block->gc_count_base = pool_searches_[pool.is_small ? 0 : 1].load(std::memory_order_relaxed);
+  pool.blocks.insert(block);
+}
+
+// ---------------------------------------------------------------------------------------
+// Arenas and the active-block index
+
+Arena& Engine::arena_for(StreamId stream) {
+  for (const CachedArena& c : t_arena_cache) {
+    if (c.engine_uid == uid_ && c.stream == stream) return *c.arena;
+  }
+  Arena* arena;
+  {
+    std::lock_guard lock(registry_mutex_);
+    auto it = arena_by_stream_.find(stream);
+    if (it == arena_by_stream_.end()) {
+      arenas_.push_back(std::make_unique<Arena>(stream, arenas_.size()));
+      it = arena_by_stream_.emplace(stream, arenas_.back().get()).first;
+    }
+    arena = it->second;
+  }
+  t_arena_cache[t_arena_cache_next++ % kArenaCacheSize] = {uid_, stream, arena};
+  return *arena;
+}
+
+std::vector<Arena*> Engine::arena_list() const {
+  std::lock_guard lock(registry_mutex_);
+  std::vector<Arena*> list;
+  list.reserve(arenas_.size());
+  for (const auto& a : arenas_) list.push_back(a.get());
+  return list;
+}
+
+Engine::AllArenasLock::AllArenasLock(const Engine& engine)
+    : engine_(engine), registry_(engine.registry_mutex_) {
+  by_stream_.reserve(engine.arenas_.size());
+  for (const auto& a : engine.arenas_) {
+    a->mutex.lock();
+    by_stream_.push_back(a.get());
+  }
+  std::sort(by_stream_.begin(), by_stream_.end(),
+            [](const Arena* x, const Arena* y) { return x->stream < y->stream; });
+}
+
+Engine::AllArenasLock::~AllArenasLock() {
+  for (const auto& a : engine_.arenas_) a->mutex.unlock();
+}
+
+void ActiveIndex::insert(Block* b) {
+  Shard& s = shards_[shard_of(b->ptr)];
+  std::lock_guard lock(s.mutex);
+  s.map.emplace(b->ptr, b);
+}
+
+Arena* ActiveIndex::arena_of(DevicePtr ptr) const {
+  const Shard& s = shards_[shard_of(ptr)];
+  std::lock_guard lock(s.mutex);
+  const auto it = s.map.find(ptr);
+  return it == s.map.end() ? nullptr : it->second->pool->arena;
+}
+
+Block* ActiveIndex::find(DevicePtr ptr) const {
+  const Shard& s = shards_[shard_of(ptr)];
+  std::lock_guard lock(s.mutex);
+  const auto it = s.map.find(ptr);
+  return it == s.map.end() ? nullptr : it->second;
+}
+
+Block* ActiveIndex::erase(DevicePtr ptr) {
+  Shard& s = shards_[shard_of(ptr)];
+  std::lock_guard lock(s.mutex);
+  const auto it = s.map.find(ptr);
+  if (it == s.map.end()) return nullptr;
+  Block* b = it->second;
+  s.map.erase(it);
+  return b;
+}
+
+std::size_t ActiveIndex::size() const {
+  std::size_t n = 0;
+  for (const Shard& s : shards_) {
+    std::lock_guard lock(s.mutex);
+    n += s.map.size();
+  }
+  return n;
+}
+
+NodeRecycler::~NodeRecycler() {
+  while (free_ != nullptr) {
+    FreeNode* n = free_;
+    free_ = n->next;
+    ::operator delete(n, std::align_val_t{node_align_});
+  }
+}
+
+void* NodeRecycler::take(std::size_t bytes, std::size_t align) {
+  if (free_ != nullptr && bytes == node_bytes_ && align == node_align_) {
+    FreeNode* n = free_;
+    free_ = n->next;
+    return n;
+  }
+  if (node_bytes_ == 0) {
+    node_bytes_ = std::max(bytes, sizeof(FreeNode));
+    node_align_ = std::max(align, alignof(FreeNode));
+  }
+  return ::operator new(std::max(bytes, sizeof(FreeNode)),
+                        std::align_val_t{std::max(align, alignof(FreeNode))});
+}
+
+void NodeRecycler::give_back(void* node, std::size_t bytes, std::size_t align) {
+  if (std::max(bytes, sizeof(FreeNode)) != node_bytes_ ||
+      std::max(align, alignof(FreeNode)) != node_align_) {
+    ::operator delete(node, std::align_val_t{std::max(align, alignof(FreeNode))});
+    return;
+  }
+  auto* n = static_cast<FreeNode*>(node);
+  n->next = free_;
+  free_ = n;
+}
+
+// ---------------------------------------------------------------------------------------
+// Uncached mode: every malloc is a device allocation, every free a device free.
+
+DevicePtr Engine::malloc_uncached(std::size_t size) {
+  const DevicePtr ptr = driver_.allocate(size);
+  if (ptr == 0) {
+    const MemInfo info = driver_.mem_info();
+    throw OutOfMemoryError("CUDA out of memory. Tried to allocate " + format_size(size) +
+                               " (uncached mode) on device " + std::to_string(device()) +
+                               ", which has " + format_size(info.free_bytes) + " free of " +
+                               format_size(info.total_bytes) + ".",
+                           device(), size);
+  }
+  std::lock_guard lock(uncached_mutex_);
+  uncached_.emplace(ptr, size);
+  return ptr;
+}
+
+void Engine::free_uncached(DevicePtr ptr) {
+  std::size_t size;
+  {
+    std::lock_guard lock(uncached_mutex_);
+    const auto it = uncached_.find(ptr);
+    if (it == uncached_.end()) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
+    size = it->second;
+    uncached_.erase(it);
+  }
+  driver_.free(ptr, size);
+}
+
+}  // namespace ccalloc::core

@@ -1,0 +1,96 @@
+// ccalloc::Allocator: the public face of the engine, plus the engine's lifetime and the
+// trace and observer plumbing.
+#include <algorithm>
+
+#include "core/allocator_impl.hpp"
+
+namespace ccalloc {
+
+std::string_view to_string(BlockState state) {
+  switch (state) {
+    case BlockState::kActiveAllocated:
+      return "active_allocated";
+    case BlockState::kActivePendingFree:
+      return "active_pending_free";
+    case BlockState::kInactive:
+      return "inactive";
+  }
+  return "inactive";
+}
+
+namespace core {
+
+// Returns every segment to the device. Pending events are returned to the pool first so
+// that the event pool's destructor destroys them.
+Engine::~Engine() {
+  AllArenasLock all(*this);
+  for (Arena* arena : all.by_stream()) {
+    for (const auto& blocks : segments_of(*arena)) {
+      std::size_t size = 0;
+      for (const Block* b : blocks) size += b->size;
+      driver_.free(blocks.front()->ptr, size);
+    }
+    for (const auto& [stream, queue] : arena->pending) {
+      for (const PendingFree& f : queue) event_pool_.put(f.event);
+    }
+  }
+  for (const auto& [ptr, size] : uncached_) driver_.free(ptr, size);
+}
+
+void Engine::record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream) {
+  if (!has_trace_observers_.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(trace_mutex_);
+  const TraceEntry entry{action, addr, size, stream, driver_.now_us()};
+  for (const TraceObserver& observer : trace_observers_) observer(entry);
+}
+
+}  // namespace core
+
+Allocator::Allocator(Driver& driver, Config config)
+    : impl_(std::make_unique<core::Engine>(driver, std::move(config))) {}
+
+Allocator::~Allocator() = default;
+
+DevicePtr Allocator::malloc(std::size_t size, StreamId stream) { return impl_->malloc(size, stream); }
+void Allocator::free(DevicePtr ptr) { impl_->free(ptr); }
+void Allocator::record_stream(DevicePtr ptr, StreamId stream) { impl_->record_stream(ptr, stream); }
+void Allocator::empty_cache() { impl_->empty_cache(); }
+DeviceStats Allocator::stats() const { return impl_->stats(); }
+std::string Allocator::memory_summary(bool abbreviated) const {
+  return ccalloc::memory_summary(impl_->stats(), impl_->device(), abbreviated);
+}
+void Allocator::reset_peak_stats() { impl_->reset_peak_stats(); }
+void Allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
+void Allocator::set_memory_fraction(double fraction) {
+  impl_->set_memory_fraction(fraction);
+  impl_->after_operation();
+}
+double Allocator::memory_fraction() const { return impl_->memory_fraction(); }
+MemInfo Allocator::mem_get_info() { return impl_->driver_.mem_info(); }
+std::vector<SegmentInfo> Allocator::segments() const { return impl_->segments(); }
+std::size_t Allocator::allocation_size(DevicePtr ptr) const { return impl_->allocation_size(ptr); }
+
+void Allocator::add_oom_observer(OomObserver observer) {
+  std::lock_guard lock(impl_->observers_mutex_);
+  impl_->oom_observers_.push_back(std::move(observer));
+}
+
+void Allocator::add_free_memory_callback(FreeMemoryCallback callback) {
+  std::lock_guard lock(impl_->observers_mutex_);
+  impl_->free_memory_callbacks_.push_back(std::move(callback));
+  impl_->has_free_memory_callbacks_.store(true, std::memory_order_release);
+}
+
+void Allocator::add_trace_observer(TraceObserver observer) {
+  std::lock_guard lock(impl_->trace_mutex_);
+  impl_->trace_observers_.push_back(std::move(observer));
+  impl_->has_trace_observers_.store(true, std::memory_order_release);
+}
+
+void Allocator::check_invariants() const { impl_->check_invariants(); }
+void Allocator::set_check_invariants(bool on) { impl_->check_invariants_.store(on); }
+const Config& Allocator::config() const { return impl_->config_; }
+int Allocator::device() const { return impl_->device(); }
+Driver& Allocator::driver() const { return impl_->driver_; }
+
+}  // namespace ccalloc

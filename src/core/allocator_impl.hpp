@@ -1,0 +1,225 @@
+// The engine behind ccalloc::Allocator (one per device).
+//
+// Model. Device memory is obtained in segments (Driver::allocate) and cut into blocks
+// that tile each segment. Each stream has an Arena with two free pools (small: rounded
+// requests <= 1 MiB in 2 MiB segments; large: the rest) ordered by (size, address) for best
+// fit. malloc takes the best-fitting free block of its stream and splits off the rest;
+// free returns the block and merges it with free neighbours. A block used on other
+// streams waits for events recorded on them before it returns to its pool.
+//
+// Locks, in the order they may nest:
+//   registry_mutex_  ->  Arena::mutex (several only via lock_all(), by creation order)
+//   ->  ActiveIndex shard  ->  device_mutex_  ->  trace_mutex_ / EventPool
+// The hot path takes one arena lock and one index shard. The rare paths that act on every
+// stream (GC, releasing the whole cache, the last steps of the OOM ladder, snapshots,
+// the invariant checker) take every arena lock through lock_all().
+//
+// Invariants (check_invariants()): blocks tile each segment; no two adjacent free blocks;
+// every free block is in exactly one pool and no allocated or pending block is; stats
+// equal a recount from the blocks; reserved <= limit; live allocations never overlap.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "ccalloc/allocator.hpp"
+#include "core/arena.hpp"
+#include "core/block.hpp"
+
+namespace ccalloc::core {
+
+// A malloc request after rounding.
+struct Request {
+  std::size_t requested = 0;     // bytes the program asked for
+  std::size_t size = 0;          // rounded size of the block
+  std::size_t segment_size = 0;  // size of a new segment for it
+  bool small = false;            // small pool
+  StreamId stream = 0;
+};
+
+// Allocated blocks by address, sharded so that frees on different streams rarely meet.
+class ActiveIndex {
+ public:
+  void insert(Block* b);
+  // The arena of the live block at `ptr`, or nullptr.
+  Arena* arena_of(DevicePtr ptr) const;
+  // Removes and returns the live block at `ptr`, or nullptr.
+  Block* erase(DevicePtr ptr);
+  Block* find(DevicePtr ptr) const;
+  // Calls fn(Block*) for every live block; the caller holds every arena lock.
+  template <typename Fn>
+  void for_each(Fn&& fn) const {
+    for (const Shard& s : shards_) {
+      std::lock_guard lock(s.mutex);
+      for (const auto& [ptr, block] : s.map) fn(block);
+    }
+  }
+  std::size_t size() const;
+
+ private:
+  static constexpr std::size_t kShards = 64;
+  struct Shard {
+    Shard() : map(16, std::hash<DevicePtr>(), std::equal_to<DevicePtr>(),
+                  RecyclingAllocator<std::pair<const DevicePtr, Block*>>(&recycler)) {}
+    mutable std::mutex mutex;
+    NodeRecycler recycler;
+    std::unordered_map<DevicePtr, Block*, std::hash<DevicePtr>, std::equal_to<DevicePtr>,
+                       RecyclingAllocator<std::pair<const DevicePtr, Block*>>>
+        map;
+  };
+  static std::size_t shard_of(DevicePtr ptr) {
+    return static_cast<std::size_t>((ptr >> 9) * 0x9E3779B97F4A7C15ull >> 58) % kShards;
+  }
+  alignas(64) std::array<Shard, kShards> shards_;
+};
+
+// Driver events are costly to create: keep completed ones for reuse.
+class EventPool {
+ public:
+  explicit EventPool(Driver& d) : driver_(d) {}
+  ~EventPool();
+  EventId get();
+  void put(EventId e);
+
+ private:
+  Driver& driver_;
+  std::mutex mutex_;
+  std::vector<EventId> free_;
+};
+
+class Engine {
+ public:
+  using OomObserver = Allocator::OomObserver;
+  using FreeMemoryCallback = Allocator::FreeMemoryCallback;
+
+  Engine(Driver& driver, Config config);
+  ~Engine();
+
+  DevicePtr malloc(std::size_t size, StreamId stream);
+  void free(DevicePtr ptr);
+  void record_stream(DevicePtr ptr, StreamId stream);
+  void empty_cache();
+  DeviceStats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  void set_memory_fraction(double fraction);
+  double memory_fraction() const;
+  std::vector<SegmentInfo> segments() const;
+  std::size_t allocation_size(DevicePtr ptr) const;
+  void check_invariants() const;
+  void after_operation() const {
+    if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
+  }
+  int device() const { return driver_.device(); }
+  std::size_t capacity() const { return capacity_; }
+
+  Driver& driver_;
+  const Config config_;
+  std::atomic<bool> check_invariants_{false};
+
+  // Observers; guarded by observers_mutex_ (copied out before calls without locks).
+  std::mutex observers_mutex_;
+  std::vector<OomObserver> oom_observers_;
+  std::vector<FreeMemoryCallback> free_memory_callbacks_;
+  std::atomic<bool> has_free_memory_callbacks_{false};
+  std::mutex trace_mutex_;
+  std::vector<TraceObserver> trace_observers_;
+  std::atomic<bool> has_trace_observers_{false};
+
+ private:
+  // Holds every arena lock (and the registry, so no arena appears meanwhile).
+  class AllArenasLock {
+   public:
+    explicit AllArenasLock(const Engine& engine);
+    ~AllArenasLock();
+    AllArenasLock(const AllArenasLock&) = delete;
+    AllArenasLock& operator=(const AllArenasLock&) = delete;
+    // Arenas sorted by stream: PyTorch's pool order (stream, size, address).
+    const std::vector<Arena*>& by_stream() const { return by_stream_; }
+
+   private:
+    const Engine& engine_;
+    std::unique_lock<std::mutex> registry_;
+    std::vector<Arena*> by_stream_;
+  };
+
+  Arena& arena_for(StreamId stream);
+  Request make_request(std::size_t size, StreamId stream) const;
+
+  std::vector<Arena*> arena_list() const;
+
+  // --- hot path (arena lock held) ---
+  // Best fit from the arena's pool, or nullptr. advance_gc_clock: this search counts as one
+  // tick of the age-based GC's clock (once per malloc, as in PyTorch).
+  Block* take_free_block(Arena& arena, const Request& req, bool advance_gc_clock);
+  // Carves the request out of `block`, indexes and traces it; returns its address.
+  DevicePtr hand_out(Arena& arena, Block* block, const Request& req);
+  Block* carve(Arena& arena, Block* block, const Request& req);
+  void release_allocation(Arena& arena, Block* block);
+  void free_block(Arena& arena, Block* block);
+  std::size_t try_merge(Arena& arena, Block* dst, Block* src);
+  void insert_into_pool(FreePool& pool, Block* block);
+
+  // --- events (arena lock held) ---
+  void insert_events(Arena& arena, Block* block);
+  void process_events(Arena& arena);
+  void process_events_everywhere();  // no lock held
+  void synchronize_and_free_events(const AllArenasLock& all);
+
+  // --- OOM ladder (oom_ladder.cpp) ---
+  // Runs the ladder for a request the arena's pool could not serve; called with the
+  // arena's lock, returns with every lock released. Throws OutOfMemoryError.
+  DevicePtr malloc_slow(Arena& arena, const Request& req, std::unique_lock<std::mutex> lock);
+  Block* allocate_segment(Arena& arena, const Request& req, bool is_retry);
+  void release_segment(Arena& arena, Block* block);
+  bool release_oversize_blocks(Arena& arena, const Request& req);
+  void release_cached_segments(const AllArenasLock& all);
+  void collect_garbage(const AllArenasLock& all);
+  bool gc_enabled() const { return config_.garbage_collection_threshold > 0.0; }
+  std::size_t memory_limit_locked() const;  // device_mutex_ held
+  [[noreturn]] void raise_oom(Arena& arena, const Request& req,
+                              std::unique_ptr<AllArenasLock> all);
+  bool run_free_memory_callbacks();
+
+  // --- uncached mode ---
+  DevicePtr malloc_uncached(std::size_t size);
+  void free_uncached(DevicePtr ptr);
+
+  void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream);
+  void add_segment_stats(bool small, std::size_t size, std::int64_t sign);  // device_mutex_
+  static StatType pool_stat(bool small) { return small ? kSmallPool : kLargePool; }
+  // Blocks of every segment of `arena`, grouped by segment (every arena lock held).
+  std::vector<std::vector<const Block*>> segments_of(const Arena& arena) const;
+
+  const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
+
+  mutable std::mutex registry_mutex_;
+  std::vector<std::unique_ptr<Arena>> arenas_;
+  std::unordered_map<StreamId, Arena*> arena_by_stream_;
+
+  ActiveIndex active_;
+  EventPool event_pool_;
+  std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
+  // Searches of each pool kind since start: the clock of the age-based GC. Advanced only
+  // while GC is enabled. [0] small, [1] large.
+  std::array<std::atomic<std::uint64_t>, 2> pool_searches_{};
+
+  // Device-wide state, guarded by device_mutex_.
+  mutable std::mutex device_mutex_;
+  DeviceStats device_stats_;          // segment, reserved_bytes, oversize_segments, counters
+  std::size_t reserved_ = 0;          // bytes held from the device
+  std::size_t capacity_ = 0;          // device memory, read once at construction
+  std::optional<std::size_t> limit_;  // per_process_memory_fraction x capacity
+  double fraction_ = 1.0;
+
+  std::mutex uncached_mutex_;
+  std::unordered_map<DevicePtr, std::size_t> uncached_;
+};
+
+}  // namespace ccalloc::core

@@ -1,0 +1,155 @@
+// Blocks and free pools.
+//
+// A segment is one device allocation. Its blocks tile it exactly, in address order, linked
+// through prev/next; the first block has prev == nullptr and the last next == nullptr. A
+// block is in exactly one of three places:
+//   allocated            -> in the allocator's active-block index (allocated == true)
+//   pending free         -> waiting for events (allocated == false, event_count > 0)
+//   free                 -> in its FreePool (allocated == false, event_count == 0)
+// and two free neighbours never coexist: they merge when the second one is freed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "ccalloc/driver.hpp"
+
+namespace ccalloc::core {
+
+struct Arena;
+struct FreePool;
+
+struct Block {
+  DevicePtr ptr = 0;
+  std::size_t size = 0;            // rounded bytes this block spans
+  std::size_t requested_size = 0;  // what the program asked for (stale once freed)
+  Block* prev = nullptr;           // neighbours within the segment, address order
+  Block* next = nullptr;
+  FreePool* pool = nullptr;  // the pool the block returns to (its arena's small or large)
+  std::uint64_t gc_count_base = 0;  // pool's search count when the block became free
+  int event_count = 0;              // outstanding events before it may be reused
+  bool allocated = false;
+  std::vector<StreamId> stream_uses;  // streams other than its own that used it
+
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+  DevicePtr end() const { return ptr + size; }
+};
+
+// A fixed-size node recycler for the standard containers on the hot path: nodes freed by a
+// container are kept and handed back to it, so steady-state insert/erase never reach the
+// system allocator. Requests for more than one object (hash bucket arrays) pass through.
+class NodeRecycler {
+ public:
+  NodeRecycler() = default;
+  NodeRecycler(const NodeRecycler&) = delete;
+  NodeRecycler& operator=(const NodeRecycler&) = delete;
+  ~NodeRecycler();
+
+  void* take(std::size_t bytes, std::size_t align);
+  void give_back(void* node, std::size_t bytes, std::size_t align);
+
+ private:
+  struct FreeNode {
+    FreeNode* next;
+  };
+  FreeNode* free_ = nullptr;
+  std::size_t node_bytes_ = 0;  // the one node size this recycler serves
+  std::size_t node_align_ = 0;
+};
+
+template <typename T>
+struct RecyclingAllocator {
+  using value_type = T;
+  NodeRecycler* recycler;
+
+  explicit RecyclingAllocator(NodeRecycler* r) : recycler(r) {}
+  template <typename U>
+  RecyclingAllocator(const RecyclingAllocator<U>& o) : recycler(o.recycler) {}  // NOLINT
+
+  T* allocate(std::size_t n) {
+    if (n != 1) return std::allocator<T>().allocate(n);
+    return static_cast<T*>(recycler->take(sizeof(T), alignof(T)));
+  }
+  void deallocate(T* p, std::size_t n) {
+    if (n != 1) return std::allocator<T>().deallocate(p, n);
+    recycler->give_back(p, sizeof(T), alignof(T));
+  }
+  template <typename U>
+  bool operator==(const RecyclingAllocator<U>& o) const {
+    return recycler == o.recycler;
+  }
+};
+
+// Best-fit order: by size, then address. The stream is implicit: each arena (one stream)
+// has its own pools, which is PyTorch's (stream, size, address) order split by stream.
+struct BySizeThenAddress {
+  using is_transparent = void;
+  struct Key {
+    std::size_t size;
+    DevicePtr ptr;
+  };
+  bool operator()(const Block* a, const Block* b) const {
+    return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+  }
+  bool operator()(const Block* a, const Key& k) const {
+    return a->size != k.size ? a->size < k.size : a->ptr < k.ptr;
+  }
+  bool operator()(const Key& k, const Block* b) const {
+    return k.size != b->size ? k.size < b->size : k.ptr < b->ptr;
+  }
+};
+
+// The free blocks of one kind (small or large) of one stream.
+struct FreePool {
+  using Set = std::set<Block*, BySizeThenAddress, RecyclingAllocator<Block*>>;
+
+  FreePool(bool small, Arena* owner) : is_small(small), arena(owner), blocks(BySizeThenAddress{}, RecyclingAllocator<Block*>(&recycler_)) {}
+
+  // The smallest free block of at least `size` bytes (lowest address among equals).
+  Set::iterator lower_bound(std::size_t size) {
+    return blocks.lower_bound(BySizeThenAddress::Key{size, 0});
+  }
+
+  const bool is_small;
+  Arena* const arena;
+
+ private:
+  NodeRecycler recycler_;  // declared before `blocks`: destroyed after it
+
+ public:
+  Set blocks;
+};
+
+// Recycles Block objects so splits and merges on the hot path do not allocate.
+class BlockRecycler {
+ public:
+  BlockRecycler() = default;
+  BlockRecycler(const BlockRecycler&) = delete;
+  BlockRecycler& operator=(const BlockRecycler&) = delete;
+
+  Block* make() {
+    if (free_.empty()) {
+      owned_.push_back(std::make_unique<Block>());
+      return owned_.back().get();
+    }
+    Block* b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  void recycle(Block* b) {
+    std::vector<StreamId> uses = std::move(b->stream_uses);
+    uses.clear();
+    *b = Block{};
+    b->stream_uses = std::move(uses);  // keep the capacity
+    free_.push_back(b);
+  }
+
+ private:
+  std::vector<std::unique_ptr<Block>> owned_;
+  std::vector<Block*> free_;
+};
+
+}  // namespace ccalloc::core

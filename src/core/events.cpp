@@ -1,0 +1,101 @@
+// Cross-stream frees. A block used on other streams (record_stream) records one event on
+// each of them when freed; it returns to its pool once all of them have completed. Events
+// are polled at the start of every malloc and waited for on the OOM path and by
+// empty_cache().
+#include <algorithm>
+
+#include "core/allocator_impl.hpp"
+
+namespace ccalloc::core {
+
+EventPool::~EventPool() {
+  for (EventId e : free_) driver_.destroy_event(e);
+}
+
+EventId EventPool::get() {
+  {
+    std::lock_guard lock(mutex_);
+    if (!free_.empty()) {
+      const EventId e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+  }
+  return driver_.create_event();
+}
+
+void EventPool::put(EventId e) {
+  std::lock_guard lock(mutex_);
+  free_.push_back(e);
+}
+
+void Engine::insert_events(Arena& arena, Block* block) {
+  std::vector<StreamId> uses;
+  uses.swap(block->stream_uses);
+  for (const StreamId s : uses) {
+    const EventId event = event_pool_.get();
+    driver_.record_event(event, s);
+    ++block->event_count;
+    auto queue = std::find_if(arena.pending.begin(), arena.pending.end(),
+                              [s](const auto& q) { return q.first == s; });
+    if (queue == arena.pending.end()) {
+      arena.pending.emplace_back(s, std::deque<PendingFree>{});
+      queue = std::prev(arena.pending.end());
+    }
+    queue->second.push_back(PendingFree{event, block});
+  }
+  const auto n = static_cast<std::int64_t>(uses.size());
+  arena.pending_events.fetch_add(n, std::memory_order_relaxed);
+  pending_events_.fetch_add(n, std::memory_order_relaxed);
+  uses.clear();
+  block->stream_uses.swap(uses);  // keep the capacity, leave it empty
+}
+
+void Engine::process_events(Arena& arena) {
+  if (arena.pending_events.load(std::memory_order_relaxed) == 0) return;
+  std::int64_t completed = 0;
+  for (auto& [stream, queue] : arena.pending) {
+    // Events on one stream complete in order: stop at the first that has not.
+    while (!queue.empty() && driver_.query_event(queue.front().event)) {
+      const PendingFree done = queue.front();
+      queue.pop_front();
+      event_pool_.put(done.event);
+      ++completed;
+      if (--done.block->event_count == 0) free_block(arena, done.block);
+    }
+  }
+  std::erase_if(arena.pending, [](const auto& q) { return q.second.empty(); });
+  arena.pending_events.fetch_sub(completed, std::memory_order_relaxed);
+  pending_events_.fetch_sub(completed, std::memory_order_relaxed);
+}
+
+void Engine::process_events_everywhere() {
+  for (Arena* arena : arena_list()) {
+    if (arena->pending_events.load(std::memory_order_relaxed) == 0) continue;
+    std::lock_guard lock(arena->mutex);
+    process_events(*arena);
+  }
+}
+
+void Engine::synchronize_and_free_events(const AllArenasLock& all) {
+  {
+    std::lock_guard lock(device_mutex_);
+    ++device_stats_.num_sync_all_streams;
+  }
+  for (Arena* arena : all.by_stream()) {
+    std::int64_t completed = 0;
+    for (auto& [stream, queue] : arena->pending) {
+      for (const PendingFree& f : queue) {
+        driver_.synchronize_event(f.event);
+        event_pool_.put(f.event);
+        ++completed;
+        if (--f.block->event_count == 0) free_block(*arena, f.block);
+      }
+    }
+    arena->pending.clear();
+    arena->pending_events.fetch_sub(completed, std::memory_order_relaxed);
+    pending_events_.fetch_sub(completed, std::memory_order_relaxed);
+  }
+}
+
+}  // namespace ccalloc::core

@@ -1,0 +1,397 @@
+// The OOM ladder: what malloc does when its stream's pool has no fitting block, and the
+// ways cached memory goes back to the device (empty_cache, GC, oversize release).
+//
+// Steps, in order, each tried only if the previous ones found nothing:
+//   1. free-memory callbacks, then the pool again
+//   2. age-based GC of cached segments (when garbage_collection_threshold is set)
+//   3. a new segment from the device (within the memory limit)
+//   4. release cached oversize blocks of this stream, then a new segment
+//   5. wait for every pending cross-stream free, release every cached segment, then a new
+//      segment (counted as num_alloc_retries)
+//   6. the pool again: step 5 may have returned a fitting block. PyTorch omits this step
+//      and raises OOM with the block in the pool (pytorch/pytorch#189504).
+//   7. OutOfMemoryError, after OOM observers.
+// Steps 1, 3 and 4 need only this stream's arena; 2, 5 and 6 take every arena's lock.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+
+#include "core/allocator_impl.hpp"
+#include "core/rounding.hpp"
+
+namespace ccalloc::core {
+
+DevicePtr Engine::malloc_slow(Arena& arena, const Request& req,
+                              std::unique_lock<std::mutex> lock) {
+  Block* block = nullptr;
+  if (has_free_memory_callbacks_.load(std::memory_order_acquire)) {
+    lock.unlock();  // callbacks may free ccalloc memory
+    const bool freed = run_free_memory_callbacks();
+    lock.lock();
+    if (freed) block = take_free_block(arena, req, /*advance_gc_clock=*/false);
+  }
+  if (block == nullptr && !gc_enabled()) {
+    block = allocate_segment(arena, req, /*is_retry=*/false);
+    if (block == nullptr && release_oversize_blocks(arena, req)) {
+      block = allocate_segment(arena, req, /*is_retry=*/false);
+    }
+  }
+  if (block != nullptr) {
+    const DevicePtr ptr = hand_out(arena, block, req);
+    lock.unlock();
+    after_operation();
+    return ptr;
+  }
+
+  // The steps that act on every stream. Another thread may have freed a fitting block
+  // while no lock was held: look once more first.
+  lock.unlock();
+  auto all = std::make_unique<AllArenasLock>(*this);
+  block = take_free_block(arena, req, /*advance_gc_clock=*/false);
+  if (block == nullptr && gc_enabled()) {
+    collect_garbage(*all);
+    block = allocate_segment(arena, req, /*is_retry=*/false);
+    if (block == nullptr && release_oversize_blocks(arena, req)) {
+      block = allocate_segment(arena, req, /*is_retry=*/false);
+    }
+  }
+  if (block == nullptr) {
+    release_cached_segments(*all);
+    block = allocate_segment(arena, req, /*is_retry=*/true);
+    if (block == nullptr) block = take_free_block(arena, req, /*advance_gc_clock=*/false);
+  }
+  if (block == nullptr) raise_oom(arena, req, std::move(all));
+  const DevicePtr ptr = hand_out(arena, block, req);
+  all.reset();
+  after_operation();
+  return ptr;
+}
+
+// A new segment for `req` from the device, or nullptr if the memory limit or the device
+// refuses it. The segment's single block is in no pool yet.
+Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry) {
+  const std::size_t size = req.segment_size;
+  {
+    std::lock_guard lock(device_mutex_);
+    if (is_retry) ++device_stats_.num_alloc_retries;
+    if (limit_ && reserved_ + size > *limit_) return nullptr;
+    reserved_ += size;  // claimed before the driver call so concurrent streams see it
+  }
+  DevicePtr ptr = 0;
+  try {
+    ptr = driver_.allocate(size);
+  } catch (...) {
+    std::lock_guard lock(device_mutex_);
+    reserved_ -= size;
+    throw;
+  }
+  {
+    std::lock_guard lock(device_mutex_);
+    if (ptr == 0) {
+      reserved_ -= size;
+      return nullptr;
+    }
+    add_segment_stats(req.small, size, +1);
+    ++device_stats_.num_device_alloc;
+  }
+  Block* block = arena.blocks.make();
+  block->ptr = ptr;
+  block->size = size;
+  block->pool = &arena.pool_for(req.small);
+  record_trace(TraceAction::kSegmentAlloc, ptr, size, arena.stream);
+  return block;
+}
+
+// Returns a free, unsplit segment (a block in its pool) to the device.
+void Engine::release_segment(Arena& arena, Block* block) {
+  block->pool->blocks.erase(block);
+  record_trace(TraceAction::kSegmentFree, block->ptr, block->size, arena.stream);
+  driver_.free(block->ptr, block->size);
+  {
+    std::lock_guard lock(device_mutex_);
+    ++device_stats_.num_device_free;
+    reserved_ -= block->size;
+    add_segment_stats(block->pool->is_small, block->size, -1);
+  }
+  arena.blocks.recycle(block);
+}
+
+void Engine::add_segment_stats(bool small, std::size_t size, std::int64_t sign) {
+  const auto n = static_cast<std::int64_t>(size);
+  for (StatType t : {kAggregate, pool_stat(small)}) {
+    if (sign > 0) {
+      device_stats_.segment[t].increase(1);
+      device_stats_.reserved_bytes[t].increase(n);
+    } else {
+      device_stats_.segment[t].decrease(1);
+      device_stats_.reserved_bytes[t].decrease(n);
+    }
+  }
+  if (is_oversize(size, config_)) {
+    if (sign > 0) {
+      device_stats_.oversize_segments.increase(1);
+    } else {
+      device_stats_.oversize_segments.decrease(1);
+    }
+  }
+}
+
+// Frees cached oversize segments of this stream: the smallest that covers the request, or
+// else the largest ones until as many bytes as requested are freed. Only with
+// max_split_size set.
+bool Engine::release_oversize_blocks(Arena& arena, const Request& req) {
+  if (config_.max_split_size == SIZE_MAX) return false;
+  FreePool& pool = arena.pool_for(req.small);
+  const std::size_t want = std::max(req.size, config_.max_split_size);
+  // Oversize blocks are whole segments under a validated config (max_split_size >=
+  // large_segment_size); the is_split() checks keep a partly used segment safe regardless.
+  auto it = pool.lower_bound(want);
+  if (it != pool.blocks.end() && !(*it)->is_split()) {
+    release_segment(arena, *it);
+    return true;
+  }
+  if (it == pool.blocks.begin()) return false;
+  std::size_t released = 0;
+  --it;  // the largest block below `want`
+  while (released < want && (*it)->size >= config_.max_split_size) {
+    const auto cur = it;
+    const bool is_first = cur == pool.blocks.begin();
+    if (!is_first) --it;
+    if (!(*cur)->is_split()) {
+      released += (*cur)->size;
+      release_segment(arena, *cur);
+    }
+    if (is_first) break;
+  }
+  return released >= want;
+}
+
+// Waits for every pending cross-stream free, then returns every free, unsplit segment of
+// every stream to the device: large pools first, streams in order.
+void Engine::release_cached_segments(const AllArenasLock& all) {
+  synchronize_and_free_events(all);
+  for (const bool small : {false, true}) {
+    for (Arena* arena : all.by_stream()) {
+      FreePool& pool = arena->pool_for(small);
+      for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
+        Block* block = *it++;
+        if (!block->is_split()) release_segment(*arena, block);
+      }
+    }
+  }
+}
+
+// Age-based GC (garbage_collection_threshold): once reserved memory exceeds threshold x
+// limit, frees whole cached large segments whose age (pool searches since they became
+// free) is at least the average, repeating until enough is reclaimed. The limit is the
+// per-process fraction when set, else device capacity (PyTorch requires a fraction;
+// pytorch/pytorch#106660).
+void Engine::collect_garbage(const AllArenasLock& all) {
+  std::size_t reserved;
+  std::size_t limit;
+  {
+    std::lock_guard lock(device_mutex_);
+    reserved = reserved_;
+    limit = memory_limit_locked();
+  }
+  const auto threshold =
+      static_cast<std::size_t>(config_.garbage_collection_threshold * static_cast<double>(limit));
+  if (reserved <= threshold) return;
+  const std::size_t target = reserved - threshold;
+  const std::uint64_t clock = pool_searches_[1].load(std::memory_order_relaxed);
+  const auto age = [clock](const Block* b) { return clock - b->gc_count_base; };
+
+  double total_age = 0.0;
+  std::size_t candidates = 0;
+  for (Arena* arena : all.by_stream()) {
+    for (const Block* b : arena->large_pool.blocks) {
+      if (!b->is_split()) {
+        total_age += static_cast<double>(age(b));
+        ++candidates;
+      }
+    }
+  }
+  std::size_t reclaimed = 0;
+  bool freed_some = true;
+  while (reclaimed < target && freed_some && candidates > 0) {
+    const double average_age = total_age / static_cast<double>(candidates);
+    freed_some = false;
+    for (Arena* arena : all.by_stream()) {
+      auto& blocks = arena->large_pool.blocks;
+      for (auto it = blocks.begin(); it != blocks.end();) {
+        Block* b = *it++;
+        if (!b->is_split() && static_cast<double>(age(b)) >= average_age) {
+          freed_some = true;
+          reclaimed += b->size;
+          total_age -= static_cast<double>(age(b));
+          --candidates;
+          release_segment(*arena, b);
+        }
+      }
+    }
+  }
+}
+
+std::size_t Engine::memory_limit_locked() const { return limit_ ? *limit_ : capacity_; }
+
+bool Engine::run_free_memory_callbacks() {
+  std::vector<FreeMemoryCallback> callbacks;
+  {
+    std::lock_guard lock(observers_mutex_);
+    callbacks = free_memory_callbacks_;
+  }
+  bool freed = false;
+  for (const auto& cb : callbacks) freed = cb() || freed;
+  return freed;
+}
+
+void Engine::empty_cache() {
+  if (config_.uncached) return;
+  {
+    AllArenasLock all(*this);
+    release_cached_segments(all);
+  }
+  after_operation();
+}
+
+void Engine::set_memory_fraction(double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf,
+                  "ccalloc: invalid memory fraction %g for device %d: set it within [0, 1]",
+                  fraction, device());
+    throw ConfigError(buf);
+  }
+  std::lock_guard lock(device_mutex_);
+  fraction_ = fraction;
+  if (fraction < 1.0) {
+    limit_ = static_cast<std::size_t>(fraction * static_cast<double>(capacity_));
+  } else {
+    limit_.reset();
+  }
+}
+
+double Engine::memory_fraction() const {
+  std::lock_guard lock(device_mutex_);
+  return fraction_;
+}
+
+// ---------------------------------------------------------------------------------------
+// The error
+
+namespace {
+
+struct OomFacts {
+  int device = 0;
+  std::string device_name;
+  StreamId stream = 0;
+  std::size_t requested = 0;
+  std::size_t rounded = 0;
+  std::size_t segment_size = 0;
+  std::size_t capacity = 0;
+  std::size_t device_free = 0;
+  std::optional<std::size_t> limit;
+  double fraction = 1.0;
+  std::size_t reserved = 0;
+  std::size_t allocated = 0;
+  std::size_t largest_free_same_stream = 0;  // in the pool the request needs
+  std::size_t largest_free_anywhere = 0;
+  std::size_t free_other_streams = 0;
+  bool expandable = false;
+};
+
+std::string oom_message(const OomFacts& f) {
+  std::string m = "CUDA out of memory on device " + std::to_string(f.device) + ". Tried to allocate " +
+                  format_size(f.requested) + " (" + std::to_string(f.requested) +
+                  " bytes on stream " + std::to_string(f.stream) + ", rounded to " +
+                  format_size(f.rounded) + "; a new segment would take " +
+                  format_size(f.segment_size) + "). " + f.device_name + " has a total capacity of " +
+                  format_size(f.capacity) + " of which " + format_size(f.device_free) + " is free. ";
+  if (f.limit) {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "per_process_memory_fraction %.4g allows ", f.fraction);
+    m += buf + format_size(*f.limit) + ". ";
+  }
+  const std::size_t unallocated = f.reserved - f.allocated;
+  m += "Of the " + format_size(f.reserved) + " reserved by ccalloc, " + format_size(f.allocated) +
+       " is allocated and " + format_size(unallocated) +
+       " is reserved but unallocated; the largest free block is " +
+       format_size(f.largest_free_same_stream) + " on this stream";
+  if (f.largest_free_anywhere > f.largest_free_same_stream) {
+    m += " (" + format_size(f.largest_free_anywhere) + " on another stream)";
+  }
+  m += ". ";
+
+  const bool limit_binds = f.limit && f.reserved + f.segment_size > *f.limit &&
+                           f.device_free >= f.segment_size;
+  if (limit_binds) {
+    m += "The per_process_memory_fraction limit refused it: raise the fraction "
+         "(set_memory_fraction or per_process_memory_fraction) to let it succeed.";
+  } else if (unallocated >= f.rounded && f.free_other_streams >= f.rounded) {
+    m += "Enough memory is cached on other streams but free blocks stay with the stream "
+         "that allocated them: allocate on fewer streams, or call empty_cache() after the "
+         "other streams' work.";
+  } else if (unallocated >= f.rounded && !f.expandable) {
+    m += "Reserved but unallocated memory is large but fragmented: set "
+         "CCALLOC_CONF=expandable_segments:True to let segments grow instead of splitting, or "
+         "max_split_size_mb to keep large blocks whole.";
+  } else if (unallocated >= f.rounded) {
+    m += "Reserved but unallocated memory is pinned by live blocks in partly used pages; "
+         "freeing long-lived allocations sooner would help.";
+  } else {
+    m += "The live allocations alone need more memory than the device has: reduce the "
+         "working set (smaller batches, activation checkpointing) or use a device with more "
+         "memory.";
+  }
+  return m;
+}
+
+}  // namespace
+
+void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllArenasLock> all) {
+  const MemInfo info = driver_.mem_info();
+  record_trace(TraceAction::kOom, info.free_bytes, req.size, arena.stream);
+
+  OomFacts f;
+  f.device = device();
+  f.device_name = driver_.name();
+  f.stream = req.stream;
+  f.requested = req.requested;
+  f.rounded = req.size;
+  f.segment_size = req.segment_size;
+  f.capacity = info.total_bytes;
+  f.device_free = info.free_bytes;
+  f.expandable = config_.expandable_segments;
+  for (Arena* a : all->by_stream()) {
+    f.allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
+    for (const FreePool* pool : {&a->small_pool, &a->large_pool}) {
+      std::size_t free_bytes = 0;
+      for (const Block* b : pool->blocks) free_bytes += b->size;
+      const std::size_t largest = pool->blocks.empty() ? 0 : (*pool->blocks.rbegin())->size;
+      f.largest_free_anywhere = std::max(f.largest_free_anywhere, largest);
+      if (a == &arena && pool->is_small == req.small) f.largest_free_same_stream = largest;
+      if (a != &arena) f.free_other_streams += free_bytes;
+    }
+  }
+  {
+    std::lock_guard lock(device_mutex_);
+    ++device_stats_.num_ooms;
+    f.reserved = reserved_;
+    f.limit = limit_;
+    f.fraction = fraction_;
+  }
+  all.reset();
+
+  std::vector<OomObserver> observers;
+  {
+    std::lock_guard lock(observers_mutex_);
+    observers = oom_observers_;
+  }
+  for (const auto& o : observers) {
+    o(f.device, f.requested, f.limit ? *f.limit : f.capacity, f.device_free);
+  }
+  after_operation();
+  throw OutOfMemoryError(oom_message(f), f.device, f.requested);
+}
+
+}  // namespace ccalloc::core

@@ -1,0 +1,43 @@
+// The size rules, each in exactly one place: request rounding, pool choice, segment size,
+// the split rule and the oversize rules. Shared by the native policy, expandable segments
+// and the simulator.
+#pragma once
+
+#include <cstddef>
+
+#include "ccalloc/config.hpp"
+
+namespace ccalloc::core {
+
+inline constexpr std::size_t kMinBlockSize = 512;               // every size is a multiple
+inline constexpr std::size_t kSmallSize = 1 * kMiB;             // largest small-pool request
+inline constexpr std::size_t kSmallBuffer = 2 * kMiB;           // small-pool segment size
+inline constexpr std::size_t kMinLargeAlloc = 10 * kMiB;        // below: a large_segment_size segment
+inline constexpr std::size_t kRoundLarge = 2 * kMiB;            // above: rounded to this
+inline constexpr std::size_t kOneExabyte = std::size_t{1} << 60;
+
+// The size a request of `size` bytes occupies: 512 B multiples, or the next 1/N step
+// between powers of two when roundup_power2_divisions gives N > 1 for that size.
+std::size_t round_size(std::size_t size, const Config& config);
+
+// Rounded sizes up to 1 MiB are served from the small pool.
+inline bool is_small_size(std::size_t rounded) { return rounded <= kSmallSize; }
+
+// Size of the segment to allocate from the device for a rounded request.
+std::size_t segment_size_for(std::size_t rounded, const Config& config);
+
+// Whether taking `rounded` bytes from a free block of `block_size` leaves a remainder worth
+// its own block: >= 512 B in the small pool; > 1 MiB in the large pool, and never for
+// oversize requests.
+bool should_split(std::size_t block_size, std::size_t rounded, bool small_pool,
+                  const Config& config);
+
+// Whether a cached free block of `block_size` may serve a request of `rounded` bytes under
+// the oversize rules (max_split_size, max_non_split_rounding_size).
+bool oversize_allows(std::size_t block_size, std::size_t rounded, const Config& config);
+
+inline bool is_oversize(std::size_t size, const Config& config) {
+  return size >= config.max_split_size;
+}
+
+}  // namespace ccalloc::core

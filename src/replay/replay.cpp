@@ -1,0 +1,206 @@
+#include "replay/replay.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <unordered_map>
+
+#include "ccalloc/allocator.hpp"
+
+namespace ccalloc::replay {
+namespace {
+
+// Side streams that stand for the recorded run's other streams; far from any real id.
+constexpr StreamId kSideStreamBase = StreamId{1} << 62;
+
+[[noreturn]] void bad_row(const io::TraceRecord& r, const std::string& what) {
+  throw FormatError("line " + std::to_string(r.line) + ": " + what);
+}
+
+std::string hex(DevicePtr p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
+  return buf;
+}
+
+}  // namespace
+
+Recorded recorded_figures(const std::vector<io::TraceRecord>& trace) {
+  Recorded r;
+  std::int64_t reserved = 0;
+  std::int64_t requested = 0;
+  std::unordered_map<DevicePtr, std::int64_t> live;  // address -> requested size
+  for (const io::TraceRecord& rec : trace) {
+    const TraceEntry& e = rec.entry;
+    const auto size = static_cast<std::int64_t>(e.size);
+    switch (e.action) {
+      case TraceAction::kSegmentAlloc:
+      case TraceAction::kSegmentMap:
+        reserved += size;
+        ++r.device_allocs;
+        r.peak_reserved_bytes = std::max(r.peak_reserved_bytes, reserved);
+        break;
+      case TraceAction::kSegmentFree:
+      case TraceAction::kSegmentUnmap:
+        reserved -= size;
+        ++r.device_frees;
+        break;
+      case TraceAction::kAlloc:
+        live[e.addr] = size;
+        requested += size;
+        r.peak_requested_bytes = std::max(r.peak_requested_bytes, requested);
+        break;
+      case TraceAction::kFreeCompleted:
+        if (const auto it = live.find(e.addr); it != live.end()) {
+          requested -= it->second;
+          live.erase(it);
+        }
+        break;
+      case TraceAction::kOom:
+        ++r.ooms;
+        break;
+      default:
+        break;
+    }
+  }
+  return r;
+}
+
+Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
+  sim::Options sim_options;
+  sim_options.capacity = options.capacity;
+  sim_options.cost = options.cost;
+  sim::SimDriver gpu(sim_options);
+  if (options.address_oracle) {
+    std::vector<sim::OracleEntry> oracle;
+    for (const io::TraceRecord& rec : trace) {
+      if (rec.entry.action == TraceAction::kSegmentAlloc) {
+        oracle.push_back({rec.entry.addr, rec.entry.size});
+      }
+    }
+    gpu.set_address_oracle(std::move(oracle));
+  }
+
+  Result result;
+  result.conf = options.conf;
+  Allocator allocator(gpu, Config::parse(options.conf));
+  if (options.keep_trace) {
+    allocator.add_trace_observer([&result](const TraceEntry& e) { result.emitted.push_back(e); });
+  }
+
+  std::unordered_map<DevicePtr, DevicePtr> live;          // recorded address -> ours
+  std::unordered_map<DevicePtr, StreamId> pending;        // recorded address -> side stream
+  std::unordered_map<DevicePtr, std::size_t> failed;      // allocs that hit OOM here
+  StreamId next_side_stream = kSideStreamBase;
+  std::optional<DevicePtr> completed_with_request;  // its free_completed row is consumed
+
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const io::TraceRecord& rec = trace[i];
+    const TraceEntry& e = rec.entry;
+    gpu.set_time_us(e.time_us);
+    switch (e.action) {
+      case TraceAction::kAlloc: {
+        if (live.count(e.addr) != 0) bad_row(rec, "alloc at " + hex(e.addr) + ", which is live");
+        try {
+          live.emplace(e.addr, allocator.malloc(e.size, e.stream));
+          failed.erase(e.addr);
+        } catch (const OutOfMemoryError&) {
+          ++failed[e.addr];  // its frees are skipped
+        }
+        break;
+      }
+      case TraceAction::kFreeRequested: {
+        const auto it = live.find(e.addr);
+        if (it == live.end()) {
+          if (failed.count(e.addr) != 0) break;
+          bad_row(rec, "free_requested of " + hex(e.addr) + ", which is not live");
+        }
+        const DevicePtr ours = it->second;
+        live.erase(it);
+        const bool completes_now = i + 1 < trace.size() &&
+                                   trace[i + 1].entry.action == TraceAction::kFreeCompleted &&
+                                   trace[i + 1].entry.addr == e.addr;
+        if (completes_now) {
+          allocator.free(ours);
+          completed_with_request = e.addr;
+        } else {
+          const StreamId side = next_side_stream++;
+          allocator.record_stream(ours, side);
+          allocator.free(ours);
+          pending[e.addr] = side;
+        }
+        break;
+      }
+      case TraceAction::kFreeCompleted: {
+        if (completed_with_request == e.addr) {
+          completed_with_request.reset();
+          break;
+        }
+        const auto it = pending.find(e.addr);
+        if (it == pending.end()) {
+          if (failed.erase(e.addr) != 0) break;
+          bad_row(rec, "free_completed of " + hex(e.addr) + " without a pending free_requested");
+        }
+        gpu.complete_stream(it->second);
+        pending.erase(it);
+        break;
+      }
+      default:
+        break;  // the recorded allocator's decisions: not replayed
+    }
+  }
+
+  result.stats = allocator.stats();
+  const DeviceStats& s = result.stats;
+  result.peak_requested_bytes = s.requested_bytes[kAggregate].peak;
+  result.peak_allocated_bytes = s.allocated_bytes[kAggregate].peak;
+  result.peak_reserved_bytes = s.reserved_bytes[kAggregate].peak;
+  result.device_allocs = s.num_device_alloc;
+  result.device_frees = s.num_device_free;
+  result.alloc_retries = s.num_alloc_retries;
+  result.ooms = s.num_ooms;
+  result.oracle_hits = gpu.oracle_hits();
+  result.oracle_diverged = gpu.oracle_diverged();
+  // Destroying the allocator returns its segments; that is not part of the workload.
+  result.simulated_driver_us = gpu.simulated_driver_us();
+  return result;
+}
+
+std::size_t parse_size(const std::string& text) {
+  std::size_t pos = 0;
+  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) {
+    ++pos;
+  }
+  const std::string number = text.substr(0, pos);
+  std::string unit = text.substr(pos);
+  std::transform(unit.begin(), unit.end(), unit.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  char* end = nullptr;
+  const double value = number.empty() ? -1.0 : std::strtod(number.c_str(), &end);
+  struct Unit {
+    const char* name;
+    double factor;
+  };
+  static constexpr Unit kUnits[] = {
+      {"", 1.0},          {"b", 1.0},         {"kib", 0x1p10}, {"mib", 0x1p20}, {"gib", 0x1p30},
+      {"tib", 0x1p40},    {"kb", 1e3},        {"mb", 1e6},     {"gb", 1e9},     {"tb", 1e12},
+      {"k", 0x1p10},      {"m", 0x1p20},      {"g", 0x1p30},   {"t", 0x1p40},
+  };
+  const Unit* unit_found = nullptr;
+  for (const Unit& u : kUnits) {
+    if (unit == u.name) unit_found = &u;
+  }
+  if (value < 0 || end == nullptr || *end != '\0' || unit_found == nullptr) {
+    throw Error("invalid size '" + text +
+                "': expected a number with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, "
+                "TB), e.g. 141GiB");
+  }
+  const double bytes = std::round(value * unit_found->factor);
+  if (!(bytes >= 1.0) || bytes > 0x1p62) {
+    throw Error("invalid size '" + text + "': must be between 1 byte and 4 EiB");
+  }
+  return static_cast<std::size_t>(bytes);
+}
+
+}  // namespace ccalloc::replay

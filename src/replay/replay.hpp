@@ -1,0 +1,71 @@
+// Replaying a recorded allocation trace on the simulated GPU.
+//
+// `alloc` rows become malloc(requested size, stream); `free_requested` rows become free.
+// A `free_completed` row that does not directly follow its `free_requested` marks a block
+// that was in use on another stream: the replay records a use of it on a private side
+// stream before freeing it, and completes that stream at the `free_completed` row, so the
+// block returns to its pool at the next malloc, as it did in the recorded run. Segment and
+// OOM rows are the recorded allocator's own decisions: they are not replayed, but give the
+// address oracle and the recorded figures to compare against.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ccalloc/sim.hpp"
+#include "ccalloc/stats.hpp"
+#include "io/trace_csv.hpp"
+
+namespace ccalloc::replay {
+
+struct Options {
+  std::string conf;  // config string in CCALLOC_CONF grammar
+  std::size_t capacity = 141 * sim::kGiB;
+  // Hand out the trace's own segment addresses, in order, while the sizes match.
+  bool address_oracle = false;
+  // Keep the replay's own trace entries in Result::emitted.
+  bool keep_trace = false;
+  sim::CostModel cost;
+};
+
+struct Result {
+  std::string conf;
+  std::int64_t peak_requested_bytes = 0;
+  std::int64_t peak_allocated_bytes = 0;
+  std::int64_t peak_reserved_bytes = 0;
+  std::int64_t device_allocs = 0;
+  std::int64_t device_frees = 0;
+  std::int64_t alloc_retries = 0;
+  std::int64_t ooms = 0;
+  double simulated_driver_us = 0.0;
+  std::size_t oracle_hits = 0;
+  bool oracle_diverged = false;
+  DeviceStats stats;                // at the end of the replay
+  std::vector<TraceEntry> emitted;  // with keep_trace
+};
+
+// What the recorded allocator did, computed from the trace itself.
+struct Recorded {
+  std::int64_t peak_requested_bytes = 0;  // live requested bytes (alloc .. free_completed)
+  std::int64_t peak_reserved_bytes = 0;   // running sum of segment_alloc/map - free/unmap
+  std::int64_t device_allocs = 0;         // segment_alloc + segment_map rows
+  std::int64_t device_frees = 0;          // segment_free + segment_unmap rows
+  std::int64_t ooms = 0;
+};
+
+Recorded recorded_figures(const std::vector<io::TraceRecord>& trace);
+
+// Replays `trace` (rows in order) under `options`. Throws FormatError naming the row's line
+// for a trace that is inconsistent (a free of an address that is not live, an alloc at a
+// live address), ConfigError for a bad config.
+Result run(const std::vector<io::TraceRecord>& trace, const Options& options);
+
+// Parses sizes such as "141GiB", "80GB", "512MiB", "1.5TiB" or plain bytes. Binary (KiB,
+// MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units; case-insensitive. Throws Error naming
+// the text.
+std::size_t parse_size(const std::string& text);
+
+}  // namespace ccalloc::replay

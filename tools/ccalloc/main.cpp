@@ -1,0 +1,197 @@
+// The ccalloc command-line tool.
+//
+//   ccalloc replay TRACE [--conf STRING]... [--capacity SIZE] [--address-oracle]
+//                        [--emit-trace FILE] [--json]
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ccalloc/errors.hpp"
+#include "ccalloc/stats.hpp"
+#include "io/gzip.hpp"
+#include "io/trace_csv.hpp"
+#include "replay/replay.hpp"
+
+namespace {
+
+using ccalloc::replay::Recorded;
+using ccalloc::replay::Result;
+
+// 12465471488 -> "12,465,471,488"
+std::string grouped(std::int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -v : v);
+  std::string out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+std::string fixed(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
+// "--emit-trace out.csv" with several configs writes out.1.csv, out.2.csv, ...
+std::string numbered_path(const std::string& path, std::size_t index, std::size_t count) {
+  if (count == 1) return path;
+  std::string stem = path;
+  std::string ext;
+  for (const char* e : {".csv.gz", ".csv", ".gz"}) {
+    const std::string es(e);
+    if (stem.size() > es.size() && stem.compare(stem.size() - es.size(), es.size(), es) == 0) {
+      ext = es;
+      stem.resize(stem.size() - es.size());
+      break;
+    }
+  }
+  return stem + "." + std::to_string(index + 1) + ext;
+}
+
+void print_table(const std::string& trace_path, std::size_t rows, std::size_t capacity,
+                 const Recorded& recorded, const std::vector<Result>& results) {
+  std::vector<std::string> header{"", "recorded"};
+  for (const Result& r : results) header.push_back(r.conf.empty() ? "(default)" : r.conf);
+
+  std::vector<std::vector<std::string>> table;
+  const auto ratio = [](std::int64_t a, std::int64_t b) {
+    return b > 0 ? fixed(static_cast<double>(a) / static_cast<double>(b), 3) : std::string("-");
+  };
+  const auto add = [&](const std::string& name, const std::string& rec, auto&& value) {
+    std::vector<std::string> row{name, rec};
+    for (const Result& r : results) row.push_back(value(r));
+    table.push_back(std::move(row));
+  };
+  add("peak_requested_bytes", grouped(recorded.peak_requested_bytes),
+      [](const Result& r) { return grouped(r.peak_requested_bytes); });
+  add("peak_allocated_bytes", "-", [](const Result& r) { return grouped(r.peak_allocated_bytes); });
+  add("peak_reserved_bytes", grouped(recorded.peak_reserved_bytes),
+      [](const Result& r) { return grouped(r.peak_reserved_bytes); });
+  add("reserved / requested", ratio(recorded.peak_reserved_bytes, recorded.peak_requested_bytes),
+      [&](const Result& r) { return ratio(r.peak_reserved_bytes, r.peak_requested_bytes); });
+  add("device_allocs", grouped(recorded.device_allocs),
+      [](const Result& r) { return grouped(r.device_allocs); });
+  add("device_frees", grouped(recorded.device_frees),
+      [](const Result& r) { return grouped(r.device_frees); });
+  add("alloc_retries", "-", [](const Result& r) { return grouped(r.alloc_retries); });
+  add("ooms", grouped(recorded.ooms), [](const Result& r) { return grouped(r.ooms); });
+  add("simulated_driver_ms", "-",
+      [](const Result& r) { return fixed(r.simulated_driver_us / 1000.0, 1); });
+
+  std::vector<std::size_t> width(header.size(), 0);
+  for (std::size_t c = 0; c < header.size(); ++c) width[c] = header[c].size();
+  for (const auto& row : table) {
+    for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  std::cout << "Trace " << trace_path << ": " << grouped(static_cast<std::int64_t>(rows))
+            << " entries, replayed on a simulated GPU of " << ccalloc::format_size(capacity)
+            << "\n\n";
+  const auto print_row = [&](const std::vector<std::string>& row) {
+    std::string line;
+    for (std::size_t c = 0; c < row.size(); ++c) {
+      const std::string& cell = row[c];
+      if (c == 0) {
+        line += cell + std::string(width[c] - cell.size(), ' ');
+      } else {
+        line += "   " + std::string(width[c] - cell.size(), ' ') + cell;
+      }
+    }
+    std::cout << line << "\n";
+  };
+  print_row(header);
+  for (const auto& row : table) print_row(row);
+}
+
+nlohmann::json to_json(const Result& r) {
+  nlohmann::json j;
+  j["conf"] = r.conf;
+  j["peak_requested_bytes"] = r.peak_requested_bytes;
+  j["peak_allocated_bytes"] = r.peak_allocated_bytes;
+  j["peak_reserved_bytes"] = r.peak_reserved_bytes;
+  j["device_allocs"] = r.device_allocs;
+  j["device_frees"] = r.device_frees;
+  j["alloc_retries"] = r.alloc_retries;
+  j["ooms"] = r.ooms;
+  j["simulated_driver_us"] = r.simulated_driver_us;
+  j["oracle_hits"] = r.oracle_hits;
+  j["oracle_diverged"] = r.oracle_diverged;
+  j["memory_stats"] = r.stats.to_map();
+  return j;
+}
+
+int run_replay(const std::string& trace_path, const std::vector<std::string>& confs,
+               const std::string& capacity_text, bool oracle, const std::string& emit_path,
+               bool json) {
+  const auto trace = ccalloc::io::read_trace_csv(trace_path);
+  ccalloc::replay::Options options;
+  options.capacity = ccalloc::replay::parse_size(capacity_text);
+  options.address_oracle = oracle;
+  options.keep_trace = !emit_path.empty();
+
+  std::vector<Result> results;
+  const std::vector<std::string> configs = confs.empty() ? std::vector<std::string>{""} : confs;
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    options.conf = configs[i];
+    try {
+      results.push_back(ccalloc::replay::run(trace, options));
+    } catch (const ccalloc::FormatError& e) {
+      throw ccalloc::FormatError(trace_path + ": " + e.what());
+    }
+    if (options.keep_trace) {
+      ccalloc::io::write_file(numbered_path(emit_path, i, configs.size()),
+                              ccalloc::io::format_trace_csv(results.back().emitted));
+      results.back().emitted.clear();
+    }
+  }
+  if (json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Result& r : results) out.push_back(to_json(r));
+    std::cout << out.dump(2) << "\n";
+  } else {
+    print_table(trace_path, trace.size(), options.capacity,
+                ccalloc::replay::recorded_figures(trace), results);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ccalloc: a CUDA caching allocator, and tools for its traces"};
+  app.require_subcommand(1);
+
+  std::string trace_path;
+  std::vector<std::string> confs;
+  std::string capacity = "141GiB";
+  bool oracle = false;
+  std::string emit_path;
+  bool json = false;
+  CLI::App* replay = app.add_subcommand(
+      "replay", "Replay a recorded trace on the simulated GPU under one or more configs");
+  replay->add_option("trace", trace_path, "Trace CSV (plain or gzip)")->required();
+  replay->add_option("--conf", confs,
+                     "Config string (CCALLOC_CONF grammar); repeat for side-by-side columns");
+  replay->add_option("--capacity", capacity, "Simulated device memory, e.g. 141GiB")
+      ->capture_default_str();
+  replay->add_flag("--address-oracle", oracle,
+                   "Hand out the trace's own segment addresses while the sizes match");
+  replay->add_option("--emit-trace", emit_path,
+                     "Write the replay's own trace as CSV (numbered per config if several)");
+  replay->add_flag("--json", json, "Print a JSON array, one object per config");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (replay->parsed()) return run_replay(trace_path, confs, capacity, oracle, emit_path, json);
+  } catch (const std::exception& e) {
+    std::cerr << "ccalloc: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
