@@ -47,17 +47,18 @@ std::string format_count_cell(std::int64_t value, std::int64_t reference) {
 
 using CellFormatter = std::string (*)(std::int64_t, std::int64_t);
 
-std::string pad_right(std::string_view s, std::size_t width) {
-  std::string out(s);
-  if (out.size() < width) out.append(width - out.size(), ' ');
-  return out;
-}
-
 std::string metric_row(std::string_view label, const Stat& s, const Stat& reference,
                        CellFormatter fmt) {
-  return " " + pad_right(label, 21) + " | " + fmt(s.current, reference.current) + " | " +
-         fmt(s.peak, reference.peak) + " | " + fmt(s.allocated, reference.allocated) + " | " +
-         fmt(s.freed, reference.freed) + " ";
+  std::string row = " ";
+  row.append(label).append(label.size() < 21 ? 21 - label.size() : 0, ' ');
+  for (const auto& [value, ref] : {std::pair{s.current, reference.current},
+                                   std::pair{s.peak, reference.peak},
+                                   std::pair{s.allocated, reference.allocated},
+                                   std::pair{s.freed, reference.freed}}) {
+    row.append(" | ").append(fmt(value, ref));
+  }
+  row.append(" ");
+  return row;
 }
 
 }  // namespace
@@ -112,7 +113,7 @@ std::string memory_summary(const DeviceStats& stats, int device, bool abbreviate
   lines.push_back(rule_eq);
 
   std::string out;
-  for (const std::string& line : lines) out += "|" + line + "|\n";
+  for (const std::string& line : lines) out.append("|").append(line).append("|\n");
   return out;
 }
 
