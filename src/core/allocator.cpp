@@ -50,18 +50,19 @@ Engine::Engine(Driver& driver, Config config)
       uid_(g_next_engine_uid.fetch_add(1)),
       event_pool_(driver) {
   if (config_.backend != Backend::kNative) {
-    throw ConfigError("ccalloc: backend:cudaMallocAsync is not available in this build; use "
-                      "backend:native");
+    throw ConfigError(
+        "ccalloc: backend:cudaMallocAsync is not available in this build; use "
+        "backend:native");
   }
   if (config_.expandable_segments) {
-    throw ConfigError("ccalloc: expandable_segments:True is not available in this build; use "
-                      "expandable_segments:False");
+    throw ConfigError(
+        "ccalloc: expandable_segments:True is not available in this build; use "
+        "expandable_segments:False");
   }
   check_invariants_ = env_flag("CCALLOC_CHECK_INVARIANTS");
   capacity_ = driver_.mem_info().total_bytes;
-  device_stats_.max_split_size = config_.max_split_size == SIZE_MAX
-                                     ? -1
-                                     : static_cast<std::int64_t>(config_.max_split_size);
+  device_stats_.max_split_size =
+      config_.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(config_.max_split_size);
   set_memory_fraction(config_.per_process_memory_fraction);
 }
 
@@ -77,9 +78,11 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
   const Request req = make_request(size, stream);
   Arena& arena = arena_for(stream);
   std::unique_lock lock(arena.mutex);
-  Block* block = take_free_block(arena, req, /*advance_gc_clock=*/true);
-  if (block == nullptr) return malloc_slow(arena, req, std::move(lock));
-  const DevicePtr ptr = hand_out(arena, block, req);
+  const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
+  if (pos == arena.pool_for(req.small).blocks.end()) {
+    return malloc_slow(arena, req, std::move(lock));
+  }
+  const DevicePtr ptr = hand_out(arena, *pos, pos, req);
   lock.unlock();
   after_operation();
   return ptr;
@@ -115,9 +118,8 @@ void Engine::record_stream(DevicePtr ptr, StreamId stream) {
       throw InvalidPointerError(pointer_error("record_stream", ptr, device()), ptr);
     }
     // Uses on the block's own stream are ordered by the stream itself.
-    if (stream != arena->stream &&
-        std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
-            block->stream_uses.end()) {
+    if (stream != arena->stream && std::find(block->stream_uses.begin(), block->stream_uses.end(),
+                                             stream) == block->stream_uses.end()) {
       block->stream_uses.push_back(stream);
     }
   }
@@ -145,31 +147,31 @@ Request Engine::make_request(std::size_t size, StreamId stream) const {
   return r;
 }
 
-Block* Engine::take_free_block(Arena& arena, const Request& req, bool advance_gc_clock) {
+Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool advance_gc_clock) {
   FreePool& pool = arena.pool_for(req.small);
   if (advance_gc_clock && gc_enabled()) {
     pool_searches_[req.small ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   }
-  const auto it = pool.lower_bound(req.size);
-  if (it == pool.blocks.end() || !oversize_allows((*it)->size, req.size, config_)) {
-    return nullptr;
+  const PoolPos pos = pool.lower_bound(req.size);
+  if (pos == pool.blocks.end() || !oversize_allows((*pos)->size, req.size, config_)) {
+    return pool.blocks.end();
   }
-  Block* block = *it;
-  pool.blocks.erase(it);
-  return block;
+  return pos;
 }
 
-DevicePtr Engine::hand_out(Arena& arena, Block* block, const Request& req) {
-  block = carve(arena, block, req);
+DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req) {
+  block = carve(arena, block, pos, req);
   active_.insert(block);
   record_trace(TraceAction::kAlloc, block->ptr, req.requested, arena.stream);
   return block->ptr;
 }
 
-// Takes req.size bytes from the low end of `block` (not in any pool), returning the rest
-// to the pool when should_split() says it is worth a block of its own.
-Block* Engine::carve(Arena& arena, Block* block, const Request& req) {
+// Takes req.size bytes from the low end of `block`, leaving the rest free in the pool when
+// should_split() says it is worth a block of its own. A remainder that was in the pool
+// keeps its place there when its shrunken size still sorts after its predecessor.
+Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req) {
   FreePool& pool = *block->pool;
+  const bool pooled = pos != pool.blocks.end();
   const bool already_split = block->is_split();
   DeviceStats& st = arena.stats;
   const StatType kinds[2] = {kAggregate, pool_stat(pool.is_small)};
@@ -186,7 +188,12 @@ Block* Engine::carve(Arena& arena, Block* block, const Request& req) {
     remaining->prev = block;
     remaining->ptr += req.size;
     remaining->size -= req.size;
-    insert_into_pool(pool, remaining);
+    if (pooled) {
+      remaining->gc_count_base = gc_clock(pool);
+      fix_pool_position(pool, pos, Change::kShrank);
+    } else {
+      insert_into_pool(pool, remaining);
+    }
     for (StatType t : kinds) {
       if (already_split) {
         st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
@@ -195,10 +202,13 @@ Block* Engine::carve(Arena& arena, Block* block, const Request& req) {
         st.inactive_split[t].increase(1);
       }
     }
-  } else if (already_split) {
-    for (StatType t : kinds) {
-      st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
-      st.inactive_split[t].decrease(1);
+  } else {
+    if (pooled) pool.blocks.erase(pos);
+    if (already_split) {
+      for (StatType t : kinds) {
+        st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
+        st.inactive_split[t].decrease(1);
+      }
     }
   }
 
@@ -233,25 +243,57 @@ void Engine::release_allocation(Arena& arena, Block* block) {
   }
 }
 
-// Returns a block with no outstanding uses to its pool, merging it with free neighbours.
+// Returns a block with no outstanding uses to its pool, merged with its free neighbours.
+// The merged block reuses a free neighbour's place in the pool when it can (its size only
+// grew), which spares the tree an erase and an insert.
 void Engine::free_block(Arena& arena, Block* block) {
   record_trace(TraceAction::kFreeCompleted, block->ptr, block->requested_size, arena.stream);
   const auto original_size = static_cast<std::int64_t>(block->size);
-  const auto requested = static_cast<std::int64_t>(block->requested_size);
+  const auto requested = block->requested_size;
   FreePool& pool = *block->pool;
+  const auto is_free = [](const Block* b) {
+    return b != nullptr && !b->allocated && b->event_count == 0;
+  };
+  Block* const prev = is_free(block->prev) ? block->prev : nullptr;
+  Block* const next = is_free(block->next) ? block->next : nullptr;
 
   std::int64_t net_split_blocks = 0;
   std::int64_t net_split_bytes = 0;
-  for (Block* neighbour : std::array<Block*, 2>{block->prev, block->next}) {
-    if (const std::size_t subsumed = try_merge(arena, block, neighbour); subsumed > 0) {
-      net_split_blocks -= 1;
-      net_split_bytes -= static_cast<std::int64_t>(subsumed);
+  Block* merged = block;
+  if (prev != nullptr || next != nullptr) {
+    // The survivor is a neighbour already in the pool; the others are absorbed into it.
+    merged = prev != nullptr ? prev : next;
+    const PoolPos pos = pool.blocks.find(merged);
+    if (prev != nullptr && next != nullptr) pool.blocks.erase(next);
+    for (const Block* neighbour : {prev, next}) {
+      if (neighbour != nullptr) {
+        net_split_blocks -= 1;
+        net_split_bytes -= static_cast<std::int64_t>(neighbour->size);
+      }
     }
+    const DevicePtr start = prev != nullptr ? prev->ptr : block->ptr;
+    const Block* const last = next != nullptr ? next : block;
+    Block* const before = prev != nullptr ? prev->prev : block->prev;
+    Block* const after = last->next;
+    const std::size_t size = last->end() - start;
+    for (Block* absorbed : {prev, block, next}) {
+      if (absorbed != nullptr && absorbed != merged) arena.blocks.recycle(absorbed);
+    }
+    merged->ptr = start;
+    merged->size = size;
+    merged->prev = before;
+    merged->next = after;
+    if (before != nullptr) before->next = merged;
+    if (after != nullptr) after->prev = merged;
+    merged->requested_size = requested;  // as PyTorch, the freed block's stale value
+    merged->gc_count_base = gc_clock(pool);
+    fix_pool_position(pool, pos, Change::kGrew);
+  } else {
+    insert_into_pool(pool, block);
   }
-  insert_into_pool(pool, block);
-  if (block->is_split()) {
+  if (merged->is_split()) {
     net_split_blocks += 1;
-    net_split_bytes += static_cast<std::int64_t>(block->size);
+    net_split_bytes += static_cast<std::int64_t>(merged->size);
   }
 
   DeviceStats& st = arena.stats;
@@ -262,33 +304,23 @@ void Engine::free_block(Arena& arena, Block* block) {
     if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
     st.active[t].decrease(1);
     st.active_bytes[t].decrease(original_size);
-    st.requested_bytes[t].decrease(requested);
+    st.requested_bytes[t].decrease(static_cast<std::int64_t>(requested));
   }
-}
-
-// Absorbs the free neighbour `src` into `dst` (being freed, not in a pool). Returns the
-// bytes absorbed, 0 if `src` is absent or not free.
-std::size_t Engine::try_merge(Arena& arena, Block* dst, Block* src) {
-  if (src == nullptr || src->allocated || src->event_count > 0 || !src->stream_uses.empty()) {
-    return 0;
-  }
-  src->pool->blocks.erase(src);
-  if (dst->prev == src) {
-    dst->ptr = src->ptr;
-    dst->prev = src->prev;
-    if (dst->prev != nullptr) dst->prev->next = dst;
-  } else {
-    dst->next = src->next;
-    if (dst->next != nullptr) dst->next->prev = dst;
-  }
-  const std::size_t subsumed = src->size;
-  dst->size += subsumed;
-  arena.blocks.recycle(src);
-  return subsumed;
 }
 
 void Engine::insert_into_pool(FreePool& pool, Block* block) {
-  block->gc_count_base = pool_searches_[pool.is_small ? 0 : 1].load(std::memory_order_relaxed);
+  block->gc_count_base = gc_clock(pool);
+  pool.blocks.insert(block);
+}
+
+void Engine::fix_pool_position(FreePool& pool, PoolPos pos, Change change) {
+  const BySizeThenAddress less;
+  const bool in_order = change == Change::kShrank
+                            ? pos == pool.blocks.begin() || less(*std::prev(pos), *pos)
+                            : std::next(pos) == pool.blocks.end() || less(*pos, *std::next(pos));
+  if (in_order) return;
+  Block* const block = *pos;
+  pool.blocks.erase(pos);
   pool.blocks.insert(block);
 }
 
@@ -317,7 +349,8 @@ std::vector<Arena*> Engine::arena_list() const {
   std::lock_guard lock(registry_mutex_);
   std::vector<Arena*> list;
   list.reserve(arenas_.size());
-  for (const auto& a : arenas_) list.push_back(a.get());
+  for (const auto& a : arenas_)
+    list.push_back(a.get());
   return list;
 }
 
@@ -333,43 +366,39 @@ Engine::AllArenasLock::AllArenasLock(const Engine& engine)
 }
 
 Engine::AllArenasLock::~AllArenasLock() {
-  for (const auto& a : engine_.arenas_) a->mutex.unlock();
+  for (const auto& a : engine_.arenas_)
+    a->mutex.unlock();
 }
 
 void ActiveIndex::insert(Block* b) {
   Shard& s = shards_[shard_of(b->ptr)];
-  std::lock_guard lock(s.mutex);
-  s.map.emplace(b->ptr, b);
+  std::lock_guard lock(s.lock);
+  s.map.insert(b->ptr, b);
 }
 
 Arena* ActiveIndex::arena_of(DevicePtr ptr) const {
   const Shard& s = shards_[shard_of(ptr)];
-  std::lock_guard lock(s.mutex);
-  const auto it = s.map.find(ptr);
-  return it == s.map.end() ? nullptr : it->second->pool->arena;
+  std::lock_guard lock(s.lock);
+  const Block* b = s.map.find(ptr);
+  return b == nullptr ? nullptr : b->pool->arena;
 }
 
 Block* ActiveIndex::find(DevicePtr ptr) const {
   const Shard& s = shards_[shard_of(ptr)];
-  std::lock_guard lock(s.mutex);
-  const auto it = s.map.find(ptr);
-  return it == s.map.end() ? nullptr : it->second;
+  std::lock_guard lock(s.lock);
+  return s.map.find(ptr);
 }
 
 Block* ActiveIndex::erase(DevicePtr ptr) {
   Shard& s = shards_[shard_of(ptr)];
-  std::lock_guard lock(s.mutex);
-  const auto it = s.map.find(ptr);
-  if (it == s.map.end()) return nullptr;
-  Block* b = it->second;
-  s.map.erase(it);
-  return b;
+  std::lock_guard lock(s.lock);
+  return s.map.erase(ptr);
 }
 
 std::size_t ActiveIndex::size() const {
   std::size_t n = 0;
   for (const Shard& s : shards_) {
-    std::lock_guard lock(s.mutex);
+    std::lock_guard lock(s.lock);
     n += s.map.size();
   }
   return n;
@@ -379,7 +408,7 @@ NodeRecycler::~NodeRecycler() {
   while (free_ != nullptr) {
     FreeNode* n = free_;
     free_ = n->next;
-    ::operator delete(n, std::align_val_t{node_align_});
+    ::operator delete (n, std::align_val_t{node_align_});
   }
 }
 
@@ -393,14 +422,14 @@ void* NodeRecycler::take(std::size_t bytes, std::size_t align) {
     node_bytes_ = std::max(bytes, sizeof(FreeNode));
     node_align_ = std::max(align, alignof(FreeNode));
   }
-  return ::operator new(std::max(bytes, sizeof(FreeNode)),
-                        std::align_val_t{std::max(align, alignof(FreeNode))});
+  return ::operator new (std::max(bytes, sizeof(FreeNode)),
+                         std::align_val_t{std::max(align, alignof(FreeNode))});
 }
 
 void NodeRecycler::give_back(void* node, std::size_t bytes, std::size_t align) {
   if (std::max(bytes, sizeof(FreeNode)) != node_bytes_ ||
       std::max(align, alignof(FreeNode)) != node_align_) {
-    ::operator delete(node, std::align_val_t{std::max(align, alignof(FreeNode))});
+    ::operator delete (node, std::align_val_t{std::max(align, alignof(FreeNode))});
     return;
   }
   auto* n = static_cast<FreeNode*>(node);

@@ -27,21 +27,25 @@ Engine::~Engine() {
   for (Arena* arena : all.by_stream()) {
     for (const auto& blocks : segments_of(*arena)) {
       std::size_t size = 0;
-      for (const Block* b : blocks) size += b->size;
+      for (const Block* b : blocks)
+        size += b->size;
       driver_.free(blocks.front()->ptr, size);
     }
     for (const auto& [stream, queue] : arena->pending) {
-      for (const PendingFree& f : queue) event_pool_.put(f.event);
+      for (const PendingFree& f : queue)
+        event_pool_.put(f.event);
     }
   }
-  for (const auto& [ptr, size] : uncached_) driver_.free(ptr, size);
+  for (const auto& [ptr, size] : uncached_)
+    driver_.free(ptr, size);
 }
 
 void Engine::record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream) {
   if (!has_trace_observers_.load(std::memory_order_acquire)) return;
   std::lock_guard lock(trace_mutex_);
   const TraceEntry entry{action, addr, size, stream, driver_.now_us()};
-  for (const TraceObserver& observer : trace_observers_) observer(entry);
+  for (const TraceObserver& observer : trace_observers_)
+    observer(entry);
 }
 
 }  // namespace core
@@ -51,24 +55,46 @@ Allocator::Allocator(Driver& driver, Config config)
 
 Allocator::~Allocator() = default;
 
-DevicePtr Allocator::malloc(std::size_t size, StreamId stream) { return impl_->malloc(size, stream); }
-void Allocator::free(DevicePtr ptr) { impl_->free(ptr); }
-void Allocator::record_stream(DevicePtr ptr, StreamId stream) { impl_->record_stream(ptr, stream); }
-void Allocator::empty_cache() { impl_->empty_cache(); }
-DeviceStats Allocator::stats() const { return impl_->stats(); }
+DevicePtr Allocator::malloc(std::size_t size, StreamId stream) {
+  return impl_->malloc(size, stream);
+}
+void Allocator::free(DevicePtr ptr) {
+  impl_->free(ptr);
+}
+void Allocator::record_stream(DevicePtr ptr, StreamId stream) {
+  impl_->record_stream(ptr, stream);
+}
+void Allocator::empty_cache() {
+  impl_->empty_cache();
+}
+DeviceStats Allocator::stats() const {
+  return impl_->stats();
+}
 std::string Allocator::memory_summary(bool abbreviated) const {
   return ccalloc::memory_summary(impl_->stats(), impl_->device(), abbreviated);
 }
-void Allocator::reset_peak_stats() { impl_->reset_peak_stats(); }
-void Allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
+void Allocator::reset_peak_stats() {
+  impl_->reset_peak_stats();
+}
+void Allocator::reset_accumulated_stats() {
+  impl_->reset_accumulated_stats();
+}
 void Allocator::set_memory_fraction(double fraction) {
   impl_->set_memory_fraction(fraction);
   impl_->after_operation();
 }
-double Allocator::memory_fraction() const { return impl_->memory_fraction(); }
-MemInfo Allocator::mem_get_info() { return impl_->driver_.mem_info(); }
-std::vector<SegmentInfo> Allocator::segments() const { return impl_->segments(); }
-std::size_t Allocator::allocation_size(DevicePtr ptr) const { return impl_->allocation_size(ptr); }
+double Allocator::memory_fraction() const {
+  return impl_->memory_fraction();
+}
+MemInfo Allocator::mem_get_info() {
+  return impl_->driver_.mem_info();
+}
+std::vector<SegmentInfo> Allocator::segments() const {
+  return impl_->segments();
+}
+std::size_t Allocator::allocation_size(DevicePtr ptr) const {
+  return impl_->allocation_size(ptr);
+}
 
 void Allocator::add_oom_observer(OomObserver observer) {
   std::lock_guard lock(impl_->observers_mutex_);
@@ -87,10 +113,20 @@ void Allocator::add_trace_observer(TraceObserver observer) {
   impl_->has_trace_observers_.store(true, std::memory_order_release);
 }
 
-void Allocator::check_invariants() const { impl_->check_invariants(); }
-void Allocator::set_check_invariants(bool on) { impl_->check_invariants_.store(on); }
-const Config& Allocator::config() const { return impl_->config_; }
-int Allocator::device() const { return impl_->device(); }
-Driver& Allocator::driver() const { return impl_->driver_; }
+void Allocator::check_invariants() const {
+  impl_->check_invariants();
+}
+void Allocator::set_check_invariants(bool on) {
+  impl_->check_invariants_.store(on);
+}
+const Config& Allocator::config() const {
+  return impl_->config_;
+}
+int Allocator::device() const {
+  return impl_->device();
+}
+Driver& Allocator::driver() const {
+  return impl_->driver_;
+}
 
 }  // namespace ccalloc

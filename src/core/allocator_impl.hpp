@@ -31,6 +31,8 @@
 #include "ccalloc/allocator.hpp"
 #include "core/arena.hpp"
 #include "core/block.hpp"
+#include "core/ptr_map.hpp"
+#include "core/spin_lock.hpp"
 
 namespace ccalloc::core {
 
@@ -56,27 +58,22 @@ class ActiveIndex {
   template <typename Fn>
   void for_each(Fn&& fn) const {
     for (const Shard& s : shards_) {
-      std::lock_guard lock(s.mutex);
-      for (const auto& [ptr, block] : s.map) fn(block);
+      std::lock_guard lock(s.lock);
+      s.map.for_each([&](DevicePtr, Block* b) { fn(b); });
     }
   }
   std::size_t size() const;
 
  private:
   static constexpr std::size_t kShards = 64;
-  struct Shard {
-    Shard() : map(16, std::hash<DevicePtr>(), std::equal_to<DevicePtr>(),
-                  RecyclingAllocator<std::pair<const DevicePtr, Block*>>(&recycler)) {}
-    mutable std::mutex mutex;
-    NodeRecycler recycler;
-    std::unordered_map<DevicePtr, Block*, std::hash<DevicePtr>, std::equal_to<DevicePtr>,
-                       RecyclingAllocator<std::pair<const DevicePtr, Block*>>>
-        map;
+  struct alignas(64) Shard {
+    mutable SpinLock lock;
+    PtrMap<Block*> map;
   };
   static std::size_t shard_of(DevicePtr ptr) {
-    return static_cast<std::size_t>((ptr >> 9) * 0x9E3779B97F4A7C15ull >> 58) % kShards;
+    return static_cast<std::size_t>(((ptr >> 9) * 0xC2B2AE3D27D4EB4Full) >> 58);
   }
-  alignas(64) std::array<Shard, kShards> shards_;
+  std::array<Shard, kShards> shards_;
 };
 
 // Driver events are costly to create: keep completed ones for reuse.
@@ -155,16 +152,25 @@ class Engine {
   std::vector<Arena*> arena_list() const;
 
   // --- hot path (arena lock held) ---
-  // Best fit from the arena's pool, or nullptr. advance_gc_clock: this search counts as one
-  // tick of the age-based GC's clock (once per malloc, as in PyTorch).
-  Block* take_free_block(Arena& arena, const Request& req, bool advance_gc_clock);
-  // Carves the request out of `block`, indexes and traces it; returns its address.
-  DevicePtr hand_out(Arena& arena, Block* block, const Request& req);
-  Block* carve(Arena& arena, Block* block, const Request& req);
+  using PoolPos = FreePool::Set::iterator;
+  // Best fit from the arena's pool, or the pool's end(). advance_gc_clock: this search
+  // counts as one tick of the age-based GC's clock (once per malloc, as in PyTorch).
+  PoolPos find_free_block(Arena& arena, const Request& req, bool advance_gc_clock);
+  // Carves the request out of a free block (`pos` in its pool, or a fresh segment's block
+  // with `pos` == the pool's end()), indexes and traces it; returns its address.
+  DevicePtr hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req);
+  Block* carve(Arena& arena, Block* block, PoolPos pos, const Request& req);
   void release_allocation(Arena& arena, Block* block);
   void free_block(Arena& arena, Block* block);
-  std::size_t try_merge(Arena& arena, Block* dst, Block* src);
   void insert_into_pool(FreePool& pool, Block* block);
+  // Re-sorts a pooled block whose key changed in place, if its order changed: a block that
+  // shrank can only have fallen below its predecessor, one that grew risen above its
+  // successor.
+  enum class Change { kShrank, kGrew };
+  void fix_pool_position(FreePool& pool, PoolPos pos, Change change);
+  std::uint64_t gc_clock(const FreePool& pool) const {
+    return pool_searches_[pool.is_small ? 0 : 1].load(std::memory_order_relaxed);
+  }
 
   // --- events (arena lock held) ---
   void insert_events(Arena& arena, Block* block);
@@ -175,7 +181,7 @@ class Engine {
   // --- OOM ladder (oom_ladder.cpp) ---
   // Runs the ladder for a request the arena's pool could not serve; called with the
   // arena's lock, returns with every lock released. Throws OutOfMemoryError.
-  DevicePtr malloc_slow(Arena& arena, const Request& req, std::unique_lock<std::mutex> lock);
+  DevicePtr malloc_slow(Arena& arena, const Request& req, std::unique_lock<ArenaMutex> lock);
   Block* allocate_segment(Arena& arena, const Request& req, bool is_retry);
   void release_segment(Arena& arena, Block* block);
   bool release_oversize_blocks(Arena& arena, const Request& req);
@@ -183,8 +189,7 @@ class Engine {
   void collect_garbage(const AllArenasLock& all);
   bool gc_enabled() const { return config_.garbage_collection_threshold > 0.0; }
   std::size_t memory_limit_locked() const;  // device_mutex_ held
-  [[noreturn]] void raise_oom(Arena& arena, const Request& req,
-                              std::unique_ptr<AllArenasLock> all);
+  [[noreturn]] void raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllArenasLock> all);
   bool run_free_memory_callbacks();
 
   // --- uncached mode ---

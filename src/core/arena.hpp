@@ -12,6 +12,7 @@
 
 #include "ccalloc/stats.hpp"
 #include "core/block.hpp"
+#include "core/spin_lock.hpp"
 
 namespace ccalloc::core {
 
@@ -28,7 +29,7 @@ struct Arena {
 
   FreePool& pool_for(bool small) { return small ? small_pool : large_pool; }
 
-  std::mutex mutex;
+  ArenaMutex mutex;
   const StreamId stream;
   const std::size_t order;  // creation index: the order in which lock_all() takes arenas
 

@@ -28,7 +28,7 @@ struct Block {
   std::size_t requested_size = 0;  // what the program asked for (stale once freed)
   Block* prev = nullptr;           // neighbours within the segment, address order
   Block* next = nullptr;
-  FreePool* pool = nullptr;  // the pool the block returns to (its arena's small or large)
+  FreePool* pool = nullptr;         // the pool the block returns to (its arena's small or large)
   std::uint64_t gc_count_base = 0;  // pool's search count when the block became free
   int event_count = 0;              // outstanding events before it may be reused
   bool allocated = false;
@@ -106,7 +106,10 @@ struct BySizeThenAddress {
 struct FreePool {
   using Set = std::set<Block*, BySizeThenAddress, RecyclingAllocator<Block*>>;
 
-  FreePool(bool small, Arena* owner) : is_small(small), arena(owner), blocks(BySizeThenAddress{}, RecyclingAllocator<Block*>(&recycler_)) {}
+  FreePool(bool small, Arena* owner)
+      : is_small(small),
+        arena(owner),
+        blocks(BySizeThenAddress{}, RecyclingAllocator<Block*>(&recycler_)) {}
 
   // The smallest free block of at least `size` bytes (lowest address among equals).
   Set::iterator lower_bound(std::size_t size) {

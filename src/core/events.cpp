@@ -9,7 +9,8 @@
 namespace ccalloc::core {
 
 EventPool::~EventPool() {
-  for (EventId e : free_) driver_.destroy_event(e);
+  for (EventId e : free_)
+    driver_.destroy_event(e);
 }
 
 EventId EventPool::get() {

@@ -32,13 +32,15 @@ std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) c
     if (b->prev == nullptr) heads.push_back(b);
   };
   for (const FreePool* pool : {&arena.small_pool, &arena.large_pool}) {
-    for (const Block* b : pool->blocks) consider(b);
+    for (const Block* b : pool->blocks)
+      consider(b);
   }
   active_.for_each([&](const Block* b) {
     if (b->pool->arena == &arena) consider(b);
   });
   for (const auto& [stream, queue] : arena.pending) {
-    for (const PendingFree& f : queue) consider(f.block);
+    for (const PendingFree& f : queue)
+      consider(f.block);
   }
   std::sort(heads.begin(), heads.end(),
             [](const Block* a, const Block* b) { return a->ptr < b->ptr; });
@@ -48,7 +50,8 @@ std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) c
   segments.reserve(heads.size());
   for (const Block* head : heads) {
     auto& blocks = segments.emplace_back();
-    for (const Block* b = head; b != nullptr; b = b->next) blocks.push_back(b);
+    for (const Block* b = head; b != nullptr; b = b->next)
+      blocks.push_back(b);
   }
   return segments;
 }
@@ -89,13 +92,14 @@ void Engine::check_invariants() const {
   std::unordered_set<const Block*> in_pool;
   std::unordered_set<const Block*> in_index;
   active_.for_each([&](const Block* b) {
-    if (!b->allocated) violation("block 0x%" PRIxPTR " is indexed as live but not allocated", b->ptr);
+    if (!b->allocated)
+      violation("block 0x%" PRIxPTR " is indexed as live but not allocated", b->ptr);
     in_index.insert(b);
   });
 
   std::size_t reserved_recount = 0;
-  DeviceStats recount;  // device-wide recount of the current values
-  std::vector<std::pair<DevicePtr, std::size_t>> live;     // allocated ranges
+  DeviceStats recount;                                  // device-wide recount of the current values
+  std::vector<std::pair<DevicePtr, std::size_t>> live;  // allocated ranges
   std::vector<std::pair<DevicePtr, std::size_t>> extents;  // segment ranges
   std::int64_t pending_total = 0;
 
@@ -115,7 +119,8 @@ void Engine::check_invariants() const {
     pending_total += pending_events;
     for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
       for (const Block* b : pool->blocks) {
-        if (b->pool != pool) violation("free block 0x%" PRIxPTR " is in a pool not its own", b->ptr);
+        if (b->pool != pool)
+          violation("free block 0x%" PRIxPTR " is in a pool not its own", b->ptr);
         if (b->allocated || b->event_count != 0) {
           violation("block 0x%" PRIxPTR " is in a free pool but is allocated or pending", b->ptr);
         }
@@ -143,8 +148,8 @@ void Engine::check_invariants() const {
           const Block* n = blocks[i + 1];
           if (n->prev != b) violation("block 0x%" PRIxPTR " is not linked back", n->ptr);
           if (b->end() != n->ptr) {
-            violation("blocks 0x%" PRIxPTR " and 0x%" PRIxPTR " do not tile their segment",
-                      b->ptr, n->ptr);
+            violation("blocks 0x%" PRIxPTR " and 0x%" PRIxPTR " do not tile their segment", b->ptr,
+                      n->ptr);
           }
           if (state_of(b) == BlockState::kInactive && state_of(n) == BlockState::kInactive) {
             violation("adjacent free blocks 0x%" PRIxPTR " and 0x%" PRIxPTR " were not merged",
@@ -223,7 +228,8 @@ void Engine::check_invariants() const {
   // reachable (no orphans).
   std::size_t reachable = 0;
   for (Arena* arena : all.by_stream()) {
-    for (const auto& blocks : segments_of(*arena)) reachable += blocks.size();
+    for (const auto& blocks : segments_of(*arena))
+      reachable += blocks.size();
   }
   const std::size_t held = in_index.size() + in_pool.size() + pending_refs.size();
   if (reachable != held) {
@@ -231,7 +237,8 @@ void Engine::check_invariants() const {
   }
   if (pending_total != pending_events_.load()) {
     violation("device counts %lld pending events but arenas hold %lld",
-              static_cast<long long>(pending_events_.load()), static_cast<long long>(pending_total));
+              static_cast<long long>(pending_events_.load()),
+              static_cast<long long>(pending_total));
   }
 
   const auto no_overlap = [](std::vector<std::pair<DevicePtr, std::size_t>>& ranges,

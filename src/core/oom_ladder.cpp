@@ -21,14 +21,21 @@
 
 namespace ccalloc::core {
 
-DevicePtr Engine::malloc_slow(Arena& arena, const Request& req,
-                              std::unique_lock<std::mutex> lock) {
+DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock<ArenaMutex> lock) {
+  FreePool& pool = arena.pool_for(req.small);
+  // The block found so far: pooled at `pos`, or a fresh segment's block (pos == end()).
   Block* block = nullptr;
+  PoolPos pos = pool.blocks.end();
+  const auto search_pool = [&] {
+    pos = find_free_block(arena, req, /*advance_gc_clock=*/false);
+    block = pos == pool.blocks.end() ? nullptr : *pos;
+  };
+
   if (has_free_memory_callbacks_.load(std::memory_order_acquire)) {
     lock.unlock();  // callbacks may free ccalloc memory
     const bool freed = run_free_memory_callbacks();
     lock.lock();
-    if (freed) block = take_free_block(arena, req, /*advance_gc_clock=*/false);
+    if (freed) search_pool();
   }
   if (block == nullptr && !gc_enabled()) {
     block = allocate_segment(arena, req, /*is_retry=*/false);
@@ -37,7 +44,7 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req,
     }
   }
   if (block != nullptr) {
-    const DevicePtr ptr = hand_out(arena, block, req);
+    const DevicePtr ptr = hand_out(arena, block, pos, req);
     lock.unlock();
     after_operation();
     return ptr;
@@ -47,7 +54,7 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req,
   // while no lock was held: look once more first.
   lock.unlock();
   auto all = std::make_unique<AllArenasLock>(*this);
-  block = take_free_block(arena, req, /*advance_gc_clock=*/false);
+  search_pool();
   if (block == nullptr && gc_enabled()) {
     collect_garbage(*all);
     block = allocate_segment(arena, req, /*is_retry=*/false);
@@ -58,10 +65,10 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req,
   if (block == nullptr) {
     release_cached_segments(*all);
     block = allocate_segment(arena, req, /*is_retry=*/true);
-    if (block == nullptr) block = take_free_block(arena, req, /*advance_gc_clock=*/false);
+    if (block == nullptr) search_pool();
   }
   if (block == nullptr) raise_oom(arena, req, std::move(all));
-  const DevicePtr ptr = hand_out(arena, block, req);
+  const DevicePtr ptr = hand_out(arena, block, pos, req);
   all.reset();
   after_operation();
   return ptr;
@@ -232,7 +239,9 @@ void Engine::collect_garbage(const AllArenasLock& all) {
   }
 }
 
-std::size_t Engine::memory_limit_locked() const { return limit_ ? *limit_ : capacity_; }
+std::size_t Engine::memory_limit_locked() const {
+  return limit_ ? *limit_ : capacity_;
+}
 
 bool Engine::run_free_memory_callbacks() {
   std::vector<FreeMemoryCallback> callbacks;
@@ -241,7 +250,8 @@ bool Engine::run_free_memory_callbacks() {
     callbacks = free_memory_callbacks_;
   }
   bool freed = false;
-  for (const auto& cb : callbacks) freed = cb() || freed;
+  for (const auto& cb : callbacks)
+    freed = cb() || freed;
   return freed;
 }
 
@@ -301,12 +311,13 @@ struct OomFacts {
 };
 
 std::string oom_message(const OomFacts& f) {
-  std::string m = "CUDA out of memory on device " + std::to_string(f.device) + ". Tried to allocate " +
-                  format_size(f.requested) + " (" + std::to_string(f.requested) +
-                  " bytes on stream " + std::to_string(f.stream) + ", rounded to " +
-                  format_size(f.rounded) + "; a new segment would take " +
-                  format_size(f.segment_size) + "). " + f.device_name + " has a total capacity of " +
-                  format_size(f.capacity) + " of which " + format_size(f.device_free) + " is free. ";
+  std::string m = "CUDA out of memory on device " + std::to_string(f.device) +
+                  ". Tried to allocate " + format_size(f.requested) + " (" +
+                  std::to_string(f.requested) + " bytes on stream " + std::to_string(f.stream) +
+                  ", rounded to " + format_size(f.rounded) + "; a new segment would take " +
+                  format_size(f.segment_size) + "). " + f.device_name +
+                  " has a total capacity of " + format_size(f.capacity) + " of which " +
+                  format_size(f.device_free) + " is free. ";
   if (f.limit) {
     char buf[128];
     std::snprintf(buf, sizeof buf, "per_process_memory_fraction %.4g allows ", f.fraction);
@@ -322,8 +333,8 @@ std::string oom_message(const OomFacts& f) {
   }
   m += ". ";
 
-  const bool limit_binds = f.limit && f.reserved + f.segment_size > *f.limit &&
-                           f.device_free >= f.segment_size;
+  const bool limit_binds =
+      f.limit && f.reserved + f.segment_size > *f.limit && f.device_free >= f.segment_size;
   if (limit_binds) {
     m += "The per_process_memory_fraction limit refused it: raise the fraction "
          "(set_memory_fraction or per_process_memory_fraction) to let it succeed.";
@@ -366,7 +377,8 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
     f.allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
     for (const FreePool* pool : {&a->small_pool, &a->large_pool}) {
       std::size_t free_bytes = 0;
-      for (const Block* b : pool->blocks) free_bytes += b->size;
+      for (const Block* b : pool->blocks)
+        free_bytes += b->size;
       const std::size_t largest = pool->blocks.empty() ? 0 : (*pool->blocks.rbegin())->size;
       f.largest_free_anywhere = std::max(f.largest_free_anywhere, largest);
       if (a == &arena && pool->is_small == req.small) f.largest_free_same_stream = largest;

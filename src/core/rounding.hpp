@@ -9,11 +9,11 @@
 
 namespace ccalloc::core {
 
-inline constexpr std::size_t kMinBlockSize = 512;               // every size is a multiple
-inline constexpr std::size_t kSmallSize = 1 * kMiB;             // largest small-pool request
-inline constexpr std::size_t kSmallBuffer = 2 * kMiB;           // small-pool segment size
-inline constexpr std::size_t kMinLargeAlloc = 10 * kMiB;        // below: a large_segment_size segment
-inline constexpr std::size_t kRoundLarge = 2 * kMiB;            // above: rounded to this
+inline constexpr std::size_t kMinBlockSize = 512;         // every size is a multiple
+inline constexpr std::size_t kSmallSize = 1 * kMiB;       // largest small-pool request
+inline constexpr std::size_t kSmallBuffer = 2 * kMiB;     // small-pool segment size
+inline constexpr std::size_t kMinLargeAlloc = 10 * kMiB;  // below: a large_segment_size segment
+inline constexpr std::size_t kRoundLarge = 2 * kMiB;      // above: rounded to this
 inline constexpr std::size_t kOneExabyte = std::size_t{1} << 60;
 
 // The size a request of `size` bytes occupies: 512 B multiples, or the next 1/N step
@@ -21,7 +21,9 @@ inline constexpr std::size_t kOneExabyte = std::size_t{1} << 60;
 std::size_t round_size(std::size_t size, const Config& config);
 
 // Rounded sizes up to 1 MiB are served from the small pool.
-inline bool is_small_size(std::size_t rounded) { return rounded <= kSmallSize; }
+inline bool is_small_size(std::size_t rounded) {
+  return rounded <= kSmallSize;
+}
 
 // Size of the segment to allocate from the device for a rounded request.
 std::size_t segment_size_for(std::size_t rounded, const Config& config);

@@ -59,7 +59,8 @@ Stat& Stat::operator+=(const Stat& o) {
 
 void DeviceStats::reset_accumulated() {
   for_each_array(*this, [](std::string_view, StatArray& a) {
-    for (Stat& s : a) s.reset_accumulated();
+    for (Stat& s : a)
+      s.reset_accumulated();
   });
   for_each_single(*this, [](std::string_view, Stat& s) { s.reset_accumulated(); });
   for_each_counter(*this, [](std::string_view, std::int64_t& c) { c = 0; });
@@ -67,7 +68,8 @@ void DeviceStats::reset_accumulated() {
 
 void DeviceStats::reset_peak() {
   for_each_array(*this, [](std::string_view, StatArray& a) {
-    for (Stat& s : a) s.reset_peak();
+    for (Stat& s : a)
+      s.reset_peak();
   });
   for_each_single(*this, [](std::string_view, Stat& s) { s.reset_peak(); });
 }

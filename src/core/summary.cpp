@@ -51,10 +51,9 @@ std::string metric_row(std::string_view label, const Stat& s, const Stat& refere
                        CellFormatter fmt) {
   std::string row = " ";
   row.append(label).append(label.size() < 21 ? 21 - label.size() : 0, ' ');
-  for (const auto& [value, ref] : {std::pair{s.current, reference.current},
-                                   std::pair{s.peak, reference.peak},
-                                   std::pair{s.allocated, reference.allocated},
-                                   std::pair{s.freed, reference.freed}}) {
+  for (const auto& [value, ref] :
+       {std::pair{s.current, reference.current}, std::pair{s.peak, reference.peak},
+        std::pair{s.allocated, reference.allocated}, std::pair{s.freed, reference.freed}}) {
     row.append(" | ").append(fmt(value, ref));
   }
   row.append(" ");
@@ -113,7 +112,8 @@ std::string memory_summary(const DeviceStats& stats, int device, bool abbreviate
   lines.push_back(rule_eq);
 
   std::string out;
-  for (const std::string& line : lines) out.append("|").append(line).append("|\n");
+  for (const std::string& line : lines)
+    out.append("|").append(line).append("|\n");
   return out;
 }
 
