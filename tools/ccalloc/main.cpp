@@ -57,8 +57,21 @@ std::string numbered_path(const std::string& path, std::size_t index, std::size_
 
 void print_table(const std::string& trace_path, std::size_t rows, std::size_t capacity,
                  const Recorded& recorded, const std::vector<Result>& results) {
+  // Long config strings become lettered columns with a legend underneath.
+  bool use_letters = false;
+  for (const Result& r : results) use_letters = use_letters || r.conf.size() > 24;
   std::vector<std::string> header{"", "recorded"};
-  for (const Result& r : results) header.push_back(r.conf.empty() ? "(default)" : r.conf);
+  std::vector<std::string> legend;
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const std::string conf = results[i].conf.empty() ? "(default)" : results[i].conf;
+    if (use_letters) {
+      const std::string label(1, static_cast<char>('A' + i % 26));
+      header.push_back(label);
+      legend.push_back("  " + label + " = " + conf);
+    } else {
+      header.push_back(conf);
+    }
+  }
 
   std::vector<std::vector<std::string>> table;
   const auto ratio = [](std::int64_t a, std::int64_t b) {
@@ -107,6 +120,11 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
   };
   print_row(header);
   for (const auto& row : table) print_row(row);
+  if (!legend.empty()) {
+    std::cout << "\n";
+    for (const std::string& line : legend) std::cout << line << "\n";
+  }
+  std::cout << "\nrecorded: what the recorded allocator did (from the trace's own segment rows).\n";
 }
 
 nlohmann::json to_json(const Result& r) {
