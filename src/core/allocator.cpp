@@ -68,7 +68,7 @@ Engine::Engine(Driver& driver, Config config)
 
 DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
   if (size == 0) return 0;
-  if (size > kOneExabyte) {
+  if (size >= kOneExabyte) {
     throw OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.",
                            driver_.device(), size);
   }
@@ -126,13 +126,7 @@ void Engine::record_stream(DevicePtr ptr, StreamId stream) {
   after_operation();
 }
 
-std::size_t Engine::allocation_size(DevicePtr ptr) const {
-  Arena* arena = active_.arena_of(ptr);
-  if (arena == nullptr) return 0;
-  std::lock_guard lock(arena->mutex);
-  const Block* block = active_.find(ptr);
-  return block == nullptr ? 0 : block->size;
-}
+std::size_t Engine::allocation_size(DevicePtr ptr) const { return active_.size_of(ptr); }
 
 // ---------------------------------------------------------------------------------------
 // Block operations (the arena's lock is held)
@@ -387,6 +381,13 @@ Block* ActiveIndex::find(DevicePtr ptr) const {
   const Shard& s = shards_[shard_of(ptr)];
   std::lock_guard lock(s.lock);
   return s.map.find(ptr);
+}
+
+std::size_t ActiveIndex::size_of(DevicePtr ptr) const {
+  const Shard& s = shards_[shard_of(ptr)];
+  std::lock_guard lock(s.lock);
+  const Block* b = s.map.find(ptr);
+  return b == nullptr ? 0 : b->size;
 }
 
 Block* ActiveIndex::erase(DevicePtr ptr) {

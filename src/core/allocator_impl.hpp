@@ -54,6 +54,9 @@ class ActiveIndex {
   // Removes and returns the live block at `ptr`, or nullptr.
   Block* erase(DevicePtr ptr);
   Block* find(DevicePtr ptr) const;
+  // Rounded size of the live block at `ptr`, or 0. Needs no arena lock: a block's size
+  // does not change while it is allocated, and it leaves the index before it is freed.
+  std::size_t size_of(DevicePtr ptr) const;
   // Calls fn(Block*) for every live block; the caller holds every arena lock.
   template <typename Fn>
   void for_each(Fn&& fn) const {

@@ -258,9 +258,6 @@ void Engine::check_invariants() const {
   if (reserved_recount != reserved_) {
     violation("reserved is %zu bytes but segments add up to %zu", reserved_, reserved_recount);
   }
-  if (limit_ && reserved_ > *limit_) {
-    violation("reserved %zu bytes exceeds the memory limit of %zu", reserved_, *limit_);
-  }
   if (reserved_ > capacity_) {
     violation("reserved %zu bytes exceeds the device capacity of %zu", reserved_, capacity_);
   }

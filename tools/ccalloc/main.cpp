@@ -2,8 +2,10 @@
 //
 //   ccalloc replay TRACE [--conf STRING]... [--capacity SIZE] [--address-oracle]
 //                        [--emit-trace FILE] [--json]
+//   ccalloc info
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -11,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "ccalloc/config.hpp"
+#include "ccalloc/cuda.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/stats.hpp"
 #include "io/gzip.hpp"
@@ -179,6 +183,48 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
   return 0;
 }
 
+// ccalloc info: the version, the config in force, and what CUDA this process sees. Exits 0
+// on a machine without a GPU, saying why none is visible.
+int run_info() {
+  std::cout << "ccalloc " << CCALLOC_VERSION << "\n";
+  const char* source = "defaults";
+  for (const char* var : {"CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+    if (std::getenv(var) != nullptr) {
+      source = var;
+      break;
+    }
+  }
+  const ccalloc::Config config = ccalloc::Config::from_environment();
+  std::cout << "config (" << source << "): " << config.to_string() << "\n";
+
+  const ccalloc::cuda::RuntimeInfo info = ccalloc::cuda::probe();
+  if (!info.built_with_cuda) {
+    std::cout << "CUDA: not available (" << info.error << ")\n";
+    return 0;
+  }
+  const auto version = [](int v) {
+    return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+  };
+  std::cout << "CUDA runtime: " << version(info.runtime_version) << " (linked statically)\n";
+  if (info.driver_version == 0) {
+    std::cout << "CUDA driver: none found\n";
+  } else {
+    std::cout << "CUDA driver: supports CUDA " << version(info.driver_version) << "\n";
+  }
+  if (info.device_count == 0) {
+    std::cout << "devices: none visible (" << info.error << ")\n";
+    return 0;
+  }
+  std::cout << "devices: " << info.device_count << "\n";
+  for (const auto& d : info.devices) {
+    std::cout << "  " << d.ordinal << ": " << d.name << ", compute capability "
+              << d.compute_capability_major << "." << d.compute_capability_minor << ", "
+              << ccalloc::format_size(d.total_bytes) << " total, "
+              << ccalloc::format_size(d.free_bytes) << " free\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -204,9 +250,13 @@ int main(int argc, char** argv) {
                      "Write the replay's own trace as CSV (numbered per config if several)");
   replay->add_flag("--json", json, "Print a JSON array, one object per config");
 
+  CLI::App* info = app.add_subcommand(
+      "info", "Show the version, the config in force and the CUDA devices this process sees");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (replay->parsed()) return run_replay(trace_path, confs, capacity, oracle, emit_path, json);
+    if (info->parsed()) return run_info();
   } catch (const std::exception& e) {
     std::cerr << "ccalloc: error: " << e.what() << "\n";
     return 1;

@@ -1,0 +1,68 @@
+// The CUDA driver: real device memory behind the Driver interface.
+//
+// Built on the CUDA runtime, linked statically, so the library loads on machines without a
+// CUDA driver or GPU; there, creating a CudaDriver throws DriverError saying why, and
+// probe() reports it. Every call makes the driver's device current and restores the
+// caller's device afterwards.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ccalloc/driver.hpp"
+
+namespace ccalloc::cuda {
+
+struct DeviceInfo {
+  int ordinal = 0;
+  std::string name;
+  std::size_t total_bytes = 0;
+  std::size_t free_bytes = 0;
+  int compute_capability_major = 0;
+  int compute_capability_minor = 0;
+};
+
+struct RuntimeInfo {
+  bool built_with_cuda = false;
+  int runtime_version = 0;  // e.g. 13000 for CUDA 13.0; 0 if unknown
+  int driver_version = 0;   // 0: no CUDA driver found
+  int device_count = 0;
+  std::string error;  // why no device is visible, if none is
+  std::vector<DeviceInfo> devices;
+};
+
+// What CUDA this process sees. Never throws.
+RuntimeInfo probe();
+
+// The current device of the calling thread (cudaGetDevice); throws DriverError without a
+// usable CUDA device.
+int current_device();
+// Number of visible devices; 0 without a driver or GPU. Never throws.
+int device_count();
+
+class CudaDriver final : public Driver {
+ public:
+  // Throws DriverError if `device` does not exist or CUDA is unusable here.
+  explicit CudaDriver(int device);
+  ~CudaDriver() override;
+
+  int device() const override { return device_; }
+  DevicePtr allocate(std::size_t bytes) override;
+  void free(DevicePtr ptr, std::size_t bytes) override;
+  MemInfo mem_info() override;
+  EventId create_event() override;
+  void destroy_event(EventId event) override;
+  void record_event(EventId event, StreamId stream) override;
+  bool query_event(EventId event) override;
+  void synchronize_event(EventId event) override;
+  void synchronize_stream(StreamId stream) override;
+  std::int64_t now_us() override;
+  std::string name() const override { return name_; }
+
+ private:
+  int device_;
+  std::string name_;
+};
+
+}  // namespace ccalloc::cuda

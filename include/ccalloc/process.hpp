@@ -1,0 +1,82 @@
+// The process-wide entry point: one Allocator per device, created on first use.
+//
+//   auto& cc = ccalloc::ProcessAllocator::instance();   // real GPUs, CCALLOC_CONF
+//   void* p = reinterpret_cast<void*>(cc.malloc(bytes, stream));
+//   cc.free(reinterpret_cast<ccalloc::DevicePtr>(p));    // any thread, any current device
+//
+// A pointer freed from any thread, whatever device is current, goes back to the allocator
+// of the device that allocated it. All methods are thread safe. `device` -1 means the
+// calling thread's current device.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "ccalloc/allocator.hpp"
+
+namespace ccalloc {
+
+class ProcessAllocator {
+ public:
+  // Where devices come from: real CUDA devices for instance(); a simulated machine in tests.
+  struct Devices {
+    int count = 0;
+    std::function<std::unique_ptr<Driver>(int device)> make_driver;
+    std::function<int()> current_device;
+  };
+  static constexpr int kMaxDevices = 64;
+
+  // The process's allocator over CUDA devices, with Config::from_environment(). Throws
+  // ConfigError for a malformed environment config (on first use).
+  static ProcessAllocator& instance();
+
+  ProcessAllocator(Devices devices, Config config);
+  ~ProcessAllocator();
+  ProcessAllocator(const ProcessAllocator&) = delete;
+  ProcessAllocator& operator=(const ProcessAllocator&) = delete;
+
+  DevicePtr malloc(std::size_t size, StreamId stream = 0, int device = -1);
+  void free(DevicePtr ptr);
+  void record_stream(DevicePtr ptr, StreamId stream);
+  // Empties the cache of one device, or of every device created so far (-2).
+  void empty_cache(int device = kAllDevices);
+  DeviceStats stats(int device = -1);
+  std::string memory_summary(int device = -1, bool abbreviated = false);
+  void reset_peak_stats(int device = -1);
+  void reset_accumulated_stats(int device = -1);
+  void set_memory_fraction(double fraction, int device = -1);
+  MemInfo mem_get_info(int device = -1);
+
+  // The allocator of `device` (-1: current), created on first use. Throws DriverError for
+  // a device that does not exist.
+  Allocator& allocator(int device = -1);
+  // The device whose allocator holds `ptr` live, or -1.
+  int device_of(DevicePtr ptr);
+  int device_count() const { return devices_.count; }
+  const Config& config() const { return config_; }
+
+  static constexpr int kAllDevices = -2;
+
+ private:
+  struct Slot {
+    std::unique_ptr<Driver> driver;
+    std::unique_ptr<Allocator> allocator;
+  };
+  int resolve(int device) const;
+  Allocator* existing(int device) const;
+
+  const Devices devices_;
+  const Config config_;
+  std::mutex create_mutex_;
+  std::array<Slot, kMaxDevices> slots_;
+  std::array<std::atomic<Allocator*>, kMaxDevices> allocators_{};
+  // The one device with an allocator while there is exactly one (the common case: frees
+  // need no search); -1 before the first, -2 once there are several.
+  std::atomic<int> sole_device_{-1};
+};
+
+}  // namespace ccalloc

@@ -1,0 +1,140 @@
+#include "ccalloc/process.hpp"
+
+#include <cinttypes>
+#include <cstdio>
+
+#include "ccalloc/cuda.hpp"
+
+namespace ccalloc {
+
+ProcessAllocator& ProcessAllocator::instance() {
+  // Deliberately never destroyed: allocations may be freed by other static destructors,
+  // and CUDA may already be torn down at exit.
+  static ProcessAllocator* const process = [] {
+    Devices devices;
+    devices.count = cuda::device_count();
+    devices.make_driver = [](int device) { return std::make_unique<cuda::CudaDriver>(device); };
+    devices.current_device = [] { return cuda::current_device(); };
+    return new ProcessAllocator(std::move(devices), Config::from_environment());
+  }();
+  return *process;
+}
+
+ProcessAllocator::ProcessAllocator(Devices devices, Config config)
+    : devices_(std::move(devices)), config_(std::move(config)) {}
+
+ProcessAllocator::~ProcessAllocator() = default;
+
+int ProcessAllocator::resolve(int device) const {
+  if (device == -1) device = devices_.current_device();
+  if (device < 0 || device >= devices_.count || device >= kMaxDevices) {
+    throw DriverError("ccalloc: device " + std::to_string(device) + " does not exist (" +
+                      std::to_string(devices_.count) + " visible)");
+  }
+  return device;
+}
+
+Allocator* ProcessAllocator::existing(int device) const {
+  return allocators_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+}
+
+Allocator& ProcessAllocator::allocator(int device) {
+  device = resolve(device);
+  if (Allocator* a = existing(device)) return *a;
+  std::lock_guard lock(create_mutex_);
+  if (Allocator* a = existing(device)) return *a;
+  Slot& slot = slots_[static_cast<std::size_t>(device)];
+  slot.driver = devices_.make_driver(device);
+  slot.allocator = std::make_unique<Allocator>(*slot.driver, config_);
+  allocators_[static_cast<std::size_t>(device)].store(slot.allocator.get(),
+                                                      std::memory_order_release);
+  sole_device_.store(sole_device_.load() == -1 ? device : -2, std::memory_order_release);
+  return *slot.allocator;
+}
+
+int ProcessAllocator::device_of(DevicePtr ptr) {
+  if (ptr == 0) return -1;
+  const int n = std::min(devices_.count, kMaxDevices);
+  // The current device is the likely owner; try it first.
+  int current = -1;
+  try {
+    current = devices_.current_device();
+  } catch (const Error&) {
+  }
+  if (current >= 0 && current < n) {
+    if (Allocator* a = existing(current); a != nullptr && a->allocation_size(ptr) != 0) {
+      return current;
+    }
+  }
+  for (int d = 0; d < n; ++d) {
+    if (d == current) continue;
+    if (Allocator* a = existing(d); a != nullptr && a->allocation_size(ptr) != 0) return d;
+  }
+  return -1;
+}
+
+DevicePtr ProcessAllocator::malloc(std::size_t size, StreamId stream, int device) {
+  return allocator(device).malloc(size, stream);
+}
+
+void ProcessAllocator::free(DevicePtr ptr) {
+  if (ptr == 0) return;
+  if (const int sole = sole_device_.load(std::memory_order_acquire); sole >= 0) {
+    existing(sole)->free(ptr);  // throws InvalidPointerError for a pointer it does not hold
+    return;
+  }
+  const int device = device_of(ptr);
+  if (device < 0) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf,
+                  "ccalloc: free of pointer 0x%" PRIxPTR
+                  ", which is not a live allocation on any device: it was never returned by "
+                  "malloc, or it was already freed",
+                  ptr);
+    throw InvalidPointerError(buf, ptr);
+  }
+  existing(device)->free(ptr);
+}
+
+void ProcessAllocator::record_stream(DevicePtr ptr, StreamId stream) {
+  const int device = device_of(ptr);
+  if (device < 0) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf,
+                  "ccalloc: record_stream of pointer 0x%" PRIxPTR
+                  ", which is not a live allocation on any device",
+                  ptr);
+    throw InvalidPointerError(buf, ptr);
+  }
+  existing(device)->record_stream(ptr, stream);
+}
+
+void ProcessAllocator::empty_cache(int device) {
+  if (device != kAllDevices) {
+    allocator(device).empty_cache();
+    return;
+  }
+  for (int d = 0; d < std::min(devices_.count, kMaxDevices); ++d) {
+    if (Allocator* a = existing(d)) a->empty_cache();
+  }
+}
+
+DeviceStats ProcessAllocator::stats(int device) { return allocator(device).stats(); }
+
+std::string ProcessAllocator::memory_summary(int device, bool abbreviated) {
+  return allocator(device).memory_summary(abbreviated);
+}
+
+void ProcessAllocator::reset_peak_stats(int device) { allocator(device).reset_peak_stats(); }
+
+void ProcessAllocator::reset_accumulated_stats(int device) {
+  allocator(device).reset_accumulated_stats();
+}
+
+void ProcessAllocator::set_memory_fraction(double fraction, int device) {
+  allocator(device).set_memory_fraction(fraction);
+}
+
+MemInfo ProcessAllocator::mem_get_info(int device) { return allocator(device).mem_get_info(); }
+
+}  // namespace ccalloc
