@@ -1,0 +1,130 @@
+// ProcessAllocator routing over simulated devices, and the C API on a machine without a
+// GPU (errors as codes and messages, never exceptions).
+#include "ccalloc/process.hpp"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+
+#include "ccalloc/ccalloc.h"
+#include "ccalloc/cuda.hpp"
+#include "ccalloc/sim.hpp"
+
+namespace {
+
+using ccalloc::DevicePtr;
+using ccalloc::ProcessAllocator;
+
+thread_local int t_current_device = 0;
+
+// A machine of `n` simulated GPUs whose current device is per thread, as with CUDA.
+ProcessAllocator::Devices simulated_machine(int n) {
+  ProcessAllocator::Devices d;
+  d.count = n;
+  d.make_driver = [](int device) {
+    ccalloc::sim::Options o;
+    o.device = device;
+    o.capacity = std::size_t{8} << 30;
+    o.base_address = 0x100000000000 + static_cast<DevicePtr>(device) * 0x10000000000;
+    return std::make_unique<ccalloc::sim::SimDriver>(o);
+  };
+  d.current_device = [] { return t_current_device; };
+  return d;
+}
+
+TEST(ProcessAllocator, MallocUsesTheCurrentDevice) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+  t_current_device = 1;
+  const DevicePtr ptr = p.malloc(4096);
+  t_current_device = 0;
+  EXPECT_EQ(p.device_of(ptr), 1);
+  EXPECT_EQ(p.stats(1).allocation[ccalloc::kAggregate].current, 1);
+  EXPECT_EQ(p.stats(0).allocation[ccalloc::kAggregate].current, 0);
+  p.free(ptr);
+}
+
+TEST(ProcessAllocator, FreeFromAnotherThreadReturnsToTheOwningDevice) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+  t_current_device = 0;
+  const DevicePtr on0 = p.malloc(1 << 20, 0, 0);
+  const DevicePtr on1 = p.malloc(1 << 20, 0, 1);
+  std::thread([&] {
+    t_current_device = 1;  // the "wrong" device for on0
+    p.free(on0);
+    t_current_device = 0;  // and for on1
+    p.free(on1);
+  }).join();
+  for (int d : {0, 1}) {
+    const auto s = p.stats(d);
+    EXPECT_EQ(s.allocation[ccalloc::kAggregate].current, 0) << "device " << d;
+    EXPECT_EQ(s.allocation[ccalloc::kAggregate].allocated, 1) << "device " << d;
+  }
+}
+
+TEST(ProcessAllocator, UnknownPointerIsAnErrorNamingIt) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+  const DevicePtr ptr = p.malloc(512, 0, 0);
+  p.free(ptr);
+  try {
+    p.free(ptr);
+    FAIL() << "double free accepted";
+  } catch (const ccalloc::InvalidPointerError& e) {
+    EXPECT_EQ(e.ptr(), ptr);
+    EXPECT_NE(std::string(e.what()).find("0x100000000000"), std::string::npos) << e.what();
+  }
+  (void)p.malloc(512, 0, 1);  // two devices now: the search path
+  EXPECT_THROW(p.free(ptr), ccalloc::InvalidPointerError);
+  EXPECT_THROW(p.record_stream(ptr, 5), ccalloc::InvalidPointerError);
+}
+
+TEST(ProcessAllocator, DeviceOutOfRangeIsADriverError) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+  EXPECT_THROW(p.malloc(512, 0, 2), ccalloc::DriverError);
+  EXPECT_THROW(p.allocator(-5), ccalloc::DriverError);
+}
+
+TEST(ProcessAllocator, EmptyCacheOfAllDevicesReleasesEveryCachedSegment) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+  p.free(p.malloc(1 << 20, 0, 0));
+  p.free(p.malloc(1 << 20, 0, 1));
+  p.empty_cache(ProcessAllocator::kAllDevices);
+  for (int d : {0, 1}) EXPECT_EQ(p.stats(d).reserved_bytes[ccalloc::kAggregate].current, 0);
+}
+
+TEST(ProcessAllocator, RecordStreamRoutesToTheOwningDevice) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+  t_current_device = 0;
+  (void)p.malloc(512, 0, 0);
+  const DevicePtr ptr = p.malloc(512, 0, 1);
+  p.record_stream(ptr, 9);
+  p.free(ptr);
+  // Pending on stream 9's event: still active on device 1.
+  EXPECT_EQ(p.stats(1).active[ccalloc::kAggregate].current, 1);
+}
+
+// On a machine without a CUDA device every call reports an error through the C API.
+TEST(CApi, WithoutAGpuCallsFailWithAReadableMessage) {
+  if (ccalloc::cuda::device_count() > 0) GTEST_SKIP() << "a GPU is present";
+  void* ptr = reinterpret_cast<void*>(1);
+  EXPECT_EQ(ccalloc_malloc(&ptr, 1024, -1, nullptr), CCALLOC_ERROR_DRIVER);
+  EXPECT_EQ(ptr, nullptr);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("CUDA"), std::string::npos)
+      << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_torch_alloc(1024, 0, nullptr), nullptr);
+  size_t free_bytes = 0, total = 0;
+  EXPECT_EQ(ccalloc_mem_get_info(0, &free_bytes, &total), CCALLOC_ERROR_DRIVER);
+}
+
+TEST(CApi, NullArgumentsAreInvalidValues) {
+  EXPECT_EQ(ccalloc_malloc(nullptr, 16, 0, nullptr), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("ptr is NULL"), std::string::npos);
+  EXPECT_EQ(ccalloc_get_stat(0, nullptr, nullptr), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_EQ(ccalloc_mem_get_info(0, nullptr, nullptr), CCALLOC_ERROR_INVALID_VALUE);
+}
+
+TEST(CApi, FreeOfNullSucceeds) { EXPECT_EQ(ccalloc_free(nullptr), CCALLOC_SUCCESS); }
+
+TEST(CApi, VersionIsTheProjectVersion) { EXPECT_STREQ(ccalloc_version(), "0.1.0"); }
+
+}  // namespace
