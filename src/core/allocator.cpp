@@ -98,7 +98,7 @@ void Engine::free(DevicePtr ptr) {
   if (arena == nullptr) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
   {
     std::lock_guard lock(arena->mutex);
-    Block* block = active_.erase(ptr);  // may be gone: a concurrent double free
+    Block* block = active_.erase(ptr, arena);  // may be gone: a concurrent double free
     if (block == nullptr) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
     release_allocation(*arena, block);
   }
@@ -390,9 +390,11 @@ std::size_t ActiveIndex::size_of(DevicePtr ptr) const {
   return b == nullptr ? 0 : b->size;
 }
 
-Block* ActiveIndex::erase(DevicePtr ptr) {
+Block* ActiveIndex::erase(DevicePtr ptr, const Arena* arena) {
   Shard& s = shards_[shard_of(ptr)];
   std::lock_guard lock(s.lock);
+  const Block* b = s.map.find(ptr);
+  if (b == nullptr || b->pool->arena != arena) return nullptr;
   return s.map.erase(ptr);
 }
 

@@ -51,8 +51,10 @@ class ActiveIndex {
   void insert(Block* b);
   // The arena of the live block at `ptr`, or nullptr.
   Arena* arena_of(DevicePtr ptr) const;
-  // Removes and returns the live block at `ptr`, or nullptr.
-  Block* erase(DevicePtr ptr);
+  // Removes and returns the live block at `ptr` if it belongs to `arena`, else nullptr
+  // (the caller holds that arena's lock; a racing double free may have let another arena
+  // reuse the address).
+  Block* erase(DevicePtr ptr, const Arena* arena);
   Block* find(DevicePtr ptr) const;
   // Rounded size of the live block at `ptr`, or 0. Needs no arena lock: a block's size
   // does not change while it is allocated, and it leaves the index before it is freed.
