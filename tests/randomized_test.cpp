@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -69,6 +70,15 @@ constexpr std::uint64_t kSeeds[] = {1, 2, 3};
 constexpr std::uint64_t kOpsPerRun = 70'000;
 static_assert(std::size(kRuns) * std::size(kSeeds) * kOpsPerRun >= 1'000'000,
               "the randomized test must total at least 1e6 operations");
+
+// Sanitizer builds run a share of the operations (CCALLOC_TEST_SCALE, e.g. 0.1 from
+// scripts/test); the plain build always runs all of them.
+std::uint64_t ops_per_run() {
+  const char* scale = std::getenv("CCALLOC_TEST_SCALE");
+  const double f = scale == nullptr ? 1.0 : std::strtod(scale, nullptr);
+  return f > 0.0 && f < 1.0 ? static_cast<std::uint64_t>(static_cast<double>(kOpsPerRun) * f)
+                            : kOpsPerRun;
+}
 
 struct Live {
   DevicePtr ptr = 0;
@@ -528,16 +538,17 @@ TEST_P(Randomized, ShadowModelAndInvariantsHoldAfterEveryOperation) {
   SCOPED_TRACE(std::string("conf=") + p.spec.conf + " seed=" + std::to_string(p.seed));
   const auto start = std::chrono::steady_clock::now();
   Harness h(p.spec, p.seed);
-  h.run(kOpsPerRun);
+  const std::uint64_t ops = ops_per_run();
+  h.run(ops);
   if (HasFatalFailure()) return;
   h.drain();
   const Counts& c = h.counts();
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_EQ(c.ops, kOpsPerRun);
+  EXPECT_EQ(c.ops, ops);
   // The small device must make the OOM ladder and the cross-stream paths run regularly.
-  EXPECT_GT(c.ooms, kOpsPerRun / 1000);
-  EXPECT_GT(c.pending_frees, kOpsPerRun / 100);
+  EXPECT_GT(c.ooms, ops / 1000);
+  EXPECT_GT(c.pending_frees, ops / 100);
   std::printf(
       "[ conf=%s seed=%llu ] %llu ops in %.2f s: %llu mallocs (%llu OOM), %llu frees (%llu "
       "cross-stream), %llu record_stream, %llu completions, %llu empty_cache, %llu fraction, "

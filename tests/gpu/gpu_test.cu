@@ -1,0 +1,774 @@
+// GPU tests: ccalloc on real CUDA devices, proven by data.
+//
+// Kernels write a pattern derived from (allocation id, word index) into every allocation
+// and check it before the allocation is freed; an allocator that hands out memory still in
+// use (overlapping live blocks, a cross-stream free reused too early) shows up as
+// mismatching words. Every test skips itself when no CUDA device is visible, so the suite
+// passes on CI machines without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ccalloc/allocator.hpp"
+#include "ccalloc/cuda.hpp"
+#include "ccalloc/process.hpp"
+#if CCALLOC_GPU_TEST_HAVE_C_API
+#include "ccalloc/ccalloc.h"
+#endif
+
+namespace {
+
+using ccalloc::DevicePtr;
+using ccalloc::kAggregate;
+using ccalloc::StreamId;
+
+constexpr std::size_t kKiB = 1024;
+constexpr std::size_t kMiB = 1024 * kKiB;
+constexpr std::size_t kGiB = 1024 * kMiB;
+
+// The allocator configurations every allocator test runs under.
+// TODO(expandable segments): add "ccalloc,expandable_segments:True" once the engine has it.
+constexpr const char* kConfigs[] = {"pytorch", "ccalloc"};
+
+// ---------------------------------------------------------------------------------------
+// CUDA helpers
+
+::testing::AssertionResult CudaOk(const char* expr, cudaError_t err) {
+  if (err == cudaSuccess) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << expr << " failed: " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
+}
+#define ASSERT_CUDA(expr) ASSERT_PRED_FORMAT1(CudaOk, expr)
+#define EXPECT_CUDA(expr) EXPECT_PRED_FORMAT1(CudaOk, expr)
+
+// For code outside a test body (worker threads): a CUDA failure becomes an exception.
+void cuda_or_throw(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + " failed: " + cudaGetErrorName(err) + " (" +
+                             cudaGetErrorString(err) + ")");
+  }
+}
+
+// True once `event` has completed; never blocks.
+bool event_done(cudaEvent_t event) {
+  const cudaError_t err = cudaEventQuery(event);
+  if (err == cudaSuccess) return true;
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  cuda_or_throw(err, "cudaEventQuery");
+  return false;
+}
+
+StreamId stream_id(cudaStream_t stream) {
+  return reinterpret_cast<std::uintptr_t>(stream);
+}
+
+std::string hex(std::uintptr_t value) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%" PRIxPTR, value);
+  return buf;
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// ---------------------------------------------------------------------------------------
+// Kernels: fill an allocation with its pattern, verify it, and a late writer.
+
+__device__ __forceinline__ std::uint32_t pattern(std::uint32_t id, std::size_t word) {
+  std::uint32_t x = id * 0x9E3779B1u ^ static_cast<std::uint32_t>(word) * 0x85EBCA77u ^
+                    static_cast<std::uint32_t>(word >> 32) * 0xC2B2AE3Du;
+  x ^= x >> 15;
+  x *= 0x2C1B3C6Du;
+  x ^= x >> 12;
+  x *= 0x297A2D39u;
+  x ^= x >> 15;
+  return x;
+}
+
+__global__ void fill_kernel(std::uint32_t* words, std::size_t count, std::uint32_t id) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    words[i] = pattern(id, i);
+  }
+}
+
+__global__ void verify_kernel(const std::uint32_t* words, std::size_t count, std::uint32_t id,
+                              unsigned long long* mismatches) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    if (words[i] != pattern(id, i)) ++bad;
+  }
+  if (bad != 0) atomicAdd(mismatches, bad);
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spins for at least `want_ns` of wall time (the global timer) and `min_cycles` SM cycles,
+// or `max_cycles` at most should the timer not advance, THEN writes pattern `id`.
+__global__ void spin_then_fill_kernel(std::uint32_t* words, std::size_t count, std::uint32_t id,
+                                      long long min_cycles, long long max_cycles,
+                                      unsigned long long want_ns) {
+  const long long c0 = clock64();
+  const unsigned long long t0 = global_timer_ns();
+  for (;;) {
+    const long long cycles = clock64() - c0;
+    const unsigned long long elapsed = global_timer_ns() - t0;
+    if ((elapsed >= want_ns && cycles >= min_cycles) || cycles >= max_cycles) break;
+  }
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    words[i] = pattern(id, i);
+  }
+}
+
+constexpr unsigned kThreadsPerBlock = 256;
+
+unsigned grid_for(std::size_t words) {
+  const std::size_t blocks = (words + kThreadsPerBlock - 1) / kThreadsPerBlock;
+  return static_cast<unsigned>(std::clamp<std::size_t>(blocks, 1, 1024));
+}
+
+// Launches return the launch error (cudaGetLastError), cudaSuccess when queued.
+cudaError_t launch_fill(DevicePtr ptr, std::size_t bytes, std::uint32_t id, cudaStream_t stream) {
+  const std::size_t words = bytes / sizeof(std::uint32_t);
+  fill_kernel<<<grid_for(words), kThreadsPerBlock, 0, stream>>>(
+      reinterpret_cast<std::uint32_t*>(ptr), words, id);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_verify(DevicePtr ptr, std::size_t bytes, std::uint32_t id, cudaStream_t stream,
+                          unsigned long long* mismatches) {
+  const std::size_t words = bytes / sizeof(std::uint32_t);
+  verify_kernel<<<grid_for(words), kThreadsPerBlock, 0, stream>>>(
+      reinterpret_cast<const std::uint32_t*>(ptr), words, id, mismatches);
+  return cudaGetLastError();
+}
+
+// How long the late writer spins: ~`ms` of wall time, measured on the global timer, with
+// cycle bounds from the device's peak clock rate as a floor and as a safety stop.
+struct SpinPlan {
+  long long min_cycles = 0;
+  long long max_cycles = 0;
+  unsigned long long want_ns = 0;
+};
+
+SpinPlan spin_plan(int device, double ms) {
+  int khz = 0;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device) != cudaSuccess || khz <= 0) {
+    (void)cudaGetLastError();
+    khz = 2'000'000;  // 2 GHz: above any current GPU's peak, so the floor stays short
+  }
+  const double cycles = static_cast<double>(khz) * ms;  // kHz x ms = cycles
+  SpinPlan plan;
+  plan.min_cycles = static_cast<long long>(cycles / 10);  // the timer may run fast: not < 10 %
+  plan.max_cycles = static_cast<long long>(cycles * 20);  // the timer may be stuck: stop
+  plan.want_ns = static_cast<unsigned long long>(ms * 1e6);
+  return plan;
+}
+
+// Device memory outside any allocator, for mismatch counters.
+class DeviceCounters {
+ public:
+  explicit DeviceCounters(std::size_t n) : n_(n) {
+    cuda_or_throw(cudaMalloc(&counters_, n * sizeof(unsigned long long)), "cudaMalloc(counters)");
+    cuda_or_throw(cudaMemset(counters_, 0, n * sizeof(unsigned long long)), "cudaMemset");
+  }
+  ~DeviceCounters() { (void)cudaFree(counters_); }
+  DeviceCounters(const DeviceCounters&) = delete;
+  DeviceCounters& operator=(const DeviceCounters&) = delete;
+
+  unsigned long long* at(std::size_t i) const { return counters_ + i; }
+  // Copies the counters back (synchronises with the device).
+  std::vector<unsigned long long> read() const {
+    std::vector<unsigned long long> host(n_);
+    cuda_or_throw(
+        cudaMemcpy(host.data(), counters_, n_ * sizeof(unsigned long long), cudaMemcpyDeviceToHost),
+        "cudaMemcpy(counters)");
+    return host;
+  }
+
+ private:
+  std::size_t n_;
+  unsigned long long* counters_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------
+// One device allocator per test, under each configuration.
+
+class GpuAllocatorTest : public ::testing::TestWithParam<const char*> {};
+
+std::string config_test_name(const ::testing::TestParamInfo<const char*>& info) {
+  std::string name;
+  for (const char* c = info.param; *c != '\0'; ++c) {
+    name += std::isalnum(static_cast<unsigned char>(*c)) ? *c : '_';
+  }
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, GpuAllocatorTest, ::testing::ValuesIn(kConfigs),
+                         config_test_name);
+
+// a. Four host threads, each owning one stream, run >= 100,000 random mallocs and frees;
+// every allocation is filled on its stream and verified before it is freed, some also
+// read on another stream and handed to record_stream. Any reuse of memory still in use
+// corrupts a pattern.
+TEST_P(GpuAllocatorTest, FuzzOnFourStreamsFromFourThreadsKeepsEveryAllocationIntact) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  ASSERT_CUDA(cudaSetDevice(0));
+  ccalloc::cuda::CudaDriver drv(0);
+  ccalloc::Allocator alloc(drv, ccalloc::Config::parse(GetParam()));
+
+  constexpr int kThreads = 4;
+  constexpr long kOpsPerThread = 25'000;  // 100,000 in all, before the final frees
+  constexpr std::size_t kLiveTarget = 64;
+  constexpr std::size_t kMinSize = 512;
+  constexpr std::size_t kMaxSize = 8 * kMiB;
+  constexpr double kOtherStreamMalloc = 0.05;  // share of mallocs on another thread's stream
+  constexpr double kCrossStreamRead = 0.10;    // share of frees read on another stream first
+
+  std::vector<cudaStream_t> streams(kThreads);
+  for (auto& s : streams)
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  DeviceCounters mismatches(kThreads);
+
+  std::atomic<std::uint32_t> next_id{1};
+  std::atomic<long> operations{0};
+  std::atomic<long> ooms{0};
+  std::atomic<long> cross_stream_reads{0};
+  std::atomic<long> bad_allocations{0};  // misaligned or too small
+  std::mutex errors_mutex;
+  std::vector<std::string> errors;
+
+  auto worker = [&](int self) {
+    struct Live {
+      DevicePtr ptr;
+      std::size_t size;
+      std::uint32_t id;
+      int stream;  // index into `streams`
+    };
+    cudaEvent_t ready = nullptr;
+    try {
+      cuda_or_throw(cudaSetDevice(0), "cudaSetDevice");
+      cuda_or_throw(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+      std::mt19937_64 rng(0x5EED0000u + static_cast<unsigned>(self));
+      std::uniform_real_distribution<double> unit(0.0, 1.0);
+      std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(kMinSize)),
+                                                      std::log(static_cast<double>(kMaxSize)));
+      std::uniform_int_distribution<int> other_offset(1, kThreads - 1);
+      auto other_stream = [&](int of) { return (of + other_offset(rng)) % kThreads; };
+      std::vector<Live> live;
+      live.reserve(2 * kLiveTarget);
+      long ops = 0;
+
+      auto release = [&](std::size_t k) {
+        const Live a = live[k];
+        live[k] = live.back();
+        live.pop_back();
+        if (unit(rng) < kCrossStreamRead) {
+          const int o = other_stream(a.stream);
+          cuda_or_throw(cudaEventRecord(ready, streams[a.stream]), "cudaEventRecord");
+          cuda_or_throw(cudaStreamWaitEvent(streams[o], ready, 0), "cudaStreamWaitEvent");
+          cuda_or_throw(launch_verify(a.ptr, a.size, a.id, streams[o], mismatches.at(self)),
+                        "verify_kernel (other stream)");
+          alloc.record_stream(a.ptr, stream_id(streams[o]));
+          cross_stream_reads.fetch_add(1, std::memory_order_relaxed);
+        }
+        cuda_or_throw(launch_verify(a.ptr, a.size, a.id, streams[a.stream], mismatches.at(self)),
+                      "verify_kernel");
+        alloc.free(a.ptr);
+        ++ops;
+      };
+
+      for (long step = 0; step < kOpsPerThread; ++step) {
+        // The checker takes every arena lock: it must see a consistent state mid-run too.
+        if (self == 0 && step % 5000 == 4999) alloc.check_invariants();
+        const bool do_malloc = live.empty() || (live.size() < kLiveTarget && unit(rng) < 0.7);
+        if (!do_malloc) {
+          std::uniform_int_distribution<std::size_t> pick(0, live.size() - 1);
+          release(pick(rng));
+          continue;
+        }
+        const auto size =
+            std::clamp(static_cast<std::size_t>(std::exp(log_size(rng))), kMinSize, kMaxSize);
+        const int s = unit(rng) < kOtherStreamMalloc ? other_stream(self) : self;
+        ++ops;
+        DevicePtr ptr = 0;
+        try {
+          ptr = alloc.malloc(size, stream_id(streams[s]));
+        } catch (const ccalloc::OutOfMemoryError&) {
+          ooms.fetch_add(1, std::memory_order_relaxed);
+          continue;
+        }
+        if (ptr % 512 != 0 || alloc.allocation_size(ptr) < size) {
+          bad_allocations.fetch_add(1, std::memory_order_relaxed);
+        }
+        const std::uint32_t id = next_id.fetch_add(1, std::memory_order_relaxed);
+        cuda_or_throw(launch_fill(ptr, size, id, streams[s]), "fill_kernel");
+        live.push_back({ptr, size, id, s});
+      }
+      while (!live.empty())
+        release(live.size() - 1);
+      operations.fetch_add(ops, std::memory_order_relaxed);
+    } catch (const std::exception& e) {
+      std::lock_guard lock(errors_mutex);
+      errors.push_back("thread " + std::to_string(self) + ": " + e.what());
+    }
+    if (ready != nullptr) (void)cudaEventDestroy(ready);
+  };
+
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back(worker, t);
+  for (auto& t : threads)
+    t.join();
+
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<unsigned long long> counts;
+  ASSERT_NO_THROW(counts = mismatches.read());
+  unsigned long long total_mismatches = 0;
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(counts[t], 0u) << "mismatching words seen by thread " << t;
+    total_mismatches += counts[t];
+  }
+  for (const auto& e : errors)
+    ADD_FAILURE() << e;
+  EXPECT_EQ(total_mismatches, 0u);
+  EXPECT_EQ(ooms.load(), 0) << "unexpected OutOfMemoryError";
+  EXPECT_EQ(bad_allocations.load(), 0) << "allocations misaligned or smaller than requested";
+  EXPECT_GE(operations.load(), kThreads * kOpsPerThread);
+  EXPECT_GT(cross_stream_reads.load(), 0);
+  EXPECT_NO_THROW(alloc.check_invariants());
+  const ccalloc::DeviceStats stats = alloc.stats();
+  EXPECT_EQ(stats.allocation[kAggregate].current, 0);
+  EXPECT_EQ(stats.allocated_bytes[kAggregate].current, 0);
+
+  RecordProperty("operations", std::to_string(operations.load()));
+  RecordProperty("cross_stream_reads", std::to_string(cross_stream_reads.load()));
+  RecordProperty("reserved_bytes_peak", std::to_string(stats.reserved_bytes[kAggregate].peak));
+  std::printf(
+      "fuzz [%s]: %ld operations, %ld cross-stream reads, %llu mismatching words, "
+      "reserved peak %s\n",
+      GetParam(), operations.load(), cross_stream_reads.load(), total_mismatches,
+      ccalloc::format_size(static_cast<std::uint64_t>(stats.reserved_bytes[kAggregate].peak))
+          .c_str());
+  for (auto s : streams)
+    EXPECT_CUDA(cudaStreamDestroy(s));
+}
+
+// b. record_stream, proven by data. B is freed on the host while a kernel on another stream
+// S2 is still going to write it; buffers then allocated on S1 must not include B until
+// that kernel has finished, else its late write corrupts one of them.
+struct RecordStreamRun {
+  bool conclusive = false;  // S2's kernel still ran after every new buffer was queued
+  unsigned long long corrupted_words = 0;
+  unsigned long long b_words_not_late_pattern = 0;  // B must hold the late pattern (if kept)
+  int early_reuses = 0;  // B returned while S2's kernel was provably still running
+  bool b_handed_out = false;
+  DevicePtr b = 0;
+  DevicePtr after_sync = 0;
+  double spin_ms = 0;
+};
+
+void run_record_stream_case(const char* conf, double spin_ms, RecordStreamRun& run) {
+  constexpr std::size_t kSize = 1 * kMiB;
+  constexpr int kBuffers = 15;  // odd: S1's 2 MiB small segments end fully used, B aside
+  constexpr std::uint32_t kIdB = 1;
+  constexpr std::uint32_t kIdLate = 2;
+  constexpr std::uint32_t kIdFirstBuffer = 100;
+
+  ASSERT_CUDA(cudaSetDevice(0));
+  ccalloc::cuda::CudaDriver drv(0);
+  ccalloc::Allocator alloc(drv, ccalloc::Config::parse(conf));
+  cudaStream_t s1 = nullptr, s2 = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  cudaEvent_t ready = nullptr, done = nullptr;
+  ASSERT_CUDA(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  ASSERT_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  DeviceCounters counters(2);  // 0: corruption of new buffers, 1: B's late pattern
+  const SpinPlan plan = spin_plan(0, spin_ms);
+  const std::size_t words = kSize / sizeof(std::uint32_t);
+
+  const DevicePtr b = alloc.malloc(kSize, stream_id(s1));
+  run.b = b;
+  ASSERT_CUDA(launch_fill(b, kSize, kIdB, s1));
+  ASSERT_CUDA(cudaEventRecord(ready, s1));
+  ASSERT_CUDA(cudaStreamWaitEvent(s2, ready, 0));
+  const auto t0 = std::chrono::steady_clock::now();
+  spin_then_fill_kernel<<<1, kThreadsPerBlock, 0, s2>>>(reinterpret_cast<std::uint32_t*>(b), words,
+                                                        kIdLate, plan.min_cycles, plan.max_cycles,
+                                                        plan.want_ns);
+  ASSERT_CUDA(cudaGetLastError());
+  ASSERT_CUDA(cudaEventRecord(done, s2));
+  alloc.record_stream(b, stream_id(s2));
+  alloc.free(b);
+
+  std::vector<DevicePtr> buffers;
+  for (int i = 0; i < kBuffers; ++i) {
+    const DevicePtr p = alloc.malloc(kSize, stream_id(s1));
+    // Checked after malloc returned: if S2's kernel is still running now, it was when the
+    // allocator looked at B's pending free.
+    const bool kernel_done = event_done(done);
+    if (p == b) {
+      run.b_handed_out = true;
+      if (!kernel_done) ++run.early_reuses;
+    }
+    ASSERT_CUDA(launch_fill(p, kSize, kIdFirstBuffer + static_cast<std::uint32_t>(i), s1));
+    buffers.push_back(p);
+  }
+  run.conclusive = !event_done(done);
+
+  // Only once both streams are idle has the late write landed: verify after that.
+  ASSERT_CUDA(cudaStreamSynchronize(s2));
+  run.spin_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_CUDA(cudaStreamSynchronize(s1));
+  for (int i = 0; i < kBuffers; ++i) {
+    ASSERT_CUDA(launch_verify(buffers[i], kSize, kIdFirstBuffer + static_cast<std::uint32_t>(i), s1,
+                              counters.at(0)));
+  }
+  if (!run.b_handed_out) ASSERT_CUDA(launch_verify(b, kSize, kIdLate, s1, counters.at(1)));
+  ASSERT_CUDA(cudaStreamSynchronize(s1));
+  std::vector<unsigned long long> counts;
+  ASSERT_NO_THROW(counts = counters.read());
+  run.corrupted_words = counts[0];
+  run.b_words_not_late_pattern = counts[1];
+
+  // S2 is idle: the next malloc processes B's pending free and, best fit at the lowest
+  // address, returns B.
+  run.after_sync = alloc.malloc(kSize, stream_id(s1));
+  buffers.push_back(run.after_sync);
+  for (DevicePtr p : buffers)
+    alloc.free(p);
+  EXPECT_NO_THROW(alloc.check_invariants());
+  EXPECT_CUDA(cudaEventDestroy(ready));
+  EXPECT_CUDA(cudaEventDestroy(done));
+  EXPECT_CUDA(cudaStreamDestroy(s1));
+  EXPECT_CUDA(cudaStreamDestroy(s2));
+}
+
+TEST_P(GpuAllocatorTest, BlockFreedWhileAnotherStreamStillUsesItIsNotReusedEarly) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  // The host must queue every new buffer while S2's kernel still runs for the run to prove
+  // anything; if it did not (a slow host), spin longer.
+  RecordStreamRun run;
+  for (double spin_ms : {50.0, 200.0, 800.0}) {
+    run = RecordStreamRun{};
+    run_record_stream_case(GetParam(), spin_ms, run);
+    if (HasFatalFailure()) return;
+    EXPECT_EQ(run.corrupted_words, 0u)
+        << "a buffer handed out on S1 was overwritten by S2's late write (spin " << spin_ms
+        << " ms): the allocator reused B before S2's work completed";
+    // Secondary: B was never returned while S2's kernel was provably still running.
+    EXPECT_EQ(run.early_reuses, 0) << "B (0x" << hex(run.b) << ") handed out before S2 finished";
+    if (!run.b_handed_out) {
+      EXPECT_EQ(run.b_words_not_late_pattern, 0u)
+          << "S2's kernel did not write B: the test's late writer did not run";
+      EXPECT_EQ(run.after_sync, run.b)
+          << "after S2 synchronised, malloc should return B (best fit, lowest address)";
+    }
+    if (run.conclusive) break;
+  }
+  RecordProperty("conclusive", run.conclusive ? "1" : "0");
+  RecordProperty("spin_ms", std::to_string(run.spin_ms));
+  if (!run.conclusive) {
+    std::printf(
+        "warning: S2's kernel finished before the host queued every buffer, even "
+        "spinning 800 ms: the record_stream test was inconclusive\n");
+  }
+}
+
+// c. A real OOM: 1 GiB blocks until the device is full. The error says what was asked for;
+// afterwards the allocator gives the memory back and serves 1 GiB again.
+TEST_P(GpuAllocatorTest, RealOutOfMemoryIsReportedAndTheAllocatorRecovers) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  ASSERT_CUDA(cudaSetDevice(0));
+  ccalloc::cuda::CudaDriver drv(0);
+  ccalloc::Allocator alloc(drv, ccalloc::Config::parse(GetParam()));
+  const std::size_t total = alloc.mem_get_info().total_bytes;
+  const std::size_t max_blocks = total / kGiB + 8;
+
+  std::vector<DevicePtr> blocks;
+  std::string message;
+  bool oom = false;
+  for (std::size_t i = 0; i < max_blocks && !oom; ++i) {
+    try {
+      blocks.push_back(alloc.malloc(kGiB));
+    } catch (const ccalloc::OutOfMemoryError& e) {
+      oom = true;
+      message = e.what();
+      EXPECT_EQ(e.requested_bytes(), kGiB);
+      EXPECT_EQ(e.device(), 0);
+    }
+  }
+  ASSERT_TRUE(oom) << "no OutOfMemoryError after " << blocks.size() << " GiB";
+  EXPECT_GT(blocks.size(), 0u);
+  EXPECT_TRUE(contains(message, "out of memory")) << message;
+  EXPECT_TRUE(contains(message, "1.00 GiB")) << message;
+  EXPECT_EQ(alloc.stats().num_ooms, 1);
+  EXPECT_NO_THROW(alloc.check_invariants());
+  std::printf("OOM after %zu x 1 GiB: %s\n", blocks.size(), message.c_str());
+
+  for (DevicePtr p : blocks)
+    alloc.free(p);
+  const std::int64_t reserved_before = alloc.stats().reserved_bytes[kAggregate].current;
+  std::size_t free_before = 0, free_after = 0, total_now = 0;
+  ASSERT_CUDA(cudaMemGetInfo(&free_before, &total_now));
+  alloc.empty_cache();
+  ASSERT_CUDA(cudaMemGetInfo(&free_after, &total_now));
+  const std::int64_t reserved_after = alloc.stats().reserved_bytes[kAggregate].current;
+  const std::int64_t released = reserved_before - reserved_after;
+  EXPECT_EQ(reserved_after, 0);
+  EXPECT_GE(static_cast<std::int64_t>(free_after) - static_cast<std::int64_t>(free_before),
+            released - static_cast<std::int64_t>(64 * kMiB))
+      << "empty_cache released " << released << " bytes of segments, but the device's free "
+      << "memory went from " << free_before << " to " << free_after;
+
+  DevicePtr again = 0;
+  EXPECT_NO_THROW(again = alloc.malloc(kGiB));
+  EXPECT_NE(again, 0u);
+  if (again != 0) alloc.free(again);
+  EXPECT_EQ(alloc.stats().num_ooms, 1);
+  EXPECT_NO_THROW(alloc.check_invariants());
+}
+
+// d. The per-process memory fraction caps reserved memory on a real device, and the OOM
+// it causes names the setting.
+TEST_P(GpuAllocatorTest, MemoryFractionCapsReservedMemory) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  ASSERT_CUDA(cudaSetDevice(0));
+  ccalloc::cuda::CudaDriver drv(0);
+  ccalloc::Allocator alloc(drv, ccalloc::Config::parse(GetParam()));
+  constexpr double kFraction = 0.05;
+  constexpr std::size_t kBlock = 256 * kMiB;
+  alloc.set_memory_fraction(kFraction);
+  const std::size_t total = alloc.mem_get_info().total_bytes;
+  const auto limit = static_cast<std::size_t>(kFraction * static_cast<double>(total));
+
+  std::vector<DevicePtr> blocks;
+  std::string message;
+  bool oom = false;
+  for (std::size_t i = 0; i < limit / kBlock + 8 && !oom; ++i) {
+    try {
+      blocks.push_back(alloc.malloc(kBlock));
+    } catch (const ccalloc::OutOfMemoryError& e) {
+      oom = true;
+      message = e.what();
+    }
+  }
+  ASSERT_TRUE(oom) << "no OutOfMemoryError after " << blocks.size() << " x 256 MiB";
+  EXPECT_LE(blocks.size(), limit / kBlock);
+  EXPECT_GE(blocks.size() + 1, limit / kBlock) << "the fraction refused memory below its limit";
+  const std::int64_t peak = alloc.stats().reserved_bytes[kAggregate].peak;
+  EXPECT_LE(peak, static_cast<std::int64_t>(limit));
+  EXPECT_TRUE(contains(message, "per_process_memory_fraction")) << message;
+  for (DevicePtr p : blocks)
+    alloc.free(p);
+  EXPECT_NO_THROW(alloc.check_invariants());
+  alloc.empty_cache();
+}
+
+// ---------------------------------------------------------------------------------------
+// e. The process-wide allocator on real devices.
+
+TEST(ProcessAllocatorGpu, PointerFreedFromAnotherThreadReturnsToItsDevice) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto& pa = ccalloc::ProcessAllocator::instance();
+  const int devices = ccalloc::cuda::device_count();
+  ASSERT_CUDA(cudaSetDevice(0));
+
+  // Frees `ptr` on a new thread; `other_device` >= 0 makes that device current there first,
+  // -1 leaves the thread without any CUDA call of its own.
+  auto free_elsewhere = [&](DevicePtr ptr, int other_device) {
+    std::string error;
+    int current_after = -1;
+    std::thread t([&] {
+      try {
+        if (other_device >= 0) cuda_or_throw(cudaSetDevice(other_device), "cudaSetDevice");
+        pa.free(ptr);
+        if (other_device >= 0) cuda_or_throw(cudaGetDevice(&current_after), "cudaGetDevice");
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    });
+    t.join();
+    EXPECT_EQ(error, "");
+    if (other_device >= 0) {
+      EXPECT_EQ(current_after, other_device) << "free changed the thread's current device";
+    }
+  };
+
+  std::vector<int> variants = {-1};
+  if (devices >= 2) variants.push_back(1);
+  for (int other : variants) {
+    SCOPED_TRACE(other < 0 ? "freed from a thread that never touched CUDA"
+                           : "freed from a thread whose current device is 1");
+    const std::int64_t before = pa.stats(0).allocation[kAggregate].current;
+    const std::int64_t bytes_before = pa.stats(0).allocated_bytes[kAggregate].current;
+    const DevicePtr p = pa.malloc(1 * kMiB, 0, -1);  // current device: 0
+    ASSERT_NE(p, 0u);
+    EXPECT_EQ(pa.device_of(p), 0);
+    EXPECT_EQ(pa.stats(0).allocation[kAggregate].current, before + 1);
+    free_elsewhere(p, other);
+    EXPECT_EQ(pa.device_of(p), -1);
+    EXPECT_EQ(pa.stats(0).allocation[kAggregate].current, before);
+    EXPECT_EQ(pa.stats(0).allocated_bytes[kAggregate].current, bytes_before);
+  }
+  pa.empty_cache(0);
+}
+
+TEST(ProcessAllocatorGpu, TwoDevicesEachKeepTheirAllocationsAndData) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  if (ccalloc::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+  auto& pa = ccalloc::ProcessAllocator::instance();
+  constexpr std::size_t kSize = 4 * kMiB;
+  constexpr int kDevices = 2;
+
+  std::int64_t before[kDevices] = {};
+  DevicePtr ptrs[kDevices] = {};
+  unsigned long long* counters[kDevices] = {};
+  for (int d = 0; d < kDevices; ++d) {
+    ASSERT_CUDA(cudaSetDevice(d));
+    before[d] = pa.stats(d).allocation[kAggregate].current;
+    ASSERT_CUDA(cudaMalloc(&counters[d], sizeof(unsigned long long)));
+    ASSERT_CUDA(cudaMemset(counters[d], 0, sizeof(unsigned long long)));
+  }
+  for (int d = 0; d < kDevices; ++d) {
+    ASSERT_CUDA(cudaSetDevice(d));
+    ptrs[d] = pa.malloc(kSize, 0, -1);  // the current device
+    ASSERT_NE(ptrs[d], 0u);
+    EXPECT_EQ(pa.device_of(ptrs[d]), d);
+    ASSERT_CUDA(launch_fill(ptrs[d], kSize, 1000u + static_cast<std::uint32_t>(d), nullptr));
+  }
+  for (int d = 0; d < kDevices; ++d) {
+    EXPECT_EQ(pa.stats(d).allocation[kAggregate].current, before[d] + 1) << "device " << d;
+  }
+  for (int d = 0; d < kDevices; ++d) {
+    ASSERT_CUDA(cudaSetDevice(d));
+    ASSERT_CUDA(
+        launch_verify(ptrs[d], kSize, 1000u + static_cast<std::uint32_t>(d), nullptr, counters[d]));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    unsigned long long bad = 0;
+    ASSERT_CUDA(cudaMemcpy(&bad, counters[d], sizeof bad, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(bad, 0u) << "device " << d;
+  }
+  // Free each with the other device current.
+  for (int d = 0; d < kDevices; ++d) {
+    const int other = 1 - d;
+    ASSERT_CUDA(cudaSetDevice(other));
+    const std::int64_t other_before = pa.stats(other).allocation[kAggregate].current;
+    pa.free(ptrs[d]);
+    int current = -1;
+    ASSERT_CUDA(cudaGetDevice(&current));
+    EXPECT_EQ(current, other) << "free changed the current device";
+    EXPECT_EQ(pa.stats(d).allocation[kAggregate].current, before[d]) << "device " << d;
+    EXPECT_EQ(pa.stats(other).allocation[kAggregate].current, other_before)
+        << "freeing device " << d << "'s pointer touched device " << other << "'s stats";
+  }
+  for (int d = 0; d < kDevices; ++d) {
+    ASSERT_CUDA(cudaSetDevice(d));
+    EXPECT_CUDA(cudaFree(counters[d]));
+    pa.empty_cache(d);
+  }
+  ASSERT_CUDA(cudaSetDevice(0));
+}
+
+// ---------------------------------------------------------------------------------------
+// f. The C API on a GPU.
+
+TEST(CApiGpu, MallocFreeStatsSummaryAndErrors) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+#if !CCALLOC_GPU_TEST_HAVE_C_API
+  GTEST_SKIP() << "built without the C API library";
+#else
+  ASSERT_CUDA(cudaSetDevice(0));
+  constexpr std::size_t kSize = 1 * kMiB;
+  std::int64_t count_before = 0;
+  ASSERT_EQ(ccalloc_get_stat(0, "allocation.all.current", &count_before), CCALLOC_SUCCESS)
+      << ccalloc_last_error();
+
+  void* p = nullptr;
+  ASSERT_EQ(ccalloc_malloc(&p, kSize, 0, nullptr), CCALLOC_SUCCESS) << ccalloc_last_error();
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 512, 0u);
+  // Real device memory: write it and read it back.
+  ASSERT_CUDA(cudaMemset(p, 0xA5, kSize));
+  std::vector<unsigned char> host(kSize);
+  ASSERT_CUDA(cudaMemcpy(host.data(), p, kSize, cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(std::all_of(host.begin(), host.end(), [](unsigned char c) { return c == 0xA5; }));
+
+  std::int64_t count = 0, bytes = 0;
+  ASSERT_EQ(ccalloc_get_stat(0, "allocation.all.current", &count), CCALLOC_SUCCESS);
+  EXPECT_EQ(count, count_before + 1);
+  ASSERT_EQ(ccalloc_get_stat(0, "allocated_bytes.all.current", &bytes), CCALLOC_SUCCESS);
+  EXPECT_GE(bytes, static_cast<std::int64_t>(kSize));
+
+  // memory_summary: size with capacity 0, then the whole text, then a truncated copy.
+  std::size_t length = 0;
+  ASSERT_EQ(ccalloc_memory_summary(0, 0, nullptr, 0, &length), CCALLOC_SUCCESS)
+      << ccalloc_last_error();
+  ASSERT_GT(length, 0u);
+  std::string summary(length + 1, 'x');
+  std::size_t length2 = 0;
+  ASSERT_EQ(ccalloc_memory_summary(0, 0, summary.data(), summary.size(), &length2),
+            CCALLOC_SUCCESS);
+  EXPECT_EQ(length2, length);
+  EXPECT_EQ(std::strlen(summary.c_str()), length);
+  EXPECT_TRUE(contains(summary, "memory summary, device ID 0")) << summary;
+  char small[16];
+  std::memset(small, 'x', sizeof small);
+  std::size_t length3 = 0;
+  (void)ccalloc_memory_summary(0, 0, small, sizeof small, &length3);
+  EXPECT_EQ(length3, length);
+  EXPECT_EQ(small[sizeof small - 1], '\0');
+  EXPECT_EQ(std::string(small), summary.substr(0, sizeof small - 1));
+
+  ASSERT_EQ(ccalloc_free(p), CCALLOC_SUCCESS) << ccalloc_last_error();
+  ASSERT_EQ(ccalloc_get_stat(0, "allocation.all.current", &count), CCALLOC_SUCCESS);
+  EXPECT_EQ(count, count_before);
+  EXPECT_EQ(ccalloc_free(nullptr), CCALLOC_SUCCESS);
+
+  // Errors name the pointer.
+  void* bogus = reinterpret_cast<void*>(std::uintptr_t{0xdead0000200});
+  EXPECT_EQ(ccalloc_free(bogus), CCALLOC_ERROR_INVALID_POINTER);
+  EXPECT_TRUE(contains(lower(ccalloc_last_error()), hex(0xdead0000200))) << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_free(p), CCALLOC_ERROR_INVALID_POINTER) << "double free";
+  EXPECT_TRUE(contains(lower(ccalloc_last_error()), hex(reinterpret_cast<std::uintptr_t>(p))))
+      << ccalloc_last_error();
+  EXPECT_EQ(ccalloc_empty_cache(0), CCALLOC_SUCCESS);
+#endif
+}
+
+}  // namespace
