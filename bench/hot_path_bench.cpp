@@ -16,7 +16,7 @@ void BM_CacheHitPair(benchmark::State& state) {
   const ccalloc::StreamId stream = 7 + static_cast<ccalloc::StreamId>(state.thread_index());
   allocator.free(allocator.malloc(size, stream));  // warm: the segment exists from here on
   for (auto _ : state) {
-    const ccalloc::DevicePtr p = allocator.malloc(size, stream);
+    ccalloc::DevicePtr p = allocator.malloc(size, stream);
     benchmark::DoNotOptimize(p);
     allocator.free(p);
   }

@@ -94,39 +94,54 @@ void Engine::free(DevicePtr ptr) {
     free_uncached(ptr);
     return;
   }
-  Arena* arena = active_.arena_of(ptr);
-  if (arena == nullptr) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
   {
-    std::lock_guard lock(arena->mutex);
-    Block* block = active_.erase(ptr, arena);  // may be gone: a concurrent double free
-    if (block == nullptr) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
-    release_allocation(*arena, block);
+    std::unique_lock<ArenaMutex> lock;
+    Arena& arena = locked_arena_of(ptr, "free", lock);
+    release_allocation(arena, arena.live.erase(ptr));
   }
   after_operation();
 }
 
 void Engine::record_stream(DevicePtr ptr, StreamId stream) {
   if (config_.uncached) return;  // uncached memory is freed synchronously
-  Arena* arena = active_.arena_of(ptr);
-  if (arena == nullptr) {
-    throw InvalidPointerError(pointer_error("record_stream", ptr, device()), ptr);
-  }
   {
-    std::lock_guard lock(arena->mutex);
-    Block* block = active_.find(ptr);
-    if (block == nullptr) {
-      throw InvalidPointerError(pointer_error("record_stream", ptr, device()), ptr);
-    }
+    std::unique_lock<ArenaMutex> lock;
+    Arena& arena = locked_arena_of(ptr, "record_stream", lock);
+    Block* block = arena.live.find(ptr);
     // Uses on the block's own stream are ordered by the stream itself.
-    if (stream != arena->stream && std::find(block->stream_uses.begin(), block->stream_uses.end(),
-                                             stream) == block->stream_uses.end()) {
+    if (stream != arena.stream && std::find(block->stream_uses.begin(), block->stream_uses.end(),
+                                            stream) == block->stream_uses.end()) {
       block->stream_uses.push_back(stream);
     }
   }
   after_operation();
 }
 
-std::size_t Engine::allocation_size(DevicePtr ptr) const { return active_.size_of(ptr); }
+std::size_t Engine::allocation_size(DevicePtr ptr) const {
+  Arena* arena = arena_by_owner(owners_.owner_of(ptr));
+  if (arena == nullptr) return 0;
+  std::lock_guard lock(arena->mutex);
+  const Block* block = arena->live.find(ptr);
+  return block == nullptr ? 0 : block->size;
+}
+
+Arena& Engine::locked_arena_of(DevicePtr ptr, const char* what,
+                               std::unique_lock<ArenaMutex>& lock) {
+  Arena* arena = arena_by_owner(owners_.owner_of(ptr));
+  if (arena != nullptr) {
+    lock = std::unique_lock(arena->mutex);
+    if (arena->live.find(ptr) != nullptr) return *arena;
+    lock.unlock();
+  }
+  throw InvalidPointerError(pointer_error(what, ptr, device()), ptr);
+}
+
+Arena* Engine::arena_by_owner(SegmentMap::Owner owner) const {
+  if (owner == 0) return nullptr;
+  const std::size_t i = owner - 1;
+  const ArenaChunk* chunk = arena_table_[i / kArenaChunk].load(std::memory_order_acquire);
+  return chunk == nullptr ? nullptr : (*chunk)[i % kArenaChunk].load(std::memory_order_acquire);
+}
 
 // ---------------------------------------------------------------------------------------
 // Block operations (the arena's lock is held)
@@ -155,7 +170,7 @@ Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool a
 
 DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req) {
   block = carve(arena, block, pos, req);
-  active_.insert(block);
+  arena.live.insert(block->ptr, block);
   record_trace(TraceAction::kAlloc, block->ptr, req.requested, arena.stream);
   return block->ptr;
 }
@@ -330,8 +345,22 @@ Arena& Engine::arena_for(StreamId stream) {
     std::lock_guard lock(registry_mutex_);
     auto it = arena_by_stream_.find(stream);
     if (it == arena_by_stream_.end()) {
-      arenas_.push_back(std::make_unique<Arena>(stream, arenas_.size()));
-      it = arena_by_stream_.emplace(stream, arenas_.back().get()).first;
+      const std::size_t index = arenas_.size();
+      if (index + 1 > SegmentMap::kMaxOwner) {
+        throw Error("ccalloc: too many streams on device " + std::to_string(device()) + " (" +
+                    std::to_string(index) + ")");
+      }
+      arenas_.push_back(std::make_unique<Arena>(stream, index));
+      arena = arenas_.back().get();
+      auto& chunk_slot = arena_table_[index / kArenaChunk];
+      ArenaChunk* chunk = chunk_slot.load(std::memory_order_relaxed);
+      if (chunk == nullptr) {
+        arena_chunks_.push_back(std::make_unique<ArenaChunk>());
+        chunk = arena_chunks_.back().get();
+        chunk_slot.store(chunk, std::memory_order_release);
+      }
+      (*chunk)[index % kArenaChunk].store(arena, std::memory_order_release);
+      it = arena_by_stream_.emplace(stream, arena).first;
     }
     arena = it->second;
   }
@@ -362,49 +391,6 @@ Engine::AllArenasLock::AllArenasLock(const Engine& engine)
 Engine::AllArenasLock::~AllArenasLock() {
   for (const auto& a : engine_.arenas_)
     a->mutex.unlock();
-}
-
-void ActiveIndex::insert(Block* b) {
-  Shard& s = shards_[shard_of(b->ptr)];
-  std::lock_guard lock(s.lock);
-  s.map.insert(b->ptr, b);
-}
-
-Arena* ActiveIndex::arena_of(DevicePtr ptr) const {
-  const Shard& s = shards_[shard_of(ptr)];
-  std::lock_guard lock(s.lock);
-  const Block* b = s.map.find(ptr);
-  return b == nullptr ? nullptr : b->pool->arena;
-}
-
-Block* ActiveIndex::find(DevicePtr ptr) const {
-  const Shard& s = shards_[shard_of(ptr)];
-  std::lock_guard lock(s.lock);
-  return s.map.find(ptr);
-}
-
-std::size_t ActiveIndex::size_of(DevicePtr ptr) const {
-  const Shard& s = shards_[shard_of(ptr)];
-  std::lock_guard lock(s.lock);
-  const Block* b = s.map.find(ptr);
-  return b == nullptr ? 0 : b->size;
-}
-
-Block* ActiveIndex::erase(DevicePtr ptr, const Arena* arena) {
-  Shard& s = shards_[shard_of(ptr)];
-  std::lock_guard lock(s.lock);
-  const Block* b = s.map.find(ptr);
-  if (b == nullptr || b->pool->arena != arena) return nullptr;
-  return s.map.erase(ptr);
-}
-
-std::size_t ActiveIndex::size() const {
-  std::size_t n = 0;
-  for (const Shard& s : shards_) {
-    std::lock_guard lock(s.lock);
-    n += s.map.size();
-  }
-  return n;
 }
 
 NodeRecycler::~NodeRecycler() {

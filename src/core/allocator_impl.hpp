@@ -9,8 +9,10 @@
 //
 // Locks, in the order they may nest:
 //   registry_mutex_  ->  Arena::mutex (several only via lock_all(), by creation order)
-//   ->  ActiveIndex shard  ->  device_mutex_  ->  trace_mutex_ / EventPool
-// The hot path takes one arena lock and one index shard. The rare paths that act on every
+//   ->  device_mutex_  ->  trace_mutex_ / EventPool
+// The hot path takes one arena lock: free finds the arena of a pointer in the SegmentMap,
+// which readers consult without a lock, then the block in the arena's own index. The rare
+// paths that act on every
 // stream (GC, releasing the whole cache, the last steps of the OOM ladder, snapshots,
 // the invariant checker) take every arena lock through lock_all().
 //
@@ -31,8 +33,7 @@
 #include "ccalloc/allocator.hpp"
 #include "core/arena.hpp"
 #include "core/block.hpp"
-#include "core/ptr_map.hpp"
-#include "core/spin_lock.hpp"
+#include "core/segment_map.hpp"
 
 namespace ccalloc::core {
 
@@ -43,42 +44,6 @@ struct Request {
   std::size_t segment_size = 0;  // size of a new segment for it
   bool small = false;            // small pool
   StreamId stream = 0;
-};
-
-// Allocated blocks by address, sharded so that frees on different streams rarely meet.
-class ActiveIndex {
- public:
-  void insert(Block* b);
-  // The arena of the live block at `ptr`, or nullptr.
-  Arena* arena_of(DevicePtr ptr) const;
-  // Removes and returns the live block at `ptr` if it belongs to `arena`, else nullptr
-  // (the caller holds that arena's lock; a racing double free may have let another arena
-  // reuse the address).
-  Block* erase(DevicePtr ptr, const Arena* arena);
-  Block* find(DevicePtr ptr) const;
-  // Rounded size of the live block at `ptr`, or 0. Needs no arena lock: a block's size
-  // does not change while it is allocated, and it leaves the index before it is freed.
-  std::size_t size_of(DevicePtr ptr) const;
-  // Calls fn(Block*) for every live block; the caller holds every arena lock.
-  template <typename Fn>
-  void for_each(Fn&& fn) const {
-    for (const Shard& s : shards_) {
-      std::lock_guard lock(s.lock);
-      s.map.for_each([&](DevicePtr, Block* b) { fn(b); });
-    }
-  }
-  std::size_t size() const;
-
- private:
-  static constexpr std::size_t kShards = 64;
-  struct alignas(64) Shard {
-    mutable SpinLock lock;
-    PtrMap<Block*> map;
-  };
-  static std::size_t shard_of(DevicePtr ptr) {
-    return static_cast<std::size_t>(((ptr >> 9) * 0xC2B2AE3D27D4EB4Full) >> 58);
-  }
-  std::array<Shard, kShards> shards_;
 };
 
 // Driver events are costly to create: keep completed ones for reuse.
@@ -155,6 +120,10 @@ class Engine {
   Request make_request(std::size_t size, StreamId stream) const;
 
   std::vector<Arena*> arena_list() const;
+  // The arena holding `ptr` live, locked, with the block; {nullptr, nullptr} if none.
+  // `what` names the operation in the error thrown for a pointer that is not live.
+  Arena& locked_arena_of(DevicePtr ptr, const char* what, std::unique_lock<ArenaMutex>& lock);
+  Arena* arena_by_owner(SegmentMap::Owner owner) const;
 
   // --- hot path (arena lock held) ---
   using PoolPos = FreePool::Set::iterator;
@@ -213,7 +182,12 @@ class Engine {
   std::vector<std::unique_ptr<Arena>> arenas_;
   std::unordered_map<StreamId, Arena*> arena_by_stream_;
 
-  ActiveIndex active_;
+  // Arenas by SegmentMap owner (creation index + 1), readable without a lock.
+  static constexpr std::size_t kArenaChunk = 1024;
+  using ArenaChunk = std::array<std::atomic<Arena*>, kArenaChunk>;
+  std::array<std::atomic<ArenaChunk*>, (SegmentMap::kMaxOwner + 1) / kArenaChunk> arena_table_{};
+  std::vector<std::unique_ptr<ArenaChunk>> arena_chunks_;  // guarded by registry_mutex_
+  SegmentMap owners_;                                      // written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
   // Searches of each pool kind since start: the clock of the age-based GC. Advanced only

@@ -12,7 +12,9 @@
 
 #include "ccalloc/stats.hpp"
 #include "core/block.hpp"
-#include "core/spin_lock.hpp"
+#include "core/ptr_map.hpp"
+#include "core/segment_map.hpp"
+#include "core/arena_mutex.hpp"
 
 namespace ccalloc::core {
 
@@ -22,8 +24,9 @@ struct PendingFree {
   Block* block;
 };
 
-struct Arena {
-  Arena(StreamId s, std::size_t index) : stream(s), order(index) {}
+struct alignas(64) Arena {
+  Arena(StreamId s, std::size_t index)
+      : stream(s), order(index), owner(static_cast<SegmentMap::Owner>(index + 1)) {}
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
@@ -31,12 +34,15 @@ struct Arena {
 
   ArenaMutex mutex;
   const StreamId stream;
-  const std::size_t order;  // creation index: the order in which lock_all() takes arenas
+  const std::size_t order;        // creation index: the order in which lock_all() takes arenas
+  const SegmentMap::Owner owner;  // its segments' owner in the engine's SegmentMap
 
   // Everything below is guarded by `mutex`.
   FreePool small_pool{true, this};
   FreePool large_pool{false, this};
   BlockRecycler blocks;
+  // The live (allocated) blocks of this arena by address.
+  PtrMap<Block*> live;
   // Per stream that used one of this arena's blocks: FIFO of frees waiting for its events.
   // Events on one stream complete in order, so processing stops at the first pending one.
   std::vector<std::pair<StreamId, std::deque<PendingFree>>> pending;

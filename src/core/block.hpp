@@ -126,7 +126,9 @@ struct FreePool {
   Set blocks;
 };
 
-// Recycles Block objects so splits and merges on the hot path do not allocate.
+// Recycles Block objects so splits and merges on the hot path do not allocate. Only free
+// blocks are recycled, and a free block has no events, no stream uses and is not
+// allocated, so make() resets just the fields that differ between blocks.
 class BlockRecycler {
  public:
   BlockRecycler() = default;
@@ -134,25 +136,26 @@ class BlockRecycler {
   BlockRecycler& operator=(const BlockRecycler&) = delete;
 
   Block* make() {
-    if (free_.empty()) {
+    Block* b = free_;
+    if (b == nullptr) {
       owned_.push_back(std::make_unique<Block>());
       return owned_.back().get();
     }
-    Block* b = free_.back();
-    free_.pop_back();
+    free_ = b->next;
+    b->next = nullptr;
+    b->prev = nullptr;
+    b->requested_size = 0;
+    b->gc_count_base = 0;
     return b;
   }
   void recycle(Block* b) {
-    std::vector<StreamId> uses = std::move(b->stream_uses);
-    uses.clear();
-    *b = Block{};
-    b->stream_uses = std::move(uses);  // keep the capacity
-    free_.push_back(b);
+    b->next = free_;  // the free list is threaded through `next`
+    free_ = b;
   }
 
  private:
   std::vector<std::unique_ptr<Block>> owned_;
-  std::vector<Block*> free_;
+  Block* free_ = nullptr;
 };
 
 }  // namespace ccalloc::core

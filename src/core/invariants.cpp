@@ -35,9 +35,7 @@ std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) c
     for (const Block* b : pool->blocks)
       consider(b);
   }
-  active_.for_each([&](const Block* b) {
-    if (b->pool->arena == &arena) consider(b);
-  });
+  arena.live.for_each([&](DevicePtr, const Block* b) { consider(b); });
   for (const auto& [stream, queue] : arena.pending) {
     for (const PendingFree& f : queue)
       consider(f.block);
@@ -87,15 +85,23 @@ std::vector<SegmentInfo> Engine::segments() const {
 void Engine::check_invariants() const {
   AllArenasLock all(*this);
 
-  // Where each block is held: the active index, a pool, or pending-event queues.
+  // Where each block is held: its arena's live index, a pool, or pending-event queues.
   std::unordered_map<const Block*, int> pending_refs;
   std::unordered_set<const Block*> in_pool;
   std::unordered_set<const Block*> in_index;
-  active_.for_each([&](const Block* b) {
-    if (!b->allocated)
-      violation("block 0x%" PRIxPTR " is indexed as live but not allocated", b->ptr);
-    in_index.insert(b);
-  });
+  for (Arena* arena : all.by_stream()) {
+    arena->live.for_each([&](DevicePtr ptr, const Block* b) {
+      if (!b->allocated || b->ptr != ptr || b->pool->arena != arena) {
+        violation("block 0x%" PRIxPTR " is indexed as live at 0x%" PRIxPTR
+                  " but is not allocated there",
+                  b->ptr, ptr);
+      }
+      if (owners_.owner_of(ptr) != arena->owner) {
+        violation("live block 0x%" PRIxPTR " is not in a segment its stream owns", ptr);
+      }
+      in_index.insert(b);
+    });
+  }
 
   std::size_t reserved_recount = 0;
   DeviceStats recount;                                  // device-wide recount of the current values

@@ -100,6 +100,7 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
     }
     add_segment_stats(req.small, size, +1);
     ++device_stats_.num_device_alloc;
+    owners_.assign(ptr, size, arena.owner);
   }
   Block* block = arena.blocks.make();
   block->ptr = ptr;
@@ -117,6 +118,7 @@ void Engine::release_segment(Arena& arena, Block* block) {
   {
     std::lock_guard lock(device_mutex_);
     ++device_stats_.num_device_free;
+    owners_.clear(block->ptr, block->size);
     reserved_ -= block->size;
     add_segment_stats(block->pool->is_small, block->size, -1);
   }

@@ -536,7 +536,9 @@ TEST_P(GpuAllocatorTest, RealOutOfMemoryIsReportedAndTheAllocatorRecovers) {
   ASSERT_TRUE(oom) << "no OutOfMemoryError after " << blocks.size() << " GiB";
   EXPECT_GT(blocks.size(), 0u);
   EXPECT_TRUE(contains(message, "out of memory")) << message;
-  EXPECT_TRUE(contains(message, "1.00 GiB")) << message;
+  // The request, in bytes and in PyTorch's format_size (1 GiB prints as "1024.00 MiB").
+  EXPECT_TRUE(contains(message, "1073741824 bytes")) << message;
+  EXPECT_TRUE(contains(message, "Tried to allocate 1024.00 MiB")) << message;
   EXPECT_EQ(alloc.stats().num_ooms, 1);
   EXPECT_NO_THROW(alloc.check_invariants());
   std::printf("OOM after %zu x 1 GiB: %s\n", blocks.size(), message.c_str());

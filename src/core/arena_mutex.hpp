@@ -1,34 +1,7 @@
-// A test-and-test-and-set spin lock for critical sections of a few dozen instructions
-// that never block (the active-block index). Unlock is a plain release store, so a
-// lock/unlock pair costs one atomic read-modify-write instead of std::mutex's two.
+// The lock of an arena.
 #pragma once
 
 #include <atomic>
-#include <thread>
-
-namespace ccalloc::core {
-
-class SpinLock {
- public:
-  void lock() {
-    while (locked_.exchange(true, std::memory_order_acquire)) {
-      for (int spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
-        if (spins >= 64) {
-          std::this_thread::yield();  // the holder may have been descheduled
-          spins = 0;
-        } else {
-          __builtin_ia32_pause();
-        }
-      }
-    }
-  }
-  void unlock() { locked_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> locked_{false};
-};
-
-}  // namespace ccalloc::core
 
 namespace ccalloc::core {
 
