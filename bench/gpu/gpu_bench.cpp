@@ -2,23 +2,33 @@
 // default pool, and PyTorch's CUDA caching allocator (when built with torch), in one
 // process on device 0.
 //
-//   bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N]
+//   bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N] [--no-pin]
 //
-// Workloads, each the median of N >= 5 repetitions after warm-up:
+// Workloads, each the median (and min) of N >= 5 repetitions (default 11) after warm-up:
 //   pair      malloc+free of one size (512 B, 1 MiB, 64 MiB), one thread, default stream;
 //   random    log-uniform sizes 512 B - 64 MiB, up to 256 live, the same seeded sequence
 //             for every allocator (cudaMalloc runs a shorter prefix of it);
 //   threads   1, 4 and 8 threads, each on its own stream, 512 B cache-hit pairs; aggregate
 //             pairs per second from a common start (barrier) to the last thread's end.
+// Repetitions run in interleaved rounds: for each workload, round r runs one repetition of
+// every allocator, starting with allocator r mod k. On a shared VM the speed of the whole
+// machine drifts in phases lasting seconds; back-to-back repetitions put a slow phase on one
+// allocator only, interleaved ones spread it over all of them.
+// The single-thread workloads run pinned to one CPU, thread t of the thread workloads to the
+// t-th of CPUs 1..8 of the allowed set: an unpinned thread that the scheduler moves between
+// cores gave bimodal repetitions.
 // The CUDA context, each allocator's first segments and the pool are warmed before timing.
 #include <cuda_runtime_api.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <barrier>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -62,6 +72,123 @@ inline void keep(void* p) {
 
 ccalloc::StreamId stream_id(cudaStream_t s) {
   return reinterpret_cast<std::uintptr_t>(s);
+}
+
+// ---------------------------------------------------------------------------------------
+// CPU pinning. sched_setaffinity(0, ...) acts on the calling thread only; threads a pinned
+// thread creates inherit its mask, so the main thread is pinned only while it runs the
+// single-thread workloads, after the CUDA context, PyTorch and the pool made their threads.
+
+// The CPUs this process may run on, ascending; empty if sched_getaffinity fails.
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+bool pin_to(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return sched_setaffinity(0, sizeof set, &set) == 0;
+}
+
+// Pins the calling thread to `cpu` (nothing when cpu < 0) and gives it back its previous
+// affinity at the end of the scope.
+class ScopedPin {
+ public:
+  explicit ScopedPin(int cpu) {
+    CPU_ZERO(&saved_);
+    if (cpu < 0) return;
+    if (sched_getaffinity(0, sizeof saved_, &saved_) != 0 || !pin_to(cpu)) {
+      error_ = std::strerror(errno);
+      return;
+    }
+    pinned_ = true;
+  }
+  ~ScopedPin() {
+    if (pinned_) (void)sched_setaffinity(0, sizeof saved_, &saved_);
+  }
+  ScopedPin(const ScopedPin&) = delete;
+  ScopedPin& operator=(const ScopedPin&) = delete;
+
+  bool pinned() const { return pinned_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  cpu_set_t saved_;
+  bool pinned_ = false;
+  std::string error_;
+};
+
+// "0-3,8,10-11"
+std::string cpu_list(const std::vector<int>& cpus) {
+  std::string out;
+  for (std::size_t i = 0; i < cpus.size();) {
+    std::size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1)
+      ++j;
+    if (!out.empty()) out += ',';
+    out += std::to_string(cpus[i]);
+    if (j > i) out += (j == i + 1 ? "," : "-") + std::to_string(cpus[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+constexpr int kMaxThreads = 8;
+
+struct Pinning {
+  std::vector<int> allowed;
+  int single = -1;           // CPU of the single-thread workloads; -1: not pinned
+  std::vector<int> threads;  // CPU of thread t of the thread workloads; empty: not pinned
+  std::string off;           // why pinning is off, when it is
+
+  std::string describe() const {
+    if (single < 0) return "off (" + off + "); allowed CPUs " + cpu_list(allowed);
+    std::string distinct;
+    std::vector<int> sorted = threads;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::unique(sorted.begin(), sorted.end()) != sorted.end()) {
+      distinct = " (shared: fewer than " + std::to_string(kMaxThreads + 1) + " CPUs allowed)";
+    }
+    return "single-thread workloads on CPU " + std::to_string(single) +
+           "; thread t of the thread workloads on the t-th of CPUs " + cpu_list(threads) +
+           distinct + "; allowed CPUs " + cpu_list(allowed);
+  }
+};
+
+// The second allowed CPU for the single-thread workloads (the first tends to take more of
+// the system's interrupts and housekeeping), the 2nd..9th for the threads.
+Pinning plan_pinning(bool enabled) {
+  Pinning p;
+  p.allowed = allowed_cpus();
+  if (!enabled) {
+    p.off = "--no-pin";
+    return p;
+  }
+  if (p.allowed.empty()) {
+    p.off = std::string("sched_getaffinity: ") + std::strerror(errno);
+    return p;
+  }
+  const std::size_t n = p.allowed.size();
+  const int single = p.allowed[std::min<std::size_t>(1, n - 1)];
+  {
+    const ScopedPin probe(single);  // the kernel (or a container) may refuse
+    if (!probe.pinned()) {
+      p.off = "sched_setaffinity: " + probe.error();
+      return p;
+    }
+  }
+  p.single = single;
+  for (std::size_t t = 0; t < kMaxThreads; ++t)
+    p.threads.push_back(p.allowed[(1 + t) % n]);
+  return p;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -165,8 +292,10 @@ class Runner {
   virtual double pairs(std::size_t size, long iterations) = 0;
   // ns per operation over ops[0, n).
   virtual double random(const std::vector<Op>& ops, std::size_t n) = 0;
-  // Aggregate pairs per second of `count` threads, thread i on streams[i].
-  virtual double threads(int count, long iterations, const std::vector<cudaStream_t>& streams) = 0;
+  // Aggregate pairs per second of `count` threads, thread i on streams[i] and pinned to
+  // cpus[i] (unpinned when cpus is empty).
+  virtual double threads(int count, long iterations, const std::vector<cudaStream_t>& streams,
+                         const std::vector<int>& cpus) = 0;
   virtual void release() = 0;
 };
 
@@ -211,7 +340,8 @@ class RunnerOf final : public Runner {
     return ns / static_cast<double>(n);
   }
 
-  double threads(int count, long iterations, const std::vector<cudaStream_t>& streams) override {
+  double threads(int count, long iterations, const std::vector<cudaStream_t>& streams,
+                 const std::vector<int>& cpus) override {
     Clock::time_point start, end;
     auto on_start = [&start]() noexcept { start = Clock::now(); };
     auto on_end = [&end]() noexcept { end = Clock::now(); };
@@ -228,6 +358,10 @@ class RunnerOf final : public Runner {
       pool.emplace_back([&, t] {
         cudaStream_t s = streams[static_cast<std::size_t>(t)];
         try {
+          // First, so that the warm-up below heats the caches of the CPU that is timed.
+          if (!cpus.empty() && !pin_to(cpus[static_cast<std::size_t>(t) % cpus.size()])) {
+            throw std::runtime_error(std::string("sched_setaffinity: ") + std::strerror(errno));
+          }
           check(cudaSetDevice(0), "cudaSetDevice");
           for (int w = 0; w < 64; ++w)
             a_.free(a_.alloc(512, s), s);  // warm: arena, segment
@@ -269,9 +403,9 @@ struct Sample {
   double median = 0;  // in `unit`
   double min = 0;
   double max = 0;
-  std::vector<double> values;
-  long iterations = 0;  // per repetition (per thread for the thread workloads)
-  std::string unit;     // "ns_per_pair", "ns_per_op" or "pairs_per_s"
+  std::vector<double> values;  // in round order
+  long iterations = 0;         // per repetition (per thread for the thread workloads)
+  std::string unit;            // "ns_per_pair", "ns_per_op" or "pairs_per_s"
   std::string note;
 };
 
@@ -294,10 +428,14 @@ double per_second(const Sample& s) {
 }
 
 struct Options {
-  int reps = 5;
-  double target_ms = 100;  // per timed repetition of the single-thread workloads
+  int reps = 11;
+  // Per timed repetition of the pair and thread workloads: 11 rounds x 5 allocators x 6
+  // such workloads are ~17 s timed; with calibration, the random workload (a fixed
+  // sequence) and the contended thread runs, bench_gpu takes about a minute.
+  double target_ms = 50;
   std::size_t random_steps = 200'000;
   std::string json;
+  bool pin = true;
 };
 
 struct Column {
@@ -307,6 +445,13 @@ struct Column {
   long max_large_pair_iterations = 200'000;  // 64 MiB pairs
   long max_thread_iterations = 500'000;
   bool limit_random = false;  // run a ~1 s prefix of the random sequence (cudaMalloc)
+  bool failed = false;        // set by its first error: left out of the later workloads
+};
+
+// What one column runs per repetition of a workload.
+struct Plan {
+  long iterations = 0;  // pairs (per thread), or steps of the random sequence
+  std::string note;
 };
 
 struct Ratio {
@@ -320,37 +465,73 @@ constexpr const char* kWorkloads[] = {"pair_512B", "pair_1MiB", "pair_64MiB", "r
 
 class Bench {
  public:
-  Bench(Options options, std::vector<cudaStream_t> streams)
+  Bench(Options options, std::vector<cudaStream_t> streams, Pinning pinning)
       : opt_(std::move(options)),
         streams_(std::move(streams)),
+        pinning_(std::move(pinning)),
         ops_(make_random_ops(opt_.random_steps, 0xCCA110C)) {}
 
   void add(Column column) { columns_.push_back(std::move(column)); }
 
-  // Runs every workload for every column, column by column; returns false if any failed.
+  // Runs every workload over every column, in interleaved rounds; returns false if any failed.
   bool run() {
-    bool ok = true;
-    for (auto& c : columns_) {
-      std::printf("\n== %s\n", c.name.c_str());
-      std::fflush(stdout);
-      try {
-        run_column(c);
-      } catch (const std::exception& e) {
-        std::printf("  FAILED: %s\n", e.what());
-        errors_[c.name] = e.what();
-        ok = false;
+    const std::size_t sizes[] = {512, 1 * kMiB, 64 * kMiB};
+    {
+      const ScopedPin pin(pinning_.single);
+      for (std::size_t i = 0; i < std::size(sizes); ++i) {
+        const std::size_t size = sizes[i];
+        interleave(
+            kWorkloads[i], "ns_per_pair",
+            [&](Column& c) {
+              Runner& r = *c.runner;
+              const long cap =
+                  size >= 64 * kMiB ? c.max_large_pair_iterations : c.max_pair_iterations;
+              r.pairs(size, 16);  // warm: the first segment of this size
+              auto seconds = [&](long n) {
+                return r.pairs(size, n) * static_cast<double>(n) / 1e9;
+              };
+              return Plan{calibrate(seconds, 16, 16, cap), ""};
+            },
+            [size](Column& c, long n) { return c.runner->pairs(size, n); });
       }
-      try {
-        c.runner->release();
-      } catch (const std::exception& e) {
-        std::printf("  release failed: %s\n", e.what());
-      }
+      interleave(
+          "random", "ns_per_op",
+          [&](Column& c) {
+            Plan plan = random_plan(c, sizes);
+            // warm: the cache holds this workload's segments from here on
+            c.runner->random(ops_, static_cast<std::size_t>(plan.iterations));
+            return plan;
+          },
+          [this](Column& c, long n) {
+            return c.runner->random(ops_, static_cast<std::size_t>(n));
+          });
     }
-    return ok;
+
+    const int counts[] = {1, 4, 8};
+    for (std::size_t i = 0; i < std::size(counts); ++i) {
+      const int count = counts[i];
+      interleave(
+          kWorkloads[4 + i], "pairs_per_s",
+          [&](Column& c) {
+            // The calibration runs warm each thread's arena and segment.
+            auto seconds = [&](long n) {
+              return count * static_cast<double>(n) /
+                     c.runner->threads(count, n, streams_, pinning_.threads);
+            };
+            return Plan{calibrate(seconds, 100, 200, c.max_thread_iterations), ""};
+          },
+          [&](Column& c, long n) {
+            return c.runner->threads(count, n, streams_, pinning_.threads);
+          });
+    }
+    return errors_.empty();
   }
 
   void print_table() const {
-    std::printf("\n== bench_gpu summary (median of %d repetitions; device 0)\n", opt_.reps);
+    std::printf(
+        "\n== bench_gpu summary (median of %d interleaved rounds, pairs: median (min); device "
+        "0)\n",
+        opt_.reps);
     std::printf("%-22s", "workload");
     for (const auto& c : columns_)
       std::printf(" %17s", c.name.c_str());
@@ -359,20 +540,28 @@ class Bench {
                                          "pair 64 MiB  ns/pair",  "random       ns/op",
                                          "1 thread     Mpairs/s", "4 threads    Mpairs/s",
                                          "8 threads    Mpairs/s"};
+    auto ns = [](double v) {
+      char text[32];
+      std::snprintf(text, sizeof text, v < 100 ? "%.1f" : "%.0f", v);
+      return std::string(text);
+    };
     for (std::size_t w = 0; w < std::size(kWorkloads); ++w) {
       std::printf("%-22s", labels[w]);
       for (const auto& c : columns_) {
         const Sample* s = find(kWorkloads[w], c.name);
-        char cell[64];
+        std::string cell;
         if (s == nullptr) {
-          std::snprintf(cell, sizeof cell, "n/a");
+          cell = "n/a";
         } else if (s->unit == "pairs_per_s") {
-          std::snprintf(cell, sizeof cell, "%.2f", s->median / 1e6);
+          char text[32];
+          std::snprintf(text, sizeof text, "%.2f", s->median / 1e6);
+          cell = text;
+        } else if (s->unit == "ns_per_pair") {
+          cell = ns(s->median) + " (" + ns(s->min) + ")";
         } else {
-          std::snprintf(cell, sizeof cell, s->median < 100 ? "%.1f%s" : "%.0f%s", s->median,
-                        s->note.empty() ? "" : "*");
+          cell = ns(s->median) + (s->note.empty() ? "" : "*");
         }
-        std::printf(" %17s", cell);
+        std::printf(" %17s", cell.c_str());
       }
       std::printf("\n");
     }
@@ -394,8 +583,15 @@ class Bench {
     if (!out) throw std::runtime_error("cannot write " + path);
     out << "{\n  \"device\": " << quote(device) << ",\n  \"ccalloc_config\": " << quote(config)
         << ",\n  \"torch_version\": " << (torch_version.empty() ? "null" : quote(torch_version))
-        << ",\n  \"repetitions\": " << opt_.reps << ",\n  \"random_steps\": " << opt_.random_steps
-        << ",\n  \"results\": [";
+        << ",\n  \"repetitions\": " << opt_.reps
+        << ",\n  \"interleaved\": true,\n  \"target_ms\": " << number(opt_.target_ms)
+        << ",\n  \"random_steps\": " << opt_.random_steps
+        << ",\n  \"cpu_pinning\": {\"allowed\": " << ints(pinning_.allowed)
+        << ", \"single_thread_cpu\": "
+        << (pinning_.single < 0 ? std::string("null") : std::to_string(pinning_.single))
+        << ", \"thread_cpus\": " << ints(pinning_.threads)
+        << ", \"off\": " << (pinning_.off.empty() ? "null" : quote(pinning_.off))
+        << "},\n  \"results\": [";
     bool first = true;
     for (const auto& c : columns_) {
       for (const char* w : kWorkloads) {
@@ -429,79 +625,113 @@ class Bench {
   }
 
  private:
-  void run_column(Column& c) {
-    Runner& r = *c.runner;
-    // Pairs: calibrate the iteration count to ~target_ms per repetition.
-    const std::size_t sizes[] = {512, 1 * kMiB, 64 * kMiB};
-    for (std::size_t i = 0; i < std::size(sizes); ++i) {
-      const std::size_t size = sizes[i];
-      const long max_iterations =
-          size >= 64 * kMiB ? c.max_large_pair_iterations : c.max_pair_iterations;
-      r.pairs(size, 16);  // warm: the first segment of this size
-      long n = 16;
-      double ns = r.pairs(size, n);
-      while (ns * static_cast<double>(n) < 20e6 && n < max_iterations) {
-        n = std::min(n * 4, max_iterations);
-        ns = r.pairs(size, n);
-      }
-      const long iterations =
-          std::clamp(static_cast<long>(opt_.target_ms * 1e6 / ns), 16L, max_iterations);
-      std::vector<double> values;
-      for (int rep = 0; rep < opt_.reps; ++rep)
-        values.push_back(r.pairs(size, iterations));
-      put(kWorkloads[i], c.name, summarise(values, iterations, "ns_per_pair"));
-    }
-
-    // Random: the whole sequence, or for cudaMalloc a prefix of ~1 s.
-    std::size_t steps = ops_.size();
-    std::string note;
-    if (c.limit_random) {
-      double ns_per_op = 0;
-      for (std::size_t i = 0; i < std::size(sizes); ++i) {
-        ns_per_op += find(kWorkloads[i], c.name)->median / 2 / std::size(sizes);
-      }
-      steps = std::clamp<std::size_t>(static_cast<std::size_t>(1e9 / ns_per_op), 2000, ops_.size());
-      if (steps < ops_.size()) {
-        note = "the first " + std::to_string(steps) + " of " + std::to_string(ops_.size()) +
-               " steps (the same sequence, shortened: each call costs microseconds)";
+  // One workload over every column still running: prepare(c) warms column c and returns its
+  // plan, then opt_.reps rounds each run one repetition of every column, round r starting
+  // with column r mod k, so that a slow phase of the machine, and the place in a round
+  // (after which allocator, with whose data in the CPU's caches), fall on every column alike.
+  // Samples are kept in round order. Afterwards each column gives its cached memory back:
+  // every workload starts from empty caches, and the device holds only one workload's.
+  template <class Prepare, class Repeat>
+  void interleave(const char* workload, const char* unit, Prepare prepare, Repeat repeat) {
+    std::printf("\n== %s (%d rounds)\n", workload, opt_.reps);
+    std::fflush(stdout);
+    std::vector<std::size_t> racing;
+    std::vector<Plan> plans(columns_.size());
+    std::vector<std::vector<double>> values(columns_.size());
+    for (std::size_t i = 0; i < columns_.size(); ++i) {
+      Column& c = columns_[i];
+      if (c.failed) continue;
+      racing.push_back(i);
+      try {
+        plans[i] = prepare(c);
+      } catch (const std::exception& e) {
+        fail(c, workload, e);
       }
     }
-    r.random(ops_, steps);  // warm: the cache holds this workload's segments from here on
-    std::vector<double> values;
-    for (int rep = 0; rep < opt_.reps; ++rep)
-      values.push_back(r.random(ops_, steps));
-    Sample random = summarise(values, static_cast<long>(steps), "ns_per_op");
-    random.note = note;
-    put("random", c.name, random);
-
-    // Threads: a fixed number of pairs per thread, from the one-thread 512 B pair time.
-    const double pair_ns = find("pair_512B", c.name)->median;
-    const long iterations =
-        std::clamp(static_cast<long>(30e6 / pair_ns), 200L, c.max_thread_iterations);
-    const int counts[] = {1, 4, 8};
-    for (std::size_t i = 0; i < std::size(counts); ++i) {
-      const int threads = counts[i];
-      r.threads(threads, std::max(iterations / 10, 100L), streams_);  // warm
-      std::vector<double> rates;
-      for (int rep = 0; rep < opt_.reps; ++rep) {
-        rates.push_back(r.threads(threads, iterations, streams_));
+    const std::size_t k = racing.size();
+    for (int round = 1; round <= opt_.reps; ++round) {
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::size_t i = racing[(static_cast<std::size_t>(round) + j) % k];
+        Column& c = columns_[i];
+        if (c.failed) continue;
+        try {
+          values[i].push_back(repeat(c, plans[i].iterations));
+        } catch (const std::exception& e) {
+          fail(c, workload, e);
+        }
       }
-      put(kWorkloads[4 + i], c.name, summarise(rates, iterations, "pairs_per_s"));
+    }
+    for (std::size_t i : racing) {
+      Column& c = columns_[i];
+      if (!c.failed) {
+        Sample s = summarise(values[i], plans[i].iterations, unit);
+        s.note = plans[i].note;
+        put(workload, c, std::move(s));
+      }
+      try {
+        c.runner->release();
+      } catch (const std::exception& e) {
+        std::printf("  %-17s release failed: %s\n", c.name.c_str(), e.what());
+      }
     }
   }
 
-  void put(const std::string& workload, const std::string& column, Sample s) {
+  // The iteration count for a repetition of ~target_ms: grows n fourfold from `start` until
+  // one run lasts 20 ms (or n reaches `cap`), then scales; seconds(n) runs n iterations.
+  template <class Seconds>
+  long calibrate(Seconds seconds, long start, long lo, long cap) const {
+    long n = std::min(start, cap);
+    double s = seconds(n);
+    while (s < 20e-3 && n < cap) {
+      n = std::min(n * 4, cap);
+      s = seconds(n);
+    }
+    const double scaled = opt_.target_ms * 1e-3 * static_cast<double>(n) / std::max(s, 1e-9);
+    return std::clamp(static_cast<long>(std::min(scaled, 1e15)), std::min(lo, cap), cap);
+  }
+
+  // The random workload: the whole sequence, or for cudaMalloc a prefix of ~1 s, estimated
+  // from its pair times.
+  Plan random_plan(const Column& c, const std::size_t (&sizes)[3]) const {
+    Plan plan{static_cast<long>(ops_.size()), ""};
+    if (!c.limit_random) return plan;
+    double ns_per_op = 0;
+    for (std::size_t i = 0; i < std::size(sizes); ++i) {
+      const Sample* pair = find(kWorkloads[i], c.name);
+      if (pair == nullptr) throw std::runtime_error("no pair times to size the random prefix");
+      ns_per_op += pair->median / 2 / std::size(sizes);
+    }
+    const std::size_t steps =
+        std::clamp<std::size_t>(static_cast<std::size_t>(1e9 / ns_per_op), 2000, ops_.size());
+    plan.iterations = static_cast<long>(steps);
+    if (steps < ops_.size()) {
+      plan.note = "the first " + std::to_string(steps) + " of " + std::to_string(ops_.size()) +
+                  " steps (the same sequence, shortened: each call costs microseconds)";
+    }
+    return plan;
+  }
+
+  void fail(Column& c, const char* workload, const std::exception& e) {
+    std::printf("  %-17s FAILED in %s: %s\n", c.name.c_str(), workload, e.what());
+    std::fflush(stdout);
+    errors_[c.name] = std::string(workload) + ": " + e.what();
+    c.failed = true;
+  }
+
+  void put(const std::string& workload, const Column& c, Sample s) {
     if (s.unit == "pairs_per_s") {
-      std::printf("  %-11s %10.3f M pairs/s aggregate (%.1f ns/pair; %ld pairs/thread)\n",
-                  workload.c_str(), s.median / 1e6, 1e9 / s.median, s.iterations);
+      std::printf(
+          "  %-17s %9.3f M pairs/s aggregate (%.1f ns/pair; min %.3f, max %.3f; %ld "
+          "pairs/thread)\n",
+          c.name.c_str(), s.median / 1e6, 1e9 / s.median, s.min / 1e6, s.max / 1e6, s.iterations);
     } else {
-      std::printf("  %-11s %10.1f %s  %12.0f /s  (min %.1f, max %.1f; %ld per rep)%s%s\n",
-                  workload.c_str(), s.median, s.unit == "ns_per_op" ? "ns/op  " : "ns/pair",
+      std::printf("  %-17s %10.1f %s  %10.0f /s  (min %.1f, max %.1f; %ld per rep)%s%s\n",
+                  c.name.c_str(), s.median, s.unit == "ns_per_op" ? "ns/op  " : "ns/pair",
                   per_second(s), s.min, s.max, s.iterations, s.note.empty() ? "" : "  ",
                   s.note.c_str());
     }
     std::fflush(stdout);
-    results_[workload + "|" + column] = std::move(s);
+    results_[workload + "|" + c.name] = std::move(s);
   }
 
   const Sample* find(const std::string& workload, const std::string& column) const {
@@ -511,12 +741,18 @@ class Bench {
 
   std::vector<Ratio> ratios() const {
     std::vector<Ratio> out;
-    const Sample* cc = find("pair_512B", "ccalloc");
     const Sample* torch = find("pair_512B", "PyTorch");
+    const Sample* cc = find("pair_512B", "ccalloc");
     if (cc != nullptr && torch != nullptr) {
       out.push_back({"pytorch_over_ccalloc_pair_512B",
-                     "PyTorch / ccalloc, 512 B pair time (> 1: ccalloc faster)",
+                     "PyTorch / ccalloc, 512 B pair time, medians (> 1: ccalloc faster)",
                      torch->median / cc->median});
+    }
+    const Sample* direct = find("pair_512B", "ccalloc (direct)");
+    if (direct != nullptr && torch != nullptr) {
+      out.push_back({"pytorch_over_ccalloc_direct_pair_512B",
+                     "PyTorch / ccalloc (direct), 512 B pair time, medians (> 1: ccalloc faster)",
+                     torch->median / direct->median});
     }
     const Sample* one = find("threads_1", "ccalloc");
     const Sample* eight = find("threads_8", "ccalloc");
@@ -558,8 +794,16 @@ class Bench {
     return buf;
   }
 
+  static std::string ints(const std::vector<int>& v) {
+    std::string out = "[";
+    for (std::size_t i = 0; i < v.size(); ++i)
+      out += (i == 0 ? "" : ", ") + std::to_string(v[i]);
+    return out + "]";
+  }
+
   Options opt_;
   std::vector<cudaStream_t> streams_;
+  Pinning pinning_;
   std::vector<Op> ops_;
   std::vector<Column> columns_;
   std::map<std::string, Sample> results_;
@@ -568,11 +812,13 @@ class Bench {
 
 void usage() {
   std::printf(
-      "usage: bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N]\n"
-      "  --reps N          timed repetitions per workload (default 5, at least 5)\n"
+      "usage: bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N] "
+      "[--no-pin]\n"
+      "  --reps N          interleaved rounds per workload (default 11, at least 5)\n"
       "  --json FILE       also write the results as JSON\n"
-      "  --target-ms MS    time per repetition of the pair workloads (default 100)\n"
-      "  --random-steps N  length of the random workload (default 200000)\n");
+      "  --target-ms MS    time per repetition of the pair and thread workloads (default 50)\n"
+      "  --random-steps N  length of the random workload (default 200000)\n"
+      "  --no-pin          leave the threads' CPU affinity alone\n");
 }
 
 int run(int argc, char** argv) {
@@ -591,6 +837,8 @@ int run(int argc, char** argv) {
       opt.target_ms = std::max(1.0, std::stod(value()));
     } else if (arg == "--random-steps") {
       opt.random_steps = std::max<std::size_t>(1000, std::stoul(value()));
+    } else if (arg == "--no-pin") {
+      opt.pin = false;
     } else if (arg == "-h" || arg == "--help") {
       usage();
       return 0;
@@ -614,7 +862,7 @@ int run(int argc, char** argv) {
                              std::to_string(info.driver_version) + ", runtime " +
                              std::to_string(info.runtime_version);
 
-  std::vector<cudaStream_t> streams(8);
+  std::vector<cudaStream_t> streams(kMaxThreads);
   for (auto& s : streams)
     check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
 
@@ -641,6 +889,9 @@ int run(int argc, char** argv) {
       async.free(p, nullptr);
     async.finish(nullptr);
   }
+  // After the context, PyTorch and the pool exist: threads they start later inherit the
+  // affinity of the thread that starts them.
+  const Pinning pinning = plan_pinning(opt.pin);
 
   std::printf("bench_gpu: %s\nccalloc config: %s\n", device.c_str(),
               pa.config().to_string().c_str());
@@ -650,8 +901,13 @@ int run(int argc, char** argv) {
   std::printf("PyTorch: not built in (torch was not found when CMake ran)\n");
 #endif
   std::printf("cudaMallocAsync: default pool, release threshold UINT64_MAX\n");
+  std::printf(
+      "repetitions: %d interleaved rounds per workload, each one repetition of every allocator "
+      "(round r starts with allocator r mod k); ~%.0f ms per pair/thread repetition\n",
+      opt.reps, opt.target_ms);
+  std::printf("CPU pinning: %s\n", pinning.describe().c_str());
 
-  Bench bench(opt, streams);
+  Bench bench(opt, streams, pinning);
   bench.add({"ccalloc", std::make_unique<RunnerOf<CcallocProcess>>(CcallocProcess{pa})});
   bench.add({"ccalloc (direct)", std::make_unique<RunnerOf<CcallocDirect>>(CcallocDirect{direct})});
 #if CCALLOC_BENCH_WITH_TORCH

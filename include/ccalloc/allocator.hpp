@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ccalloc/config.hpp"
@@ -32,6 +33,8 @@ namespace ccalloc {
 namespace core {
 class Engine;
 }
+struct HistoryOptions;
+struct Snapshot;
 
 enum class BlockState : std::uint8_t {
   kActiveAllocated,    // handed out to the program
@@ -109,6 +112,19 @@ class Allocator {
   void add_free_memory_callback(FreeMemoryCallback callback);
   // Observers see every trace entry in order; calls are serialised by the allocator.
   void add_trace_observer(TraceObserver observer);
+
+  // Starts, changes or stops recording history (trace entries, stacks): see HistoryOptions
+  // in snapshot.hpp.
+  void record_history(const HistoryOptions& options);
+  // Segments, blocks, the recorded history and the settings, with stacks symbolized.
+  // Appends a `snapshot` entry to the history.
+  Snapshot snapshot();
+  // Marks the start or end of a named region (a training step, say) in the history's
+  // external_annotations; recorded only while history is recorded.
+  void annotate(std::string_view name, bool start);
+  // Attaches `metadata` to every trace entry the calling thread records from now on, on
+  // any device ("" detaches it).
+  static void set_user_metadata(const std::string& metadata);
 
   // Verifies every invariant of the allocator's state (DESIGN.md "Invariants"); throws
   // InvariantError naming the first violation.

@@ -14,6 +14,7 @@
 // Thread safety: all methods are safe to call concurrently.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -140,7 +141,7 @@ class SimDriver final : public Driver {
   std::unordered_map<StreamId, StreamState> streams_;
   Counters counters_;
   double driver_us_ = 0.0;
-  std::int64_t time_us_ = 0;
+  std::atomic<std::int64_t> time_us_{0};
 };
 
 }  // namespace ccalloc::sim

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include "core/allocator_impl.hpp"
 #include "core/rounding.hpp"
@@ -73,6 +75,11 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
                            driver_.device(), size);
   }
   if (config_.uncached) return malloc_uncached(size);
+  const unsigned flags = trace_flags_.load(std::memory_order_acquire);
+  std::optional<OperationContext> context;
+  if (flags & (kTraceHistory | kCaptureOnMalloc)) {
+    context.emplace(flags & kCaptureOnMalloc ? stack_table().capture(1) : 0);
+  }
   if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
 
   const Request req = make_request(size, stream);
@@ -93,6 +100,11 @@ void Engine::free(DevicePtr ptr) {
   if (config_.uncached) {
     free_uncached(ptr);
     return;
+  }
+  const unsigned flags = trace_flags_.load(std::memory_order_acquire);
+  std::optional<OperationContext> context;
+  if (flags & kTraceHistory) {
+    context.emplace(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
   }
   {
     std::unique_lock<ArenaMutex> lock;
@@ -171,7 +183,7 @@ Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool a
 DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req) {
   block = carve(arena, block, pos, req);
   arena.live.insert(block->ptr, block);
-  record_trace(TraceAction::kAlloc, block->ptr, req.requested, arena.stream);
+  record_trace(TraceAction::kAlloc, block->ptr, req.requested, arena.stream, block);
   return block->ptr;
 }
 
@@ -197,6 +209,7 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     remaining->prev = block;
     remaining->ptr += req.size;
     remaining->size -= req.size;
+    block->segment_stack = std::exchange(remaining->segment_stack, 0);  // the new head's
     if (pooled) {
       remaining->gc_count_base = gc_clock(pool);
       fix_pool_position(pool, pos, Change::kShrank);
@@ -223,6 +236,9 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
 
   block->allocated = true;
   block->requested_size = req.requested;
+  if (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks) {
+    block->stack = OperationContext::current();
+  }
   for (StatType t : kinds) {
     st.allocation[t].increase(1);
     st.allocated_bytes[t].increase(static_cast<std::int64_t>(block->size));
@@ -243,7 +259,7 @@ void Engine::release_allocation(Arena& arena, Block* block) {
     st.allocation[t].decrease(1);
     st.allocated_bytes[t].decrease(static_cast<std::int64_t>(block->size));
   }
-  record_trace(TraceAction::kFreeRequested, block->ptr, block->requested_size, arena.stream);
+  record_trace(TraceAction::kFreeRequested, block->ptr, block->requested_size, arena.stream, block);
   if (is_oversize(block->size, config_)) st.oversize_allocations.decrease(1);
   if (block->stream_uses.empty()) {
     free_block(arena, block);
@@ -256,7 +272,7 @@ void Engine::release_allocation(Arena& arena, Block* block) {
 // The merged block reuses a free neighbour's place in the pool when it can (its size only
 // grew), which spares the tree an erase and an insert.
 void Engine::free_block(Arena& arena, Block* block) {
-  record_trace(TraceAction::kFreeCompleted, block->ptr, block->requested_size, arena.stream);
+  record_trace(TraceAction::kFreeCompleted, block->ptr, block->requested_size, arena.stream, block);
   const auto original_size = static_cast<std::int64_t>(block->size);
   const auto requested = block->requested_size;
   FreePool& pool = *block->pool;
@@ -285,6 +301,7 @@ void Engine::free_block(Arena& arena, Block* block) {
     Block* const before = prev != nullptr ? prev->prev : block->prev;
     Block* const after = last->next;
     const std::size_t size = last->end() - start;
+    const std::uint32_t segment_stack = (prev != nullptr ? prev : block)->segment_stack;
     for (Block* absorbed : {prev, block, next}) {
       if (absorbed != nullptr && absorbed != merged) arena.blocks.recycle(absorbed);
     }
@@ -295,11 +312,13 @@ void Engine::free_block(Arena& arena, Block* block) {
     if (before != nullptr) before->next = merged;
     if (after != nullptr) after->prev = merged;
     merged->requested_size = requested;  // as PyTorch, the freed block's stale value
+    merged->segment_stack = segment_stack;
     merged->gc_count_base = gc_clock(pool);
     fix_pool_position(pool, pos, Change::kGrew);
   } else {
     insert_into_pool(pool, block);
   }
+  merged->stack = 0;  // a free block has no allocation context
   if (merged->is_split()) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(merged->size);

@@ -40,12 +40,31 @@ Engine::~Engine() {
     driver_.free(ptr, size);
 }
 
-void Engine::record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream) {
-  if (!has_trace_observers_.load(std::memory_order_acquire)) return;
-  std::lock_guard lock(trace_mutex_);
-  const TraceEntry entry{action, addr, size, stream, driver_.now_us()};
-  for (const TraceObserver& observer : trace_observers_)
-    observer(entry);
+void Engine::record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
+                          const Block* block) {
+  const unsigned flags = trace_flags_.load(std::memory_order_relaxed);
+  if ((flags & (kTraceObservers | kTraceHistory)) == 0) return;
+  const std::int64_t now = driver_.now_us();
+  if (flags & kTraceHistory) {
+    StackTable::Id stack = 0;
+    if (flags & kStacksOnEntries) {
+      // The operation's own stack; without one (a free at context "alloc"), the stack of
+      // the allocation the entry is about.
+      stack = OperationContext::current();
+      if (stack == 0 && block != nullptr) {
+        const bool segment =
+            action == TraceAction::kSegmentFree || action == TraceAction::kSegmentUnmap;
+        stack = segment ? block->segment_stack : block->stack;
+      }
+    }
+    history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
+  }
+  if (flags & kTraceObservers) {
+    std::lock_guard lock(trace_mutex_);
+    const TraceEntry entry{action, addr, size, stream, now};
+    for (const TraceObserver& observer : trace_observers_)
+      observer(entry);
+  }
 }
 
 }  // namespace core
@@ -110,7 +129,20 @@ void Allocator::add_free_memory_callback(FreeMemoryCallback callback) {
 void Allocator::add_trace_observer(TraceObserver observer) {
   std::lock_guard lock(impl_->trace_mutex_);
   impl_->trace_observers_.push_back(std::move(observer));
-  impl_->has_trace_observers_.store(true, std::memory_order_release);
+  impl_->trace_flags_.fetch_or(core::Engine::kTraceObservers, std::memory_order_release);
+}
+
+void Allocator::record_history(const HistoryOptions& options) {
+  impl_->record_history(options);
+}
+Snapshot Allocator::snapshot() {
+  return impl_->snapshot();
+}
+void Allocator::annotate(std::string_view name, bool start) {
+  impl_->annotate(name, start);
+}
+void Allocator::set_user_metadata(const std::string& metadata) {
+  core::set_current_metadata(core::intern_metadata(metadata));
 }
 
 void Allocator::check_invariants() const {

@@ -33,6 +33,7 @@
 #include "ccalloc/allocator.hpp"
 #include "core/arena.hpp"
 #include "core/block.hpp"
+#include "core/history.hpp"
 #include "core/segment_map.hpp"
 
 namespace ccalloc::core {
@@ -97,7 +98,21 @@ class Engine {
   std::atomic<bool> has_free_memory_callbacks_{false};
   std::mutex trace_mutex_;
   std::vector<TraceObserver> trace_observers_;
-  std::atomic<bool> has_trace_observers_{false};
+
+  // What record_trace() and the hot path do, read once per operation.
+  enum TraceFlags : unsigned {
+    kTraceObservers = 1,    // trace observers are attached
+    kTraceHistory = 2,      // entries go to the history ring
+    kCaptureOnMalloc = 4,   // malloc captures its stack
+    kCaptureOnFree = 8,     // free and empty_cache capture theirs
+    kStacksOnEntries = 16,  // entries carry the operation's stack
+    kStacksOnBlocks = 32,   // blocks and segments keep their allocation's stack
+  };
+  std::atomic<unsigned> trace_flags_{0};
+
+  void record_history(const HistoryOptions& options);
+  void annotate(std::string_view name, bool start);
+  Snapshot snapshot();
 
  private:
   // Holds every arena lock (and the registry, so no arena appears meanwhile).
@@ -170,7 +185,10 @@ class Engine {
   DevicePtr malloc_uncached(std::size_t size);
   void free_uncached(DevicePtr ptr);
 
-  void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream);
+  // Sends an entry to the trace observers and the history. `block` is the block the entry
+  // is about (its stacks stand in when the operation captured none), or nullptr.
+  void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
+                    const Block* block);
   void add_segment_stats(bool small, std::size_t size, std::int64_t sign);  // device_mutex_
   static StatType pool_stat(bool small) { return small ? kSmallPool : kLargePool; }
   // Blocks of every segment of `arena`, grouped by segment (every arena lock held).
@@ -201,6 +219,10 @@ class Engine {
   std::size_t capacity_ = 0;          // device memory, read once at construction
   std::optional<std::size_t> limit_;  // per_process_memory_fraction x capacity
   double fraction_ = 1.0;
+
+  HistoryRing history_;
+  std::mutex annotations_mutex_;
+  std::vector<Annotation> annotations_;
 
   std::mutex uncached_mutex_;
   std::unordered_map<DevicePtr, std::size_t> uncached_;

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "ccalloc/stats.hpp"
+#include "core/arena_mutex.hpp"
 #include "core/block.hpp"
 #include "core/ptr_map.hpp"
 #include "core/segment_map.hpp"
-#include "core/arena_mutex.hpp"
 
 namespace ccalloc::core {
 

@@ -33,6 +33,8 @@ struct Block {
   int event_count = 0;              // outstanding events before it may be reused
   bool allocated = false;
   std::vector<StreamId> stream_uses;  // streams other than its own that used it
+  std::uint32_t stack = 0;            // history: context of its allocation (while active)
+  std::uint32_t segment_stack = 0;    // history: context of the device allocation (head only)
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
   DevicePtr end() const { return ptr + size; }
@@ -146,6 +148,8 @@ class BlockRecycler {
     b->prev = nullptr;
     b->requested_size = 0;
     b->gc_count_base = 0;
+    b->stack = 0;
+    b->segment_stack = 0;
     return b;
   }
   void recycle(Block* b) {

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <optional>
 
 #include "core/allocator_impl.hpp"
 #include "core/rounding.hpp"
@@ -106,14 +107,17 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
   block->ptr = ptr;
   block->size = size;
   block->pool = &arena.pool_for(req.small);
-  record_trace(TraceAction::kSegmentAlloc, ptr, size, arena.stream);
+  if (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks) {
+    block->segment_stack = OperationContext::current();
+  }
+  record_trace(TraceAction::kSegmentAlloc, ptr, size, arena.stream, block);
   return block;
 }
 
 // Returns a free, unsplit segment (a block in its pool) to the device.
 void Engine::release_segment(Arena& arena, Block* block) {
   block->pool->blocks.erase(block);
-  record_trace(TraceAction::kSegmentFree, block->ptr, block->size, arena.stream);
+  record_trace(TraceAction::kSegmentFree, block->ptr, block->size, arena.stream, block);
   driver_.free(block->ptr, block->size);
   {
     std::lock_guard lock(device_mutex_);
@@ -259,6 +263,11 @@ bool Engine::run_free_memory_callbacks() {
 
 void Engine::empty_cache() {
   if (config_.uncached) return;
+  const unsigned flags = trace_flags_.load(std::memory_order_acquire);
+  std::optional<OperationContext> context;
+  if (flags & kTraceHistory) {
+    context.emplace(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
+  }
   {
     AllArenasLock all(*this);
     release_cached_segments(all);
@@ -363,7 +372,7 @@ std::string oom_message(const OomFacts& f) {
 
 void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllArenasLock> all) {
   const MemInfo info = driver_.mem_info();
-  record_trace(TraceAction::kOom, info.free_bytes, req.size, arena.stream);
+  record_trace(TraceAction::kOom, info.free_bytes, req.size, arena.stream, nullptr);
 
   OomFacts f;
   f.device = device();

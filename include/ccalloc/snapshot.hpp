@@ -1,0 +1,110 @@
+// Memory snapshots: the allocator's segments and blocks at one moment, with the history
+// of trace entries that led there. The schema is PyTorch's torch.cuda.memory._snapshot()
+// (segments, device_traces, allocator_settings, external_annotations), so its viewer and
+// scripts read ccalloc's snapshots and ccalloc's tools read PyTorch's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ccalloc/allocator.hpp"
+#include "ccalloc/trace.hpp"
+
+namespace ccalloc {
+
+// One stack frame: C++ (function, file:line where debug info allows) or Python.
+struct Frame {
+  std::string filename;
+  std::int64_t line = 0;
+  std::string name;
+  bool operator==(const Frame&) const = default;
+};
+// A stack, innermost frame first. Identical stacks share one list.
+using Frames = std::shared_ptr<const std::vector<Frame>>;
+
+struct SnapshotBlock {
+  DevicePtr address = 0;
+  std::size_t size = 0;
+  std::size_t requested_size = 0;
+  BlockState state = BlockState::kInactive;
+  Frames frames;  // context of its allocation; null if none was recorded
+};
+
+struct SnapshotSegment {
+  int device = 0;
+  DevicePtr address = 0;
+  std::size_t total_size = 0;
+  std::size_t allocated_size = 0;
+  std::size_t active_size = 0;
+  std::size_t requested_size = 0;
+  StreamId stream = 0;
+  bool is_small = false;  // segment_type "small" / "large"
+  std::pair<std::int64_t, std::int64_t> pool_id{0, 0};
+  bool is_expandable = false;
+  Frames frames;  // context of the device allocation (or first mapping)
+  std::vector<SnapshotBlock> blocks;
+};
+
+struct SnapshotTraceEntry {
+  TraceAction action = TraceAction::kAlloc;
+  DevicePtr addr = 0;  // for kOom: the device's free bytes (written as `device_free`)
+  std::size_t size = 0;
+  StreamId stream = 0;
+  std::int64_t time_us = 0;
+  Frames frames;              // null: no context was recorded (the key is omitted)
+  std::string user_metadata;  // the thread's metadata when the entry was recorded
+};
+
+struct Annotation {
+  std::string name;
+  std::string stage;  // "START" or "END"
+  int device = 0;
+  std::int64_t time_us = 0;
+};
+
+// allocator_settings as PyTorch reports them.
+struct AllocatorSettings {
+  std::string conf;  // the config string ("PYTORCH_CUDA_ALLOC_CONF")
+  std::int64_t max_split_size = -1;
+  double garbage_collection_threshold = 0.0;
+  bool expandable_segments = false;
+  std::int64_t pinned_num_register_threads = 1;
+  bool release_lock_on_cudamalloc = false;
+  bool pinned_use_cuda_host_register = false;
+  std::vector<std::int64_t> roundup_power2_divisions;  // 16 entries, [1 MiB, 2 MiB) first
+  bool graph_capture_record_stream_reuse = false;
+  bool trace_alloc_overflowed = false;
+  std::int64_t trace_alloc_max_entries = 0;
+};
+
+struct Snapshot {
+  std::vector<SnapshotSegment> segments;  // every device, by address within a device
+  std::vector<std::vector<SnapshotTraceEntry>> device_traces;  // index = device
+  AllocatorSettings allocator_settings;
+  std::vector<Annotation> external_annotations;
+};
+
+// What history recording keeps (PyTorch's _record_memory_history arguments).
+struct HistoryOptions {
+  enum class Enabled { kNone, kState, kAll };
+  // none: no stacks; state: stacks of live blocks only; alloc: also on alloc entries;
+  // all: also on free entries (and segment frees by empty_cache).
+  enum class Context { kNone, kState, kAlloc, kAll };
+  enum class Stacks { kNone, kCpp };
+
+  Enabled enabled = Enabled::kAll;
+  Context context = Context::kAll;
+  Stacks stacks = Stacks::kCpp;
+  std::size_t max_entries = std::size_t{1} << 20;  // ring buffer length (forced to 1 unless all)
+  bool clear = false;                              // drop the entries recorded so far
+
+  // Parses "none|state|all" etc.; throws ConfigError naming the argument and value.
+  static Enabled parse_enabled(const std::string& s);
+  static Context parse_context(const std::string& s);
+  static Stacks parse_stacks(const std::string& s);
+};
+
+}  // namespace ccalloc

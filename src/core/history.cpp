@@ -1,0 +1,278 @@
+// History recording and snapshots.
+#include "core/history.hpp"
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "core/allocator_impl.hpp"
+#include "core/rounding.hpp"
+
+namespace ccalloc {
+
+HistoryOptions::Enabled HistoryOptions::parse_enabled(const std::string& s) {
+  if (s == "none" || s.empty()) return Enabled::kNone;
+  if (s == "state") return Enabled::kState;
+  if (s == "all") return Enabled::kAll;
+  throw ConfigError("ccalloc: invalid value '" + s +
+                    "' for record_history 'enabled': expected none, state or all");
+}
+
+HistoryOptions::Context HistoryOptions::parse_context(const std::string& s) {
+  if (s == "none" || s.empty()) return Context::kNone;
+  if (s == "state") return Context::kState;
+  if (s == "alloc") return Context::kAlloc;
+  if (s == "all") return Context::kAll;
+  throw ConfigError("ccalloc: invalid value '" + s +
+                    "' for record_history 'context': expected none, state, alloc or all");
+}
+
+HistoryOptions::Stacks HistoryOptions::parse_stacks(const std::string& s) {
+  if (s == "none" || s.empty()) return Stacks::kNone;
+  if (s == "cpp" || s == "all") return Stacks::kCpp;
+  throw ConfigError("ccalloc: invalid value '" + s +
+                    "' for record_history 'stacks': expected cpp or none");
+}
+
+namespace core {
+
+StackTable& stack_table() {
+  static StackTable* const table = new StackTable();  // outlives every allocator
+  return *table;
+}
+
+thread_local StackTable::Id OperationContext::current_ = 0;
+
+namespace {
+struct MetadataTable {
+  std::mutex mutex;
+  std::vector<std::string> strings{""};  // id 0: none
+  std::unordered_map<std::string, std::uint32_t> ids;
+};
+MetadataTable& metadata_table() {
+  static MetadataTable* const table = new MetadataTable();
+  return *table;
+}
+thread_local std::uint32_t t_metadata = 0;
+}  // namespace
+
+std::uint32_t intern_metadata(const std::string& s) {
+  if (s.empty()) return 0;
+  MetadataTable& t = metadata_table();
+  std::lock_guard lock(t.mutex);
+  const auto [it, inserted] = t.ids.emplace(s, static_cast<std::uint32_t>(t.strings.size()));
+  if (inserted) t.strings.push_back(s);
+  return it->second;
+}
+
+std::string metadata_string(std::uint32_t id) {
+  MetadataTable& t = metadata_table();
+  std::lock_guard lock(t.mutex);
+  return id < t.strings.size() ? t.strings[id] : std::string();
+}
+
+std::uint32_t current_metadata() {
+  return t_metadata;
+}
+void set_current_metadata(std::uint32_t id) {
+  t_metadata = id;
+}
+
+void HistoryRing::configure(std::size_t capacity, bool clear) {
+  lock();
+  std::vector<HistoryEntry> kept;
+  if (!clear) {
+    // Keep the newest entries, oldest first.
+    const std::size_t n = entries_.size();
+    for (std::size_t i = 0; i < n; ++i)
+      kept.push_back(entries_[(next_ + i) % n]);
+  }
+  capacity_ = std::max<std::size_t>(capacity, 1);
+  if (kept.size() > capacity_) {
+    kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(capacity_));
+    overflowed_ = true;
+  }
+  if (clear) overflowed_ = false;
+  entries_ = std::move(kept);
+  next_ = entries_.size() == capacity_ ? 0 : entries_.size();
+  unlock();
+}
+
+std::vector<HistoryEntry> HistoryRing::entries() const {
+  lock();
+  std::vector<HistoryEntry> out;
+  out.reserve(entries_.size());
+  const std::size_t n = entries_.size();
+  const std::size_t start = n == capacity_ ? next_ : 0;
+  for (std::size_t i = 0; i < n; ++i)
+    out.push_back(entries_[(start + i) % n]);
+  unlock();
+  return out;
+}
+
+bool HistoryRing::overflowed() const {
+  lock();
+  const bool o = overflowed_;
+  unlock();
+  return o;
+}
+
+std::size_t HistoryRing::capacity() const {
+  lock();
+  const std::size_t c = capacity_;
+  unlock();
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------
+// The engine's side
+
+void Engine::record_history(const HistoryOptions& options) {
+  using O = HistoryOptions;
+  unsigned flags = trace_flags_.load() & kTraceObservers;
+  const bool on = options.enabled != O::Enabled::kNone;
+  const bool stacks = options.stacks == O::Stacks::kCpp && options.context != O::Context::kNone;
+  if (on && options.enabled == O::Enabled::kAll) flags |= kTraceHistory;
+  if (on && stacks) flags |= kCaptureOnMalloc | kStacksOnBlocks;
+  if (on && stacks && options.context >= O::Context::kAlloc) flags |= kStacksOnEntries;
+  if (on && stacks && options.context == O::Context::kAll) flags |= kCaptureOnFree;
+  // PyTorch keeps one entry unless everything is recorded; stopping clears the history.
+  history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
+                     options.clear || !on);
+  if (!on || options.clear) {
+    std::lock_guard lock(annotations_mutex_);
+    annotations_.clear();
+  }
+  trace_flags_.store(flags, std::memory_order_release);
+}
+
+void Engine::annotate(std::string_view name, bool start) {
+  if ((trace_flags_.load(std::memory_order_relaxed) & kTraceHistory) == 0) return;
+  Annotation a{std::string(name), start ? "START" : "END", device(), driver_.now_us()};
+  std::lock_guard lock(annotations_mutex_);
+  annotations_.push_back(std::move(a));
+}
+
+Snapshot Engine::snapshot() {
+  Snapshot s;
+  std::vector<StackTable::Id> ids;
+  std::vector<std::pair<SnapshotBlock*, StackTable::Id>> block_stacks;
+  std::vector<std::pair<SnapshotSegment*, StackTable::Id>> segment_stacks;
+  std::vector<HistoryEntry> entries;
+  {
+    AllArenasLock all(*this);
+    std::int64_t active_bytes = 0;
+    for (Arena* arena : all.by_stream()) {
+      active_bytes += arena->stats.active_bytes[kAggregate].current;
+    }
+    record_trace(TraceAction::kSnapshot, 0, static_cast<std::size_t>(active_bytes), 0, nullptr);
+
+    std::vector<std::pair<SnapshotSegment, std::vector<StackTable::Id>>> built;
+    for (Arena* arena : all.by_stream()) {
+      for (const auto& blocks : segments_of(*arena)) {
+        SnapshotSegment seg;
+        seg.device = device();
+        seg.address = blocks.front()->ptr;
+        seg.stream = arena->stream;
+        seg.is_small = blocks.front()->pool->is_small;
+        std::vector<StackTable::Id> stacks{blocks.front()->segment_stack};
+        for (const Block* b : blocks) {
+          SnapshotBlock sb;
+          sb.address = b->ptr;
+          sb.size = b->size;
+          sb.requested_size = b->requested_size;
+          sb.state = b->allocated         ? BlockState::kActiveAllocated
+                     : b->event_count > 0 ? BlockState::kActivePendingFree
+                                          : BlockState::kInactive;
+          seg.total_size += b->size;
+          if (sb.state == BlockState::kActiveAllocated) seg.allocated_size += b->size;
+          if (sb.state != BlockState::kInactive) {
+            seg.active_size += b->size;
+            seg.requested_size += b->requested_size;
+          }
+          seg.blocks.push_back(std::move(sb));
+          stacks.push_back(b->allocated || b->event_count > 0 ? b->stack : 0);
+        }
+        built.emplace_back(std::move(seg), std::move(stacks));
+      }
+    }
+    std::sort(built.begin(), built.end(),
+              [](const auto& a, const auto& b) { return a.first.address < b.first.address; });
+    s.segments.reserve(built.size());
+    std::vector<std::vector<StackTable::Id>> stack_lists;
+    for (auto& [seg, stacks] : built) {
+      s.segments.push_back(std::move(seg));
+      stack_lists.push_back(std::move(stacks));
+    }
+    for (std::size_t i = 0; i < s.segments.size(); ++i) {
+      SnapshotSegment& seg = s.segments[i];
+      segment_stacks.emplace_back(&seg, stack_lists[i][0]);
+      for (std::size_t j = 0; j < seg.blocks.size(); ++j) {
+        block_stacks.emplace_back(&seg.blocks[j], stack_lists[i][j + 1]);
+      }
+    }
+    entries = history_.entries();
+  }
+
+  for (const auto& [seg, id] : segment_stacks)
+    ids.push_back(id);
+  for (const auto& [block, id] : block_stacks)
+    ids.push_back(id);
+  for (const HistoryEntry& e : entries)
+    ids.push_back(e.stack);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const auto frames = stack_table().symbolize(ids);
+  const auto frames_of = [&frames](StackTable::Id id) -> Frames {
+    const auto it = frames.find(id);
+    return it == frames.end() ? nullptr : it->second;
+  };
+  for (const auto& [seg, id] : segment_stacks)
+    seg->frames = frames_of(id);
+  for (const auto& [block, id] : block_stacks)
+    block->frames = frames_of(id);
+
+  s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
+  auto& mine = s.device_traces[static_cast<std::size_t>(device())];
+  mine.reserve(entries.size());
+  std::unordered_map<std::uint32_t, std::string> metadata;
+  for (const HistoryEntry& e : entries) {
+    SnapshotTraceEntry te;
+    te.action = e.action;
+    te.addr = e.addr;
+    te.size = e.size;
+    te.stream = e.stream;
+    te.time_us = e.time_us;
+    te.frames = frames_of(e.stack);
+    if (e.metadata != 0) {
+      auto it = metadata.find(e.metadata);
+      if (it == metadata.end())
+        it = metadata.emplace(e.metadata, metadata_string(e.metadata)).first;
+      te.user_metadata = it->second;
+    }
+    mine.push_back(std::move(te));
+  }
+
+  AllocatorSettings& st = s.allocator_settings;
+  st.conf = config_.source;
+  st.max_split_size =
+      config_.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(config_.max_split_size);
+  st.garbage_collection_threshold = config_.garbage_collection_threshold;
+  st.expandable_segments = config_.expandable_segments;
+  st.pinned_num_register_threads = static_cast<std::int64_t>(config_.pinned_num_register_threads);
+  st.release_lock_on_cudamalloc = config_.release_lock_on_cudamalloc;
+  st.pinned_use_cuda_host_register = config_.pinned_use_cuda_host_register;
+  for (const std::size_t d : config_.roundup_power2_divisions) {
+    st.roundup_power2_divisions.push_back(static_cast<std::int64_t>(d));
+  }
+  st.graph_capture_record_stream_reuse = config_.graph_capture_record_stream_reuse;
+  st.trace_alloc_overflowed = history_.overflowed();
+  st.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
+  {
+    std::lock_guard lock(annotations_mutex_);
+    s.external_annotations = annotations_;
+  }
+  return s;
+}
+
+}  // namespace core
+}  // namespace ccalloc

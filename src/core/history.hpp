@@ -1,0 +1,89 @@
+// Allocation history: a ring buffer of trace entries per device, the stack context of the
+// operation in progress on each thread, and the process-wide table of captured stacks.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ccalloc/snapshot.hpp"
+#include "core/stacks.hpp"
+
+namespace ccalloc::core {
+
+// The process-wide stack table: ids are valid across devices.
+StackTable& stack_table();
+
+// One recorded trace entry; stacks and metadata are interned ids (0: none).
+struct HistoryEntry {
+  TraceAction action = TraceAction::kAlloc;
+  DevicePtr addr = 0;
+  std::size_t size = 0;
+  StreamId stream = 0;
+  std::int64_t time_us = 0;
+  StackTable::Id stack = 0;
+  std::uint32_t metadata = 0;
+};
+
+// The last `capacity` entries, oldest first on read. Pushes take a short spin lock: the
+// hot path records up to three entries per malloc+free pair.
+class HistoryRing {
+ public:
+  void push(const HistoryEntry& e) {
+    lock();
+    if (entries_.size() < capacity_) {
+      entries_.push_back(e);
+    } else {
+      entries_[next_] = e;
+      next_ = next_ + 1 == capacity_ ? 0 : next_ + 1;
+      overflowed_ = true;
+    }
+    unlock();
+  }
+  // Sets the capacity (at least 1); clear drops the entries kept so far.
+  void configure(std::size_t capacity, bool clear);
+  std::vector<HistoryEntry> entries() const;  // chronological
+  bool overflowed() const;
+  std::size_t capacity() const;
+
+ private:
+  void lock() const {
+    while (locked_.exchange(true, std::memory_order_acquire)) {
+      while (locked_.load(std::memory_order_relaxed))
+        __builtin_ia32_pause();
+    }
+  }
+  void unlock() const { locked_.store(false, std::memory_order_release); }
+
+  mutable std::atomic<bool> locked_{false};
+  std::vector<HistoryEntry> entries_;
+  std::size_t capacity_ = 1;
+  std::size_t next_ = 0;  // the oldest entry once full
+  bool overflowed_ = false;
+};
+
+// The context of the allocator operation running on this thread: set for the duration of
+// a malloc, free or empty_cache while history is recorded, restored after (operations can
+// nest through free-memory callbacks).
+class OperationContext {
+ public:
+  explicit OperationContext(StackTable::Id stack) : saved_(current_) { current_ = stack; }
+  ~OperationContext() { current_ = saved_; }
+  OperationContext(const OperationContext&) = delete;
+  OperationContext& operator=(const OperationContext&) = delete;
+  static StackTable::Id current() { return current_; }
+
+ private:
+  StackTable::Id saved_;
+  static thread_local StackTable::Id current_;
+};
+
+// Per-thread user metadata strings (set_user_metadata), interned process-wide.
+std::uint32_t intern_metadata(const std::string& s);
+std::string metadata_string(std::uint32_t id);
+std::uint32_t current_metadata();
+void set_current_metadata(std::uint32_t id);
+
+}  // namespace ccalloc::core

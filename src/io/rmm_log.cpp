@@ -1,0 +1,401 @@
+#include "io/rmm_log.hpp"
+
+#include <array>
+#include <charconv>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <system_error>
+
+#include "ccalloc/errors.hpp"
+#include "io/gzip.hpp"
+
+namespace ccalloc::io {
+namespace {
+
+constexpr std::string_view kHeader = "Thread,Time,Action,Pointer,Size,Stream";
+constexpr std::int64_t kUsPerDay = std::int64_t{86400} * 1000000;
+constexpr std::int64_t kMaxDays = 1000000;
+
+enum class Column : std::uint8_t { kIgnored, kThread, kTime, kAction, kPointer, kSize, kStream };
+
+struct KnownColumn {
+  std::string_view name;
+  Column column;
+  bool required;
+};
+constexpr std::array<KnownColumn, 6> kKnownColumns = {{
+    {"Thread", Column::kThread, false},
+    {"Time", Column::kTime, false},
+    {"Action", Column::kAction, true},
+    {"Pointer", Column::kPointer, true},
+    {"Size", Column::kSize, true},
+    {"Stream", Column::kStream, false},
+}};
+
+std::string quoted(std::string_view text) {
+  constexpr std::size_t kMaxShown = 64;
+  std::string out = "'";
+  for (const char c : text.substr(0, kMaxShown)) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u < 0x7f) {
+      out += c;
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[u >> 4];
+      out += kHex[u & 0xf];
+    }
+  }
+  if (text.size() > kMaxShown) out += "...";
+  out += '\'';
+  return out;
+}
+
+std::string_view trim(std::string_view s) {
+  const auto is_space = [](char c) { return c == ' ' || c == '\t'; };
+  while (!s.empty() && is_space(s.front()))
+    s.remove_prefix(1);
+  while (!s.empty() && is_space(s.back()))
+    s.remove_suffix(1);
+  return s;
+}
+
+bool iequals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const auto lower = [](char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c; };
+    if (lower(a[i]) != lower(b[i])) return false;
+  }
+  return true;
+}
+
+enum class Action : std::uint8_t { kAllocate, kFree, kFailure };
+
+class Parser {
+ public:
+  Parser(std::string_view text, const std::string& name) : text_(text), name_(name) {
+    if (text_.starts_with("\xef\xbb\xbf")) text_.remove_prefix(3);
+  }
+
+  std::vector<TraceRecord> parse() {
+    std::string_view line;
+    bool have_header = false;
+    while (next_line(line)) {
+      if (trim(line).empty()) continue;
+      parse_header(line);
+      have_header = true;
+      break;
+    }
+    if (!have_header) {
+      throw FormatError(name_ + ": empty RMM log (expected the header line '" +
+                        std::string(kHeader) + "')");
+    }
+    std::vector<TraceRecord> records;
+    while (next_line(line)) {
+      if (trim(line).empty()) continue;
+      parse_row(line, records);
+    }
+    return records;
+  }
+
+ private:
+  bool next_line(std::string_view& line) {
+    if (pos_ >= text_.size()) return false;
+    const std::size_t nl = text_.find('\n', pos_);
+    const std::size_t end = nl == std::string_view::npos ? text_.size() : nl;
+    line = text_.substr(pos_, end - pos_);
+    pos_ = nl == std::string_view::npos ? text_.size() : nl + 1;
+    ++line_no_;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    return true;
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw FormatError(name_ + ":" + std::to_string(line_no_) + ": " + what);
+  }
+  [[noreturn]] void fail_field(Column column, std::string_view field,
+                               const std::string& why) const {
+    fail("invalid " + std::string(column_name(column)) + " " + quoted(field) + " (" + why + ")");
+  }
+  static std::string_view column_name(Column column) {
+    for (const KnownColumn& k : kKnownColumns) {
+      if (k.column == column) return k.name;
+    }
+    return "column";
+  }
+
+  void parse_header(std::string_view line) {
+    std::array<bool, kKnownColumns.size()> seen{};
+    std::size_t start = 0;
+    for (;;) {
+      const std::size_t comma = line.find(',', start);
+      const std::size_t end = comma == std::string_view::npos ? line.size() : comma;
+      const std::string_view field = trim(line.substr(start, end - start));
+      Column column = Column::kIgnored;
+      for (std::size_t k = 0; k < kKnownColumns.size(); ++k) {
+        if (!iequals(kKnownColumns[k].name, field)) continue;
+        if (seen[k]) fail("duplicate column " + quoted(field) + " in the header");
+        seen[k] = true;
+        column = kKnownColumns[k].column;
+      }
+      columns_.push_back(column);
+      if (comma == std::string_view::npos) break;
+      start = comma + 1;
+    }
+    std::string missing;
+    for (std::size_t k = 0; k < kKnownColumns.size(); ++k) {
+      if (kKnownColumns[k].required && !seen[k]) {
+        missing += (missing.empty() ? "'" : ", '") + std::string(kKnownColumns[k].name) + "'";
+      }
+    }
+    if (!missing.empty()) {
+      fail("the header has no " + missing + " column (got " + quoted(line) +
+           ", expected RMM's header '" + std::string(kHeader) + "')");
+    }
+  }
+
+  std::uint64_t parse_unsigned(std::string_view field, Column column, bool allow_hex) const {
+    if (allow_hex && field == "(nil)") return 0;  // printf's %p of a null pointer
+    int base = 10;
+    std::string_view digits = field;
+    if (allow_hex && (digits.starts_with("0x") || digits.starts_with("0X"))) {
+      digits.remove_prefix(2);
+      base = 16;
+    }
+    std::uint64_t v = 0;
+    const auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v, base);
+    if (ec == std::errc::result_out_of_range) fail_field(column, field, "out of 64-bit range");
+    if (ec != std::errc() || ptr != digits.data() + digits.size() || digits.empty()) {
+      fail_field(column, field,
+                 allow_hex ? "expected a hex (0x...) or decimal integer" : "expected an unsigned integer");
+    }
+    return v;
+  }
+
+  // Digits after a decimal point as microseconds (truncated beyond 6 digits).
+  std::int64_t fraction_us(std::string_view frac, std::string_view field) const {
+    std::int64_t us = 0;
+    std::size_t n = 0;
+    for (const char c : frac) {
+      if (c < '0' || c > '9') fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+      if (n < 6) us = us * 10 + (c - '0');
+      ++n;
+    }
+    for (; n < 6; ++n)
+      us *= 10;
+    return us;
+  }
+
+  std::int64_t small_number(std::string_view digits, std::string_view field) const {
+    std::int64_t v = 0;
+    const auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+    // A bound that keeps the microsecond arithmetic far from overflow.
+    if (ec != std::errc() || ptr != digits.data() + digits.size() || digits.empty() || v < 0 ||
+        v > (std::int64_t{1} << 40)) {
+      fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+    }
+    return v;
+  }
+
+  // RMM writes the time of day (HH:MM:SS.ffffff); older tools and its docs show seconds
+  // (since the epoch, or since the first entry as format_rmm_log writes).
+  std::int64_t parse_time(std::string_view field) {
+    std::string_view s = field;
+    bool negative = false;
+    if (!s.empty() && s.front() == '-') {
+      negative = true;
+      s.remove_prefix(1);
+    }
+    std::string_view frac;
+    if (const std::size_t dot = s.find('.'); dot != std::string_view::npos) {
+      frac = s.substr(dot + 1);
+      s = s.substr(0, dot);
+    }
+    const std::int64_t us = fraction_us(frac, field);
+    if (s.find(':') == std::string_view::npos) {
+      const std::int64_t t = small_number(s, field) * 1000000 + us;
+      return negative ? -t : t;
+    }
+    if (negative) fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+    std::int64_t parts[3] = {0, 0, 0};
+    int n = 0;
+    for (;;) {
+      const std::size_t colon = s.find(':');
+      if (n == 3) fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff");
+      parts[n++] = small_number(s.substr(0, colon), field);
+      if (colon == std::string_view::npos) break;
+      s.remove_prefix(colon + 1);
+    }
+    if (n != 3 || parts[0] > 1000000 || parts[1] > 59 || parts[2] > 60) {
+      fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff");
+    }
+    std::int64_t t = ((parts[0] * 60 + parts[1]) * 60 + parts[2]) * 1000000 + us;
+    // A time of day that jumps back by more than half a day crossed midnight.
+    t += day_offset_;
+    if (have_clock_ && t + kUsPerDay / 2 < last_clock_) {
+      if (day_offset_ >= kMaxDays * kUsPerDay) fail("the log spans more than a million days");
+      day_offset_ += kUsPerDay;
+      t += kUsPerDay;
+    }
+    have_clock_ = true;
+    last_clock_ = t;
+    return t;
+  }
+
+  void parse_row(std::string_view line, std::vector<TraceRecord>& records) {
+    std::size_t fields = 1;
+    for (const char c : line)
+      fields += c == ',' ? 1 : 0;
+    if (fields != columns_.size()) {
+      fail("expected " + std::to_string(columns_.size()) + " fields (as in the header), got " +
+           std::to_string(fields));
+    }
+    Action action = Action::kAllocate;
+    TraceEntry e;
+    std::size_t start = 0;
+    for (const Column column : columns_) {
+      const std::size_t comma = line.find(',', start);
+      const std::size_t end = comma == std::string_view::npos ? line.size() : comma;
+      const std::string_view field = trim(line.substr(start, end - start));
+      start = end + 1;
+      switch (column) {
+        case Column::kIgnored:
+        case Column::kThread:
+          break;
+        case Column::kTime:
+          e.time_us = parse_time(field);
+          break;
+        case Column::kAction:
+          if (field == "allocate") {
+            action = Action::kAllocate;
+          } else if (field == "free" || field == "deallocate") {
+            action = Action::kFree;
+          } else if (field == "allocate failure") {
+            action = Action::kFailure;
+          } else {
+            fail("unknown action " + quoted(field) +
+                 " (expected 'allocate', 'free' or 'allocate failure')");
+          }
+          break;
+        case Column::kPointer:
+          e.addr = static_cast<DevicePtr>(parse_unsigned(field, column, true));
+          break;
+        case Column::kSize:
+          e.size = static_cast<std::size_t>(parse_unsigned(field, column, false));
+          break;
+        case Column::kStream:
+          e.stream = static_cast<StreamId>(parse_unsigned(field, column, true));
+          break;
+      }
+    }
+    switch (action) {
+      case Action::kAllocate:
+        e.action = TraceAction::kAlloc;
+        records.push_back({e, line_no_});
+        break;
+      case Action::kFree:
+        e.action = TraceAction::kFreeRequested;
+        records.push_back({e, line_no_});
+        e.action = TraceAction::kFreeCompleted;
+        records.push_back({e, line_no_});
+        break;
+      case Action::kFailure:
+        // RMM logs a null pointer; the device's free memory is not known.
+        e.action = TraceAction::kOom;
+        e.addr = 0;
+        records.push_back({e, line_no_});
+        break;
+    }
+  }
+
+  std::string_view text_;
+  const std::string& name_;
+  std::size_t pos_ = 0;
+  std::size_t line_no_ = 0;
+  std::vector<Column> columns_;
+  std::int64_t day_offset_ = 0;
+  std::int64_t last_clock_ = 0;
+  bool have_clock_ = false;
+};
+
+void append_hex(std::string& out, std::uint64_t v) {
+  char buf[24];
+  buf[0] = '0';
+  buf[1] = 'x';
+  const char* end = std::to_chars(buf + 2, buf + sizeof buf, v, 16).ptr;
+  out.append(buf, static_cast<std::size_t>(end - buf));
+}
+
+void append_dec(std::string& out, std::uint64_t v) {
+  char buf[24];
+  const char* end = std::to_chars(buf, buf + sizeof buf, v).ptr;
+  out.append(buf, static_cast<std::size_t>(end - buf));
+}
+
+void append_seconds(std::string& out, std::int64_t us) {
+  // Magnitude as unsigned, so even INT64_MIN has one.
+  std::uint64_t mag = us < 0 ? 0 - static_cast<std::uint64_t>(us) : static_cast<std::uint64_t>(us);
+  if (us < 0) out += '-';
+  append_dec(out, mag / 1000000);
+  out += '.';
+  char frac[6];
+  std::uint64_t f = mag % 1000000;
+  for (int i = 5; i >= 0; --i) {
+    frac[i] = static_cast<char>('0' + f % 10);
+    f /= 10;
+  }
+  out.append(frac, 6);
+}
+
+}  // namespace
+
+std::vector<TraceRecord> parse_rmm_log(std::string_view text, const std::string& name) {
+  return Parser(text, name).parse();
+}
+
+std::vector<TraceRecord> read_rmm_log(const std::string& path) {
+  return parse_rmm_log(read_file(path), path);
+}
+
+std::string format_rmm_log(const std::vector<TraceEntry>& entries) {
+  std::string out;
+  out.reserve(kHeader.size() + 1 + entries.size() * 64);
+  out.append(kHeader);
+  out += '\n';
+  const std::int64_t t0 = entries.empty() ? 0 : entries.front().time_us;
+  for (const TraceEntry& e : entries) {
+    std::string_view action;
+    DevicePtr addr = e.addr;
+    switch (e.action) {
+      case TraceAction::kAlloc:
+        action = "allocate";
+        break;
+      case TraceAction::kFreeCompleted:
+        action = "free";
+        break;
+      case TraceAction::kOom:
+        action = "allocate failure";
+        addr = 0;
+        break;
+      default:
+        continue;
+    }
+    out += "0,";
+    // Wrapping arithmetic: a difference beyond 64 bits cannot come from real clocks.
+    append_seconds(out, static_cast<std::int64_t>(static_cast<std::uint64_t>(e.time_us) -
+                                                  static_cast<std::uint64_t>(t0)));
+    out += ',';
+    out.append(action);
+    out += ',';
+    append_hex(out, addr);
+    out += ',';
+    append_dec(out, e.size);
+    out += ',';
+    append_hex(out, e.stream);
+    out += '\n';
+  }
+  return out;
+}
+
+}  // namespace ccalloc::io

@@ -1,0 +1,36 @@
+// Snapshot files: PyTorch's schema in a pickle or JSON file, plain or gzip.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ccalloc/snapshot.hpp"
+#include "io/trace_csv.hpp"
+#include "io/value.hpp"
+
+namespace ccalloc::io {
+
+enum class SnapshotFormat { kPickle, kJson };
+
+// The format a file name asks for: ".json" / ".json.gz" -> JSON, else pickle.
+SnapshotFormat format_for_path(const std::string& path);
+
+// Reads any snapshot file: pickle or JSON (detected from the content), gzip or plain.
+// Throws FormatError with the file name and byte offset.
+Value read_value_file(const std::string& path);
+// Writes a data tree as pickle or JSON (by the path), gzip if the path ends in ".gz".
+void write_value_file(const std::string& path, const Value& v);
+
+// Schema conversions. to_value writes PyTorch's keys; from_value accepts PyTorch's own
+// snapshots (including a bare list of segments, and entries without optional keys) and
+// throws FormatError naming the missing or malformed key.
+Value to_value(const Snapshot& s);
+Snapshot snapshot_from_value(const Value& v, const std::string& name);
+
+Snapshot read_snapshot(const std::string& path);
+void write_snapshot(const std::string& path, const Snapshot& s);
+
+// The trace of one device of a snapshot as replayable records (line = entry index + 1).
+std::vector<TraceRecord> trace_records(const Snapshot& s, int device);
+
+}  // namespace ccalloc::io
