@@ -31,7 +31,7 @@
 namespace ccalloc {
 
 namespace core {
-class Engine;
+class Backend;
 }
 struct HistoryOptions;
 struct Snapshot;
@@ -137,10 +137,10 @@ class Allocator {
   int device() const;
   Driver& driver() const;
 
-  core::Engine& engine() const { return *impl_; }
+  core::Backend& backend() const { return *impl_; }
 
  private:
-  std::unique_ptr<core::Engine> impl_;
+  std::unique_ptr<core::Backend> impl_;
 };
 
 }  // namespace ccalloc

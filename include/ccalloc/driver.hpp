@@ -30,6 +30,17 @@ struct MemInfo {
   std::size_t total_bytes = 0;
 };
 
+// A physical memory allocation for virtual-memory mapping (CUmemGenericAllocationHandle).
+using PhysicalHandle = std::uint64_t;
+
+// Usage of the device's stream-ordered memory pool (cudaMemPoolAttr*).
+struct PoolUsage {
+  std::size_t reserved_current = 0;
+  std::size_t reserved_high = 0;
+  std::size_t used_current = 0;
+  std::size_t used_high = 0;
+};
+
 class Driver {
  public:
   virtual ~Driver() = default;
@@ -53,6 +64,37 @@ class Driver {
   // Blocks until the event has completed.
   virtual void synchronize_event(EventId event) = 0;
   virtual void synchronize_stream(StreamId stream) = 0;
+
+  // --- Virtual memory, for expandable segments (cuMem*). ---
+  // The mapping granularity: reservations, physical allocations and mappings are
+  // multiples of it.
+  virtual std::size_t vm_granularity() = 0;
+  // Reserves `bytes` of address space (no memory behind it). Throws DriverError on failure.
+  virtual DevicePtr reserve_address_range(std::size_t bytes) = 0;
+  virtual void free_address_range(DevicePtr base, std::size_t bytes) = 0;
+  // Creates `bytes` of physical device memory; returns 0 when the device is out of memory.
+  virtual PhysicalHandle create_physical(std::size_t bytes) = 0;
+  virtual void release_physical(PhysicalHandle handle, std::size_t bytes) = 0;
+  // Maps a whole physical allocation at `va` (inside a reservation) and makes it readable
+  // and writable by the device.
+  virtual void map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) = 0;
+  // Unmaps [va, va + bytes). Does not synchronize: the caller waits for the work that used
+  // the range first.
+  virtual void unmap(DevicePtr va, std::size_t bytes) = 0;
+
+  // --- The device's stream-ordered memory pool, for backend:cudaMallocAsync. ---
+  // The pool is configured to keep what it reserves (release threshold: unlimited).
+  // Allocates in stream order on `stream`; returns 0 when the device is out of memory.
+  virtual DevicePtr allocate_async(std::size_t bytes, StreamId stream) = 0;
+  // Frees in stream order on `stream`.
+  virtual void free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) = 0;
+  // Makes `stream` wait for `event` (cudaStreamWaitEvent).
+  virtual void stream_wait_event(StreamId stream, EventId event) = 0;
+  // Releases the pool's unused memory, keeping at most `keep_bytes` (cudaMemPoolTrimTo).
+  virtual void pool_trim(std::size_t keep_bytes) = 0;
+  virtual PoolUsage pool_usage() = 0;
+  virtual void pool_reset_peaks() = 0;
+  virtual void synchronize_device() = 0;
 
   // Wall time in microseconds since the Unix epoch, used to stamp trace entries. The
   // simulated GPU returns its virtual clock instead.

@@ -111,6 +111,20 @@ class SimDriver final : public Driver {
   void synchronize_event(EventId event) override;
   void synchronize_stream(StreamId stream) override;
   std::int64_t now_us() override;
+  std::size_t vm_granularity() override;
+  DevicePtr reserve_address_range(std::size_t bytes) override;
+  void free_address_range(DevicePtr base, std::size_t bytes) override;
+  PhysicalHandle create_physical(std::size_t bytes) override;
+  void release_physical(PhysicalHandle handle, std::size_t bytes) override;
+  void map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) override;
+  void unmap(DevicePtr va, std::size_t bytes) override;
+  DevicePtr allocate_async(std::size_t bytes, StreamId stream) override;
+  void free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) override;
+  void stream_wait_event(StreamId stream, EventId event) override;
+  void pool_trim(std::size_t keep_bytes) override;
+  PoolUsage pool_usage() override;
+  void pool_reset_peaks() override;
+  void synchronize_device() override;
   std::string name() const override;
 
  private:

@@ -51,7 +51,7 @@ Engine::Engine(Driver& driver, Config config)
       config_(std::move(config)),
       uid_(g_next_engine_uid.fetch_add(1)),
       event_pool_(driver) {
-  if (config_.backend != Backend::kNative) {
+  if (config_.backend != ccalloc::Backend::kNative) {
     throw ConfigError(
         "ccalloc: backend:cudaMallocAsync is not available in this build; use "
         "backend:native");

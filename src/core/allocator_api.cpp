@@ -67,98 +67,72 @@ void Engine::record_trace(TraceAction action, DevicePtr addr, std::size_t size, 
   }
 }
 
+void Engine::add_oom_observer(OomObserver observer) {
+  std::lock_guard lock(observers_mutex_);
+  oom_observers_.push_back(std::move(observer));
+}
+
+void Engine::add_free_memory_callback(FreeMemoryCallback callback) {
+  std::lock_guard lock(observers_mutex_);
+  free_memory_callbacks_.push_back(std::move(callback));
+  has_free_memory_callbacks_.store(true, std::memory_order_release);
+}
+
+void Engine::add_trace_observer(TraceObserver observer) {
+  std::lock_guard lock(trace_mutex_);
+  trace_observers_.push_back(std::move(observer));
+  trace_flags_.fetch_or(kTraceObservers, std::memory_order_release);
+}
+
 }  // namespace core
 
 Allocator::Allocator(Driver& driver, Config config)
-    : impl_(std::make_unique<core::Engine>(driver, std::move(config))) {}
+    : impl_(core::make_backend(driver, std::move(config))) {}
 
 Allocator::~Allocator() = default;
 
-DevicePtr Allocator::malloc(std::size_t size, StreamId stream) {
-  return impl_->malloc(size, stream);
-}
-void Allocator::free(DevicePtr ptr) {
-  impl_->free(ptr);
-}
-void Allocator::record_stream(DevicePtr ptr, StreamId stream) {
-  impl_->record_stream(ptr, stream);
-}
-void Allocator::empty_cache() {
-  impl_->empty_cache();
-}
-DeviceStats Allocator::stats() const {
-  return impl_->stats();
-}
+DevicePtr Allocator::malloc(std::size_t size, StreamId stream) { return impl_->malloc(size, stream); }
+void Allocator::free(DevicePtr ptr) { impl_->free(ptr); }
+void Allocator::record_stream(DevicePtr ptr, StreamId stream) { impl_->record_stream(ptr, stream); }
+void Allocator::empty_cache() { impl_->empty_cache(); }
+DeviceStats Allocator::stats() const { return impl_->stats(); }
 std::string Allocator::memory_summary(bool abbreviated) const {
   return ccalloc::memory_summary(impl_->stats(), impl_->device(), abbreviated);
 }
-void Allocator::reset_peak_stats() {
-  impl_->reset_peak_stats();
-}
-void Allocator::reset_accumulated_stats() {
-  impl_->reset_accumulated_stats();
-}
-void Allocator::set_memory_fraction(double fraction) {
-  impl_->set_memory_fraction(fraction);
-  impl_->after_operation();
-}
-double Allocator::memory_fraction() const {
-  return impl_->memory_fraction();
-}
-MemInfo Allocator::mem_get_info() {
-  return impl_->driver_.mem_info();
-}
-std::vector<SegmentInfo> Allocator::segments() const {
-  return impl_->segments();
-}
-std::size_t Allocator::allocation_size(DevicePtr ptr) const {
-  return impl_->allocation_size(ptr);
-}
-
+void Allocator::reset_peak_stats() { impl_->reset_peak_stats(); }
+void Allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
+void Allocator::set_memory_fraction(double fraction) { impl_->set_memory_fraction(fraction); }
+double Allocator::memory_fraction() const { return impl_->memory_fraction(); }
+MemInfo Allocator::mem_get_info() { return impl_->driver().mem_info(); }
+std::vector<SegmentInfo> Allocator::segments() const { return impl_->segments(); }
+std::size_t Allocator::allocation_size(DevicePtr ptr) const { return impl_->allocation_size(ptr); }
 void Allocator::add_oom_observer(OomObserver observer) {
-  std::lock_guard lock(impl_->observers_mutex_);
-  impl_->oom_observers_.push_back(std::move(observer));
+  impl_->add_oom_observer(std::move(observer));
 }
-
 void Allocator::add_free_memory_callback(FreeMemoryCallback callback) {
-  std::lock_guard lock(impl_->observers_mutex_);
-  impl_->free_memory_callbacks_.push_back(std::move(callback));
-  impl_->has_free_memory_callbacks_.store(true, std::memory_order_release);
+  impl_->add_free_memory_callback(std::move(callback));
 }
-
 void Allocator::add_trace_observer(TraceObserver observer) {
-  std::lock_guard lock(impl_->trace_mutex_);
-  impl_->trace_observers_.push_back(std::move(observer));
-  impl_->trace_flags_.fetch_or(core::Engine::kTraceObservers, std::memory_order_release);
+  impl_->add_trace_observer(std::move(observer));
 }
-
-void Allocator::record_history(const HistoryOptions& options) {
-  impl_->record_history(options);
-}
-Snapshot Allocator::snapshot() {
-  return impl_->snapshot();
-}
-void Allocator::annotate(std::string_view name, bool start) {
-  impl_->annotate(name, start);
-}
+void Allocator::record_history(const HistoryOptions& options) { impl_->record_history(options); }
+Snapshot Allocator::snapshot() { return impl_->snapshot(); }
+void Allocator::annotate(std::string_view name, bool start) { impl_->annotate(name, start); }
 void Allocator::set_user_metadata(const std::string& metadata) {
   core::set_current_metadata(core::intern_metadata(metadata));
 }
-
-void Allocator::check_invariants() const {
-  impl_->check_invariants();
-}
-void Allocator::set_check_invariants(bool on) {
-  impl_->check_invariants_.store(on);
-}
-const Config& Allocator::config() const {
-  return impl_->config_;
-}
-int Allocator::device() const {
-  return impl_->device();
-}
-Driver& Allocator::driver() const {
-  return impl_->driver_;
-}
+void Allocator::check_invariants() const { impl_->check_invariants(); }
+void Allocator::set_check_invariants(bool on) { impl_->set_check_invariants(on); }
+const Config& Allocator::config() const { return impl_->config(); }
+int Allocator::device() const { return impl_->device(); }
+Driver& Allocator::driver() const { return impl_->driver(); }
 
 }  // namespace ccalloc
+
+namespace ccalloc::core {
+
+std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
+  return std::make_unique<Engine>(driver, std::move(config));
+}
+
+}  // namespace ccalloc::core

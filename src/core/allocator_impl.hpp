@@ -32,6 +32,7 @@
 
 #include "ccalloc/allocator.hpp"
 #include "core/arena.hpp"
+#include "core/backend.hpp"
 #include "core/block.hpp"
 #include "core/history.hpp"
 #include "core/segment_map.hpp"
@@ -61,30 +62,35 @@ class EventPool {
   std::vector<EventId> free_;
 };
 
-class Engine {
+class Engine final : public Backend {
  public:
   using OomObserver = Allocator::OomObserver;
   using FreeMemoryCallback = Allocator::FreeMemoryCallback;
 
   Engine(Driver& driver, Config config);
-  ~Engine();
+  ~Engine() override;
 
-  DevicePtr malloc(std::size_t size, StreamId stream);
-  void free(DevicePtr ptr);
-  void record_stream(DevicePtr ptr, StreamId stream);
-  void empty_cache();
-  DeviceStats stats() const;
-  void reset_peak_stats();
-  void reset_accumulated_stats();
-  void set_memory_fraction(double fraction);
-  double memory_fraction() const;
-  std::vector<SegmentInfo> segments() const;
-  std::size_t allocation_size(DevicePtr ptr) const;
-  void check_invariants() const;
+  DevicePtr malloc(std::size_t size, StreamId stream) override;
+  void free(DevicePtr ptr) override;
+  void record_stream(DevicePtr ptr, StreamId stream) override;
+  void empty_cache() override;
+  DeviceStats stats() const override;
+  void reset_peak_stats() override;
+  void reset_accumulated_stats() override;
+  void set_memory_fraction(double fraction) override;
+  double memory_fraction() const override;
+  std::vector<SegmentInfo> segments() const override;
+  std::size_t allocation_size(DevicePtr ptr) const override;
+  void add_oom_observer(OomObserver observer) override;
+  void add_free_memory_callback(FreeMemoryCallback callback) override;
+  void add_trace_observer(TraceObserver observer) override;
+  void check_invariants() const override;
+  void set_check_invariants(bool on) override { check_invariants_.store(on); }
+  const Config& config() const override { return config_; }
+  Driver& driver() const override { return driver_; }
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
   }
-  int device() const { return driver_.device(); }
   std::size_t capacity() const { return capacity_; }
 
   Driver& driver_;
@@ -110,9 +116,9 @@ class Engine {
   };
   std::atomic<unsigned> trace_flags_{0};
 
-  void record_history(const HistoryOptions& options);
-  void annotate(std::string_view name, bool start);
-  Snapshot snapshot();
+  void record_history(const HistoryOptions& options) override;
+  void annotate(std::string_view name, bool start) override;
+  Snapshot snapshot() override;
 
  private:
   // Holds every arena lock (and the registry, so no arena appears meanwhile).

@@ -223,4 +223,26 @@ std::int64_t CudaDriver::now_us() {
       .count();
 }
 
+
+// --- not yet implemented (virtual memory and the stream-ordered pool) ---
+namespace {
+[[noreturn]] void not_yet(const char* what) {
+  throw ccalloc::DriverError(std::string("ccalloc: ") + what + " is not implemented yet");
+}
+}  // namespace
+std::size_t CudaDriver::vm_granularity() { not_yet("vm_granularity"); }
+DevicePtr CudaDriver::reserve_address_range(std::size_t) { not_yet("reserve_address_range"); }
+void CudaDriver::free_address_range(DevicePtr, std::size_t) { not_yet("free_address_range"); }
+PhysicalHandle CudaDriver::create_physical(std::size_t) { not_yet("create_physical"); }
+void CudaDriver::release_physical(PhysicalHandle, std::size_t) { not_yet("release_physical"); }
+void CudaDriver::map(DevicePtr, std::size_t, PhysicalHandle) { not_yet("map"); }
+void CudaDriver::unmap(DevicePtr, std::size_t) { not_yet("unmap"); }
+DevicePtr CudaDriver::allocate_async(std::size_t, StreamId) { not_yet("allocate_async"); }
+void CudaDriver::free_async(DevicePtr, std::size_t, StreamId) { not_yet("free_async"); }
+void CudaDriver::stream_wait_event(StreamId, EventId) { not_yet("stream_wait_event"); }
+void CudaDriver::pool_trim(std::size_t) { not_yet("pool_trim"); }
+PoolUsage CudaDriver::pool_usage() { not_yet("pool_usage"); }
+void CudaDriver::pool_reset_peaks() { not_yet("pool_reset_peaks"); }
+void CudaDriver::synchronize_device() { not_yet("synchronize_device"); }
+
 }  // namespace ccalloc::cuda

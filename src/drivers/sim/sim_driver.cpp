@@ -296,4 +296,26 @@ SimDriver::Event& SimDriver::event_ref(EventId event) {
   return it->second;
 }
 
+
+// --- not yet implemented (virtual memory and the stream-ordered pool) ---
+namespace {
+[[noreturn]] void not_yet(const char* what) {
+  throw ccalloc::DriverError(std::string("ccalloc: ") + what + " is not implemented yet");
+}
+}  // namespace
+std::size_t SimDriver::vm_granularity() { not_yet("vm_granularity"); }
+DevicePtr SimDriver::reserve_address_range(std::size_t) { not_yet("reserve_address_range"); }
+void SimDriver::free_address_range(DevicePtr, std::size_t) { not_yet("free_address_range"); }
+PhysicalHandle SimDriver::create_physical(std::size_t) { not_yet("create_physical"); }
+void SimDriver::release_physical(PhysicalHandle, std::size_t) { not_yet("release_physical"); }
+void SimDriver::map(DevicePtr, std::size_t, PhysicalHandle) { not_yet("map"); }
+void SimDriver::unmap(DevicePtr, std::size_t) { not_yet("unmap"); }
+DevicePtr SimDriver::allocate_async(std::size_t, StreamId) { not_yet("allocate_async"); }
+void SimDriver::free_async(DevicePtr, std::size_t, StreamId) { not_yet("free_async"); }
+void SimDriver::stream_wait_event(StreamId, EventId) { not_yet("stream_wait_event"); }
+void SimDriver::pool_trim(std::size_t) { not_yet("pool_trim"); }
+PoolUsage SimDriver::pool_usage() { not_yet("pool_usage"); }
+void SimDriver::pool_reset_peaks() { not_yet("pool_reset_peaks"); }
+void SimDriver::synchronize_device() { not_yet("synchronize_device"); }
+
 }  // namespace ccalloc::sim

@@ -1,0 +1,46 @@
+// The allocator implementation behind ccalloc::Allocator: the native caching engine
+// (core::Engine) or the stream-ordered pool backend (core::AsyncBackend), chosen by the
+// config's `backend` key when the allocator is created.
+#pragma once
+
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "ccalloc/allocator.hpp"
+#include "ccalloc/snapshot.hpp"
+
+namespace ccalloc::core {
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual DevicePtr malloc(std::size_t size, StreamId stream) = 0;
+  virtual void free(DevicePtr ptr) = 0;
+  virtual void record_stream(DevicePtr ptr, StreamId stream) = 0;
+  virtual void empty_cache() = 0;
+  virtual DeviceStats stats() const = 0;
+  virtual void reset_peak_stats() = 0;
+  virtual void reset_accumulated_stats() = 0;
+  virtual void set_memory_fraction(double fraction) = 0;
+  virtual double memory_fraction() const = 0;
+  virtual std::vector<SegmentInfo> segments() const = 0;
+  virtual std::size_t allocation_size(DevicePtr ptr) const = 0;
+  virtual void add_oom_observer(Allocator::OomObserver observer) = 0;
+  virtual void add_free_memory_callback(Allocator::FreeMemoryCallback callback) = 0;
+  virtual void add_trace_observer(TraceObserver observer) = 0;
+  virtual void record_history(const HistoryOptions& options) = 0;
+  virtual Snapshot snapshot() = 0;
+  virtual void annotate(std::string_view name, bool start) = 0;
+  virtual void check_invariants() const = 0;
+  virtual void set_check_invariants(bool on) = 0;
+  virtual const Config& config() const = 0;
+  virtual Driver& driver() const = 0;
+  int device() const { return driver().device(); }
+};
+
+// Creates the backend the config names. Throws ConfigError for one this build lacks.
+std::unique_ptr<Backend> make_backend(Driver& driver, Config config);
+
+}  // namespace ccalloc::core
