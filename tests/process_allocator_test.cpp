@@ -1,7 +1,5 @@
 // ProcessAllocator routing over simulated devices, and the C API on a machine without a
 // GPU (errors as codes and messages, never exceptions).
-#include "ccalloc/process.hpp"
-
 #include <gtest/gtest.h>
 
 #include <string>
@@ -9,7 +7,9 @@
 
 #include "ccalloc/ccalloc.h"
 #include "ccalloc/cuda.hpp"
+#include "ccalloc/process.hpp"
 #include "ccalloc/sim.hpp"
+#include "ccalloc/snapshot.hpp"
 
 namespace {
 
@@ -89,7 +89,8 @@ TEST(ProcessAllocator, EmptyCacheOfAllDevicesReleasesEveryCachedSegment) {
   p.free(p.malloc(1 << 20, 0, 0));
   p.free(p.malloc(1 << 20, 0, 1));
   p.empty_cache(ProcessAllocator::kAllDevices);
-  for (int d : {0, 1}) EXPECT_EQ(p.stats(d).reserved_bytes[ccalloc::kAggregate].current, 0);
+  for (int d : {0, 1})
+    EXPECT_EQ(p.stats(d).reserved_bytes[ccalloc::kAggregate].current, 0);
 }
 
 TEST(ProcessAllocator, RecordStreamRoutesToTheOwningDevice) {
@@ -101,6 +102,29 @@ TEST(ProcessAllocator, RecordStreamRoutesToTheOwningDevice) {
   p.free(ptr);
   // Pending on stream 9's event: still active on device 1.
   EXPECT_EQ(p.stats(1).active[ccalloc::kAggregate].current, 1);
+}
+
+TEST(ProcessAllocator, SnapshotHoldsEveryDeviceAndHistoryReachesLateDevices) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+  const DevicePtr on0 = p.malloc(4096, 0, 0);
+  ccalloc::HistoryOptions history;
+  history.context = ccalloc::HistoryOptions::Context::kNone;
+  p.record_history(history);
+  const DevicePtr on1 = p.malloc(8192, 0, 1);  // device 1's allocator is created now
+  p.free(on0);
+  const ccalloc::Snapshot s = p.snapshot();
+  ASSERT_EQ(s.segments.size(), 2u);
+  EXPECT_EQ(s.segments[0].device, 0);
+  EXPECT_EQ(s.segments[1].device, 1);
+  ASSERT_EQ(s.device_traces.size(), 2u);
+  // Device 0 recorded from record_history on: the free and the snapshot entry.
+  ASSERT_EQ(s.device_traces[0].size(), 3u);
+  EXPECT_EQ(s.device_traces[0][0].action, ccalloc::TraceAction::kFreeRequested);
+  // Device 1 recorded from its creation: segment_alloc, alloc, snapshot.
+  ASSERT_EQ(s.device_traces[1].size(), 3u);
+  EXPECT_EQ(s.device_traces[1][1].action, ccalloc::TraceAction::kAlloc);
+  EXPECT_EQ(s.device_traces[1][1].size, 8192u);
+  p.free(on1);
 }
 
 // On a machine without a CUDA device every call reports an error through the C API.
@@ -123,8 +147,12 @@ TEST(CApi, NullArgumentsAreInvalidValues) {
   EXPECT_EQ(ccalloc_mem_get_info(0, nullptr, nullptr), CCALLOC_ERROR_INVALID_VALUE);
 }
 
-TEST(CApi, FreeOfNullSucceeds) { EXPECT_EQ(ccalloc_free(nullptr), CCALLOC_SUCCESS); }
+TEST(CApi, FreeOfNullSucceeds) {
+  EXPECT_EQ(ccalloc_free(nullptr), CCALLOC_SUCCESS);
+}
 
-TEST(CApi, VersionIsTheProjectVersion) { EXPECT_STREQ(ccalloc_version(), "0.1.0"); }
+TEST(CApi, VersionIsTheProjectVersion) {
+  EXPECT_STREQ(ccalloc_version(), "0.1.0");
+}
 
 }  // namespace

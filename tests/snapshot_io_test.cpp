@@ -5,10 +5,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <limits>
 #include <set>
@@ -39,9 +42,9 @@ class TempDir {
   TempDir() {
     static std::atomic<int> counter{0};
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() /
-            ("ccalloc_snapshot_io_" + std::string(info->name()) + "_" +
-             std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    path_ =
+        fs::temp_directory_path() / ("ccalloc_snapshot_io_" + std::string(info->name()) + "_" +
+                                     std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::create_directories(path_);
   }
   ~TempDir() {
@@ -67,8 +70,8 @@ std::vector<std::string> shared_pickles() {
   return out;
 }
 
-#define REQUIRE_TRACES()                                                     \
-  do {                                                                       \
+#define REQUIRE_TRACES()                                                      \
+  do {                                                                        \
     if (shared_pickles().empty()) GTEST_SKIP() << "no traces in " << kTraces; \
   } while (0)
 
@@ -87,8 +90,8 @@ std::string error_of(F&& f) {
   return {};
 }
 
-#define EXPECT_CONTAINS(haystack, needle)                                              \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos)                     \
+#define EXPECT_CONTAINS(haystack, needle)                          \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
       << "expected to find \"" << (needle) << "\" in \"" << (haystack) << "\""
 
 // Equal, with tuples and lists interchangeable (JSON has only arrays).
@@ -155,8 +158,19 @@ WalkResult walk_pickle(std::string_view d) {
         if (i != 0 || d[1] != 2) return fail("PROTO 2 must come first");
         arg = 1;
         break;
-      case '}': case '(': case 'u': case ']': case 'e': case ')': case 0x85: case 0x86:
-      case 0x87: case 't': case 0x88: case 0x89: case 'N':
+      case '}':
+      case '(':
+      case 'u':
+      case ']':
+      case 'e':
+      case ')':
+      case 0x85:
+      case 0x86:
+      case 0x87:
+      case 't':
+      case 0x88:
+      case 0x89:
+      case 'N':
         break;
       case 'X':
         arg = 4 + u(i + 1, 4);
@@ -304,7 +318,8 @@ const std::string kPython4 =
     "\x78\x94\x5d\x94\x4b\x02\x61\x7d\x94\x8c\x01\x6b\x94\x4b\x03\x85\x94\x73\x74\x94\x75\x2e"s;
 
 Value python_object() {
-  const Value shared = Value::list({Value::dict({{"filename", "a.py"}, {"line", 3}, {"name", "f"}})});
+  const Value shared =
+      Value::list({Value::dict({{"filename", "a.py"}, {"line", 3}, {"name", "f"}})});
   const std::int64_t kMin = std::numeric_limits<std::int64_t>::min();
   const std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   return Value::dict({
@@ -315,9 +330,9 @@ Value python_object() {
                        {"is_expandable", false},
                        {"frames", shared},
                    })})},
-      {"ints", Value::list({0, 1, 255, 256, 65535, 65536, -1, -129, 2147483647,
-                            std::int64_t{2147483648}, std::int64_t{-2147483648LL},
-                            std::int64_t{-2147483649LL}, kMax, kMin})},
+      {"ints",
+       Value::list({0, 1, 255, 256, 65535, 65536, -1, -129, 2147483647, std::int64_t{2147483648},
+                    std::int64_t{-2147483648LL}, std::int64_t{-2147483649LL}, kMax, kMin})},
       {"f", Value::list({0.5, -1e300, 1.0})},
       {"n", Value()},
       {"t", true},
@@ -393,21 +408,13 @@ TEST(Pickle, ReadsProtocol5AndTrailingBytes) {
 }
 
 TEST(Pickle, ReadsTextAndOptionalOpcodes) {
-  // INT, LONG, FLOAT, PUT/GET, SHORT_BINSTRING, BINUNICODE8, LONG4, DICT/LIST/TUPLE, DUP, POP.
+  // INT, LONG, FLOAT, PUT/POP/GET, SHORT_BINSTRING, BINUNICODE8, LONG4, DUP, LIST, DICT.
   const std::string data =
-      "(I42\nI01\nL-7L\nF2.5\np0\n0g0\nU\x02hi"s + "\x8d\x01\x00\x00\x00\x00\x00\x00\x00z" +
-      "\x8b\x02\x00\x00\x00\xff\x7f" + "2" + "l(S" + "t" + "(K\x01K\x02" + "d" + "t.";
-  // The 'S' above is inside a tuple? No: 'S' is STRING, not supported; build without it.
-  (void)data;
-  const std::string ok =
-      "(I42\nI01\nL-7L\nF2.5\np0\n0g0\nU\x02hi"s + "\x8d\x01\x00\x00\x00\x00\x00\x00\x00z" +
-      "\x8b\x02\x00\x00\x00\xff\x7f" + "2" + "l" + "(K\x01K\x02" + "d" + ")" + "\x86" + ".";
-  const Value v = parse(ok);
-  const Value expected = Value::tuple({
-      Value::list({42, true, -7, 2.5, "hi", "z", 32767, 32767}),
-      Value::dict({{1, 2}}),
-  });
-  EXPECT_TRUE(v == Value::tuple({expected.as_list()[0], Value::dict({{1, 2}})}));
+      "(I42\nI01\nL-7L\nF2.5\np0\n0g0\nU\x02hi"s + "\x8d\x01\x00\x00\x00\x00\x00\x00\x00z"s +
+      "\x8b\x02\x00\x00\x00\xff\x7f"s + "2" + "l" + "(K\x01K\x02" + "d" + "\x86" + ".";
+  EXPECT_TRUE(parse(data) ==
+              Value::tuple({Value::list({42, true, -7, 2.5, "hi", "z", 32767, 32767}),
+                            Value::dict({{1, 2}})}));
   EXPECT_TRUE(parse("I00\n.") == Value(false));
 }
 
@@ -423,8 +430,9 @@ TEST(Pickle, Long1SignExtensionAndLimits) {
                   "byte 2: integer too large");
   EXPECT_CONTAINS(error_of([] { parse("\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00."s); }),
                   "byte 0: integer too large");
-  EXPECT_CONTAINS(error_of([] { parse("\x8b\x10\x00\x00\x00" + std::string(15, '\0') + "\x01."); }),
-                  "byte 0: integer too large");
+  EXPECT_CONTAINS(
+      error_of([] { parse("\x8b\x10\x00\x00\x00"s + std::string(15, '\0') + "\x01."); }),
+      "byte 0: integer too large");
   EXPECT_CONTAINS(error_of([] { parse("L99999999999999999999L\n."); }), "integer too large");
 }
 
@@ -450,9 +458,11 @@ TEST(Pickle, RefusesCodeExecution) {
             "accepted (None, bool, int, float, str, list, tuple, dict)");
   // Protocol 4: STACK_GLOBAL.
   EXPECT_CONTAINS(error_of([] { parse("\x80\x04\x8c\x02os\x94\x8c\x06system\x94\x93\x94."s); }),
-                  "byte 22: unsupported pickle opcode 0x93 ('STACK_GLOBAL')");
-  EXPECT_CONTAINS(error_of([] { parse("N)R."); }), "byte 2: unsupported pickle opcode 0x52 ('REDUCE')");
-  EXPECT_CONTAINS(error_of([] { parse("}N}b."); }), "byte 3: unsupported pickle opcode 0x62 ('BUILD')");
+                  "byte 16: unsupported pickle opcode 0x93 ('STACK_GLOBAL')");
+  EXPECT_CONTAINS(error_of([] { parse("N)R."); }),
+                  "byte 2: unsupported pickle opcode 0x52 ('REDUCE')");
+  EXPECT_CONTAINS(error_of([] { parse("}N}b."); }),
+                  "byte 3: unsupported pickle opcode 0x62 ('BUILD')");
   EXPECT_CONTAINS(error_of([] { parse("\x80\x02)\x81."s); }), "('NEWOBJ')");
   EXPECT_CONTAINS(error_of([] { parse("\x8f."s); }), "('EMPTY_SET')");
   EXPECT_CONTAINS(error_of([] { parse("C\x01x."s); }), "('SHORT_BINBYTES')");
@@ -473,28 +483,39 @@ TEST(Pickle, BoundsNesting) {
   // MARKs: the 257th is refused.
   EXPECT_CONTAINS(error_of([] { parse("\x80\x02"s + std::string(300, '(')); }),
                   "byte 258: more than 256 nested MARKs (limit)");
-  // Depth built through the memo with a flat stack: L0 = []; Ln = [] ; Ln.append(L(n-1)).
-  std::string memo_chain = "]q\x00"s;
-  for (int i = 1; i <= 300; ++i) {
-    memo_chain += "]h" + std::string(1, static_cast<char>(i - 1)) + "a";  // new list, get prev
-    memo_chain += (i < 256) ? "q" + std::string(1, static_cast<char>(i)) : "r" + std::string("\x00\x01\x00\x00", 4);
-    memo_chain += "0";  // pop it
-    if (i >= 255) break;
+  // Depth built through the memo with a flat stack: L0 = []; Li = [L(i-1)], each popped
+  // after it is memoized. L16 is the 17th level: its APPEND at byte 4 + 7 * 15 + 3 fails.
+  std::string chain = "]q\x00"s + "0";
+  for (int i = 1; i <= 20; ++i) {
+    chain += "]h" + std::string(1, static_cast<char>(i - 1)) + "a";
+    chain += "q" + std::string(1, static_cast<char>(i)) + "0";
   }
+  chain += "h\x14.";
   PickleLimits small;
   small.max_depth = 16;
-  EXPECT_CONTAINS(error_of([&] { parse(memo_chain + "h\x01.", small); }),
-                  "containers nested deeper than 16 levels");
+  EXPECT_CONTAINS(error_of([&] { parse(chain, small); }),
+                  "byte 112: containers nested deeper than 16 levels");
+  small.max_depth = 21;
+  EXPECT_NO_THROW(parse(chain, small));
 }
 
 TEST(Pickle, RefusesCycles) {
   // A list appended to itself, directly and through DUP.
-  EXPECT_CONTAINS(error_of([] { parse("]q\x00h\x00a."s); }),
+  EXPECT_CONTAINS(error_of([] {
+                    parse(
+                        "]q\x00h\x00"
+                        "a."s);
+                  }),
                   "byte 5: APPEND puts a container inside itself");
   EXPECT_CONTAINS(error_of([] { parse("]2a."); }), "APPEND puts a container inside itself");
-  EXPECT_CONTAINS(error_of([] { parse("}q\x00K\x01h\x00s."s); }), "SETITEM puts a container inside itself");
+  EXPECT_CONTAINS(error_of([] { parse("}q\x00K\x01h\x00s."s); }),
+                  "SETITEM puts a container inside itself");
   // L1 = []; L2 = [L1]; L1.append(L2): L1 is already inside L2.
-  EXPECT_CONTAINS(error_of([] { parse("]q\x00]h\x00a" "a."s); }),
+  EXPECT_CONTAINS(error_of([] {
+                    parse(
+                        "]q\x00]h\x00"
+                        "aa."s);
+                  }),
                   "byte 7: APPEND changes a container that is already inside another one");
 }
 
@@ -503,7 +524,8 @@ TEST(Pickle, BoundsSharedExpansion) {
   std::string data = "]q\x00"s;
   for (int k = 1; k <= 40; ++k) {
     data += "(h" + std::string(1, static_cast<char>(k - 1)) + "h" +
-            std::string(1, static_cast<char>(k - 1)) + "l" + "q" + std::string(1, static_cast<char>(k));
+            std::string(1, static_cast<char>(k - 1)) + "l" + "q" +
+            std::string(1, static_cast<char>(k));
   }
   data += ".";
   PickleLimits limits;
@@ -511,16 +533,17 @@ TEST(Pickle, BoundsSharedExpansion) {
   EXPECT_CONTAINS(error_of([&] { parse(data, limits); }),
                   "holds more than 1048576 values, counting each reference to a shared container");
   // Strings copied out of the memo count against the string budget.
-  std::string strings = "X\x00\x04\x00\x00"s + std::string(1024, 'a') + "q\x00(";
+  std::string strings = "X\x00\x04\x00\x00"s + std::string(1024, 'a') + "q\x00("s;
   for (int i = 0; i < 2000; ++i)
     strings += "h\x00"s;
   strings += "l.";
   PickleLimits budget;
   budget.max_string_bytes = 1 << 20;
-  EXPECT_CONTAINS(error_of([&] { parse(strings, budget); }), "strings total more than 1048576 bytes");
+  EXPECT_CONTAINS(error_of([&] { parse(strings, budget); }),
+                  "strings total more than 1048576 bytes");
   limits = {};
   limits.max_items = 100;
-  EXPECT_CONTAINS(error_of([&] { parse("(" + std::string(200, 'N') + "l."); }).empty() ? "" : "x", "");
+  EXPECT_NO_THROW(parse("(" + std::string(200, 'N') + "l."));
   EXPECT_CONTAINS(error_of([&] { parse("(" + std::string(200, 'N') + "l.", limits); }),
                   "byte 101: more than 100 values (limit)");
 }
@@ -529,14 +552,24 @@ TEST(Pickle, RefusesHugeLengths) {
   EXPECT_EQ(error_of([] { parse("\x80\x02X\xff\xff\xff\xff"s); }),
             "test.pickle: byte 2: BINUNICODE announces 4294967295 bytes, but only 0 remain "
             "(truncated or corrupt pickle)");
-  EXPECT_CONTAINS(error_of([] { parse("\x8d\xff\xff\xff\xff\xff\xff\xff\x7f" "abc."s); }),
+  EXPECT_CONTAINS(error_of([] {
+                    parse(
+                        "\x8d\xff\xff\xff\xff\xff\xff\xff\x7f"
+                        "abc."s);
+                  }),
                   "byte 0: BINUNICODE8 announces 9223372036854775807 bytes, but only 4 remain");
   EXPECT_CONTAINS(error_of([] { parse("\x8b\xff\xff\xff\x7f."s); }), "byte 0: LONG4 announces");
-  EXPECT_CONTAINS(error_of([] { parse("\x8b\xff\xff\xff\xff."s); }), "LONG4 with a negative length");
-  EXPECT_CONTAINS(error_of([] { parse("T\xff\xff\xff\xff."s); }), "BINSTRING with a negative length");
+  EXPECT_CONTAINS(error_of([] { parse("\x8b\xff\xff\xff\xff."s); }),
+                  "LONG4 with a negative length");
+  EXPECT_CONTAINS(error_of([] { parse("T\xff\xff\xff\xff."s); }),
+                  "BINSTRING with a negative length");
   EXPECT_CONTAINS(error_of([] { parse("\x80\x04\x95\xff\xff\xff\xff\xff\xff\xff\xff}."s); }),
                   "byte 2: FRAME of 18446744073709551615 bytes");
-  EXPECT_CONTAINS(error_of([] { parse("\x8c\x05" "ab"s); }),
+  EXPECT_CONTAINS(error_of([] {
+                    parse(
+                        "\x8c\x05"
+                        "ab"s);
+                  }),
                   "byte 0: SHORT_BINUNICODE announces 5 bytes, but only 2 remain");
   EXPECT_CONTAINS(error_of([] { parse("J\x01\x02"s); }),
                   "byte 0: BININT needs 4 byte(s) of argument, but only 2 remain");
@@ -548,31 +581,43 @@ TEST(Pickle, MemoErrors) {
   EXPECT_CONTAINS(error_of([] { parse("Nj\xff\xff\xff\xff."s); }),
                   "byte 1: LONG_BINGET of memo index 4294967295, which was never stored");
   EXPECT_CONTAINS(error_of([] { parse("g7\n."s); }), "byte 0: GET of memo index 7");
-  EXPECT_CONTAINS(error_of([] { parse("\x94."s); }), "byte 0: MEMOIZE needs 1 value(s) on the stack");
+  EXPECT_CONTAINS(error_of([] { parse("\x94."s); }),
+                  "byte 0: MEMOIZE needs 1 value(s) on the stack");
   PickleLimits limits;
   limits.max_memo = 10;
   EXPECT_CONTAINS(error_of([&] { parse("Nr\x0a\x00\x00\x00."s, limits); }),
                   "byte 1: memo index 10 exceeds the limit of 10 entries");
   // A far index is stored sparsely and still found.
-  EXPECT_TRUE(parse("K\x07r\x00\x00\x00\x01" "0j\x00\x00\x00\x01."s) == Value(7));
+  EXPECT_TRUE(parse("K\x07r\x00\x00\x00\x01"
+                    "0j\x00\x00\x00\x01."s) == Value(7));
 }
 
 TEST(Pickle, StackErrors) {
-  EXPECT_CONTAINS(error_of([] { parse("a."); }), "byte 0: APPEND needs 2 value(s) on the stack, but there are 0 (stack underflow)");
-  EXPECT_CONTAINS(error_of([] { parse("N(Na."); }),
-                  "byte 3: APPEND needs 2 value(s) on the stack above the last MARK, but there are 1");
+  EXPECT_CONTAINS(
+      error_of([] { parse("a."); }),
+      "byte 0: APPEND needs 2 value(s) on the stack, but there are 0 (stack underflow)");
+  EXPECT_CONTAINS(
+      error_of([] { parse("N(Na."); }),
+      "byte 3: APPEND needs 2 value(s) on the stack above the last MARK, but there are 1");
   EXPECT_CONTAINS(error_of([] { parse("Ne."); }), "byte 1: APPENDS without a preceding MARK");
   EXPECT_CONTAINS(error_of([] { parse("(Ne."); }), "byte 2: APPENDS has no list below its MARK");
-  EXPECT_CONTAINS(error_of([] { parse("N(Ne."); }), "byte 3: APPENDS needs a list below its items, got a None");
-  EXPECT_CONTAINS(error_of([] { parse("}(NNNu."); }), "byte 5: SETITEMS needs key/value pairs, got an odd number of items (3)");
-  EXPECT_CONTAINS(error_of([] { parse("}]Ns."); }), "byte 3: a list cannot be a dict key (unhashable)");
-  EXPECT_CONTAINS(error_of([] { parse(")Na."); }), "byte 2: APPEND needs a list below its items, got a tuple");
-  EXPECT_CONTAINS(error_of([] { parse("NN."); }), "byte 2: STOP needs exactly one value on the stack, got 2");
+  EXPECT_CONTAINS(error_of([] { parse("N(Ne."); }),
+                  "byte 3: APPENDS needs a list below its items, got a None");
+  EXPECT_CONTAINS(error_of([] { parse("}(NNNu."); }),
+                  "byte 5: SETITEMS needs key/value pairs, got an odd number of items (3)");
+  EXPECT_CONTAINS(error_of([] { parse("}]Ns."); }),
+                  "byte 3: a list cannot be a dict key (unhashable)");
+  EXPECT_CONTAINS(error_of([] { parse(")Na."); }),
+                  "byte 2: APPEND needs a list below its items, got a tuple");
+  EXPECT_CONTAINS(error_of([] { parse("NN."); }),
+                  "byte 2: STOP needs exactly one value on the stack, got 2");
   EXPECT_CONTAINS(error_of([] { parse("(N."); }), "byte 2: STOP inside an unclosed MARK");
-  EXPECT_CONTAINS(error_of([] { parse("."); }), "byte 0: STOP needs exactly one value on the stack, got 0");
+  EXPECT_CONTAINS(error_of([] { parse("."); }),
+                  "byte 0: STOP needs exactly one value on the stack, got 0");
   EXPECT_CONTAINS(error_of([] { parse("0."); }), "byte 0: POP on an empty stack");
   EXPECT_CONTAINS(error_of([] { parse("\x86."s); }), "byte 0: TUPLE2 needs 2 value(s)");
-  EXPECT_CONTAINS(error_of([] { parse("I12x\n."); }), "byte 0: INT has a malformed decimal argument");
+  EXPECT_CONTAINS(error_of([] { parse("I12x\n."); }),
+                  "byte 0: INT has a malformed decimal argument");
   EXPECT_CONTAINS(error_of([] { parse("I12"); }), "byte 0: INT has no terminating newline");
   // POP with nothing above the MARK drops the MARK, as in Python.
   EXPECT_TRUE(parse("N(0.") == Value());
@@ -586,9 +631,9 @@ TEST(PickleWriter, RoundTripsAndUsesOnlyViewerOpcodes) {
   const std::string out = write_pickle(v);
   const WalkResult walk = walk_pickle(out);
   EXPECT_TRUE(walk.ok) << walk.problem;
-  const std::set<int> allowed = {0x80, '}', '(', 'u', ']', 'e', ')', 0x85, 0x86, 0x87, 't',
-                                 'X', 'K', 'M', 'J', 0x8a, 'G', 0x88, 0x89, 'N', 'q', 'r',
-                                 'h', 'j', '.'};
+  const std::set<int> allowed = {0x80, '}', '(', 'u', ']', 'e', ')',  0x85, 0x86,
+                                 0x87, 't', 'X', 'K', 'M', 'J', 0x8a, 'G',  0x88,
+                                 0x89, 'N', 'q', 'r', 'h', 'j', '.'};
   for (const int op : walk.opcodes)
     EXPECT_TRUE(allowed.count(op)) << "opcode " << op;
   const Value back = parse(out);
@@ -612,10 +657,13 @@ TEST(PickleWriter, IntEncodings) {
   EXPECT_EQ(bytes(2147483648LL), "\x8a\x05\x00\x00\x00\x80\x00"s);  // as Python writes it
   EXPECT_EQ(bytes(-2147483649LL), "\x8a\x05\xff\xff\xff\x7f\xff"s);
   EXPECT_EQ(bytes(140344700174336LL), "\x8a\x06\x00\x00\x00\x8c\xa4\x7f"s);
-  EXPECT_EQ(bytes(std::numeric_limits<std::int64_t>::max()), "\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f"s);
-  EXPECT_EQ(bytes(std::numeric_limits<std::int64_t>::min()), "\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80"s);
-  for (std::int64_t i : {std::int64_t{0}, std::int64_t{-129}, std::int64_t{1} << 40, -(std::int64_t{1} << 40),
-                         (std::int64_t{1} << 55) - 1, -(std::int64_t{1} << 55), std::int64_t{1} << 55}) {
+  EXPECT_EQ(bytes(std::numeric_limits<std::int64_t>::max()),
+            "\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f"s);
+  EXPECT_EQ(bytes(std::numeric_limits<std::int64_t>::min()),
+            "\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x80"s);
+  for (std::int64_t i :
+       {std::int64_t{0}, std::int64_t{-129}, std::int64_t{1} << 40, -(std::int64_t{1} << 40),
+        (std::int64_t{1} << 55) - 1, -(std::int64_t{1} << 55), std::int64_t{1} << 55}) {
     EXPECT_EQ(parse(write_pickle(Value(i))).as_int(), i);
   }
   EXPECT_EQ(write_pickle(Value(0.5)), "\x80\x02G\x3f\xe0\x00\x00\x00\x00\x00\x00."s);
@@ -647,7 +695,7 @@ TEST(PickleWriter, SharedContainersAndStringsAreWrittenOnce) {
   EXPECT_EQ(items[0].at("frames").identity(), items[999].at("frames").identity());
   // A value nested past the writer's bound is refused, not a crash.
   Value deep = Value::list();
-  for (int i = 0; i < 5000; ++i)
+  for (int i = 0; i < 1500; ++i)
     deep = Value::list({deep});
   EXPECT_THROW(write_pickle(deep), Error);
   EXPECT_THROW(write_json(deep), Error);
@@ -696,7 +744,9 @@ TEST(Json, WritesCompactRoundTrippingText) {
   EXPECT_EQ(error_of([] { write_json(Value(std::nan(""))); }),
             "write_json: NaN cannot be written as JSON");
   EXPECT_CONTAINS(error_of([] { write_json(Value::list({HUGE_VAL})); }), "an infinity");
-  EXPECT_CONTAINS(error_of([] { write_json(Value::dict({{Value::tuple({1}), 1}})); }),
+  EXPECT_CONTAINS(error_of([] {
+                    write_json(Value::dict({{Value::tuple({1}), 1}}));
+                  }),
                   "a tuple cannot be an object key");
 }
 
@@ -704,13 +754,15 @@ TEST(Json, Errors) {
   const std::string doc = R"({"a":[1,2.5,"x\u00e9"],"b":{"c":null,"d":true}})";
   ASSERT_NO_THROW(json(doc));
   for (std::size_t cut = 0; cut < doc.size(); ++cut) {
-    EXPECT_CONTAINS(error_of([&] { json(std::string_view(doc).substr(0, cut)); }), "test.json: byte ")
+    EXPECT_CONTAINS(error_of([&] { json(std::string_view(doc).substr(0, cut)); }),
+                    "test.json: byte ")
         << " cut at " << cut;
   }
   EXPECT_EQ(error_of([] { json(R"(["a\x"])"); }), "test.json: byte 4: invalid escape '\\x'");
   EXPECT_EQ(error_of([] { json(R"(["\u12G4"])"); }),
             "test.json: byte 6: invalid \\u escape (expected 4 hex digits)");
-  EXPECT_EQ(error_of([] { json(R"(["\udc00"])"); }), "test.json: byte 2: unpaired low surrogate escape");
+  EXPECT_EQ(error_of([] { json(R"(["\udc00"])"); }),
+            "test.json: byte 2: unpaired low surrogate escape");
   EXPECT_EQ(error_of([] { json(R"(["\ud800x"])"); }),
             "test.json: byte 2: high surrogate escape not followed by a low surrogate");
   EXPECT_EQ(error_of([] { json(R"(["\ud800\u0041"])"); }),
@@ -722,16 +774,24 @@ TEST(Json, Errors) {
   EXPECT_NO_THROW(json(std::string(256, '[') + std::string(256, ']')));
   EXPECT_EQ(error_of([] { json(std::string(300, '{')); }),
             "test.json: byte 1: unexpected character '{' (expected a string key)");
-  EXPECT_EQ(error_of([] { json("[1] x"); }), "test.json: byte 4: unexpected character 'x' after the JSON value");
+  EXPECT_EQ(error_of([] { json("[1] x"); }),
+            "test.json: byte 4: unexpected character 'x' after the JSON value");
   EXPECT_EQ(error_of([] { json("[01]"); }), "test.json: byte 1: invalid number (leading zero)");
-  EXPECT_EQ(error_of([] { json("[1.]"); }), "test.json: byte 3: invalid number (expected a digit after '.')");
-  EXPECT_EQ(error_of([] { json("[1e400]"); }), "test.json: byte 1: number out of the range of a double");
-  EXPECT_EQ(error_of([] { json("[tru]"); }), "test.json: byte 1: invalid literal (expected 'true')");
-  EXPECT_EQ(error_of([] { json("{\"a\" 1}"); }), "test.json: byte 5: unexpected character '1' (expected ':')");
-  EXPECT_EQ(error_of([] { json("[1,]"); }), "test.json: byte 3: unexpected character ']' (expected a value)");
-  EXPECT_EQ(error_of([] { json(""); }), "test.json: byte 0: unexpected end of input (expected a value)");
+  EXPECT_EQ(error_of([] { json("[1.]"); }),
+            "test.json: byte 3: invalid number (expected a digit after '.')");
+  EXPECT_EQ(error_of([] { json("[1e400]"); }),
+            "test.json: byte 1: number out of the range of a double");
+  EXPECT_EQ(error_of([] { json("[tru]"); }),
+            "test.json: byte 1: invalid literal (expected 'true')");
+  EXPECT_EQ(error_of([] { json("{\"a\" 1}"); }),
+            "test.json: byte 5: unexpected character '1' (expected ':')");
+  EXPECT_EQ(error_of([] { json("[1,]"); }),
+            "test.json: byte 3: unexpected character ']' (expected a value)");
+  EXPECT_EQ(error_of([] { json(""); }),
+            "test.json: byte 0: unexpected end of input (expected a value)");
   EXPECT_EQ(error_of([] { json("\"abc"); }), "test.json: byte 0: unterminated string");
-  EXPECT_EQ(error_of([] { json("[\x01]"); }), "test.json: byte 1: unexpected byte 0x01 (expected a value)");
+  EXPECT_EQ(error_of([] { json("[\x01]"); }),
+            "test.json: byte 1: unexpected byte 0x01 (expected a value)");
 }
 
 // ---- the shared PyTorch snapshots ----------------------------------------------------------
@@ -759,9 +819,9 @@ TEST(SharedSnapshots, EveryPickleParsesAndRoundTrips) {
 
 TEST(SharedSnapshots, TracesMatchTheCsvFiles) {
   REQUIRE_TRACES();
-  for (const std::string stem : {"resnet50_train", "gpt2_train_varlen", "moe_train",
-                                 "resnet50_train.expandable", "gpt2_train_varlen.expandable",
-                                 "moe_train.expandable"}) {
+  for (const std::string stem :
+       {"resnet50_train", "gpt2_train_varlen", "moe_train", "resnet50_train.expandable",
+        "gpt2_train_varlen.expandable", "moe_train.expandable"}) {
     SCOPED_TRACE(stem);
     const std::string pickle = kTraces + "/" + stem + ".pickle.gz";
     const std::string csv = kTraces + "/" + stem + ".csv.gz";
@@ -813,11 +873,13 @@ TEST(SharedSnapshots, FramesAreReadAndShared) {
   ASSERT_EQ(s.device_traces.size(), 1u);
   const auto& trace = s.device_traces[0];
   std::set<const void*> distinct;
+  std::size_t with_frames = 0;
   for (const SnapshotTraceEntry& e : trace) {
-    ASSERT_TRUE(e.frames);
-    ASSERT_FALSE(e.frames->empty());
+    ASSERT_TRUE(e.frames);  // every entry has the key; some lists are empty
+    with_frames += e.frames->empty() ? 0 : 1;
     distinct.insert(e.frames.get());
   }
+  EXPECT_EQ(with_frames, 7721u);
   const Frame& f = trace[1].frames->front();
   EXPECT_EQ(f.filename, "site-packages/torch/nn/modules/module.py");
   EXPECT_EQ(f.line, 1370);
@@ -927,10 +989,11 @@ TEST(SnapshotSchema, FromValueIsTolerantAndPrecise) {
       {"address", 4096},
       {"total_size", 300},
       {"stream", Value()},
-      {"blocks", Value::list({Value::dict({{"size", 100}, {"state", "active_allocated"}}),
-                              Value::dict({{"size", 50}, {"requested_size", 40},
-                                           {"state", "active_awaiting_free"}}),
-                              Value::dict({{"size", 150}, {"state", "inactive"}})})},
+      {"blocks",
+       Value::list(
+           {Value::dict({{"size", 100}, {"state", "active_allocated"}}),
+            Value::dict({{"size", 50}, {"requested_size", 40}, {"state", "active_awaiting_free"}}),
+            Value::dict({{"size", 150}, {"state", "inactive"}})})},
   })});
   const Snapshot s = snapshot_from_value(bare, "bare");
   ASSERT_EQ(s.segments.size(), 1u);
@@ -948,13 +1011,16 @@ TEST(SnapshotSchema, FromValueIsTolerantAndPrecise) {
   EXPECT_EQ(err(Value(3)), "f: a snapshot is a dict (or a list of segments), got a int");
   EXPECT_EQ(err(Value::dict({{"x", 1}})),
             "f: not a memory snapshot: it has neither 'segments' nor 'device_traces'");
-  EXPECT_EQ(err(Value::list({Value::dict({{"address", 1}})})), "f: segments[0]: missing key 'total_size'");
+  EXPECT_EQ(err(Value::list({Value::dict({{"address", 1}})})),
+            "f: segments[0]: missing key 'total_size'");
   EXPECT_EQ(err(Value::list({Value::dict({{"address", -1}, {"total_size", 1}})})),
             "f: segments[0]: 'address' is negative (-1)");
-  EXPECT_EQ(err(Value::list({Value::dict({{"address", 1}, {"total_size", 1}, {"segment_type", "huge"}})})),
+  EXPECT_EQ(err(Value::list(
+                {Value::dict({{"address", 1}, {"total_size", 1}, {"segment_type", "huge"}})})),
             "f: segments[0]: 'segment_type' is 'huge', expected 'small' or 'large'");
   EXPECT_EQ(err(Value::list({Value::dict(
-                {{"address", 1}, {"total_size", 1},
+                {{"address", 1},
+                 {"total_size", 1},
                  {"blocks", Value::list({Value::dict({{"size", 1}, {"state", "gone"}})})}})})),
             "f: segments[0]: blocks[0]: 'state' is 'gone', expected 'active_allocated', "
             "'active_pending_free' or 'inactive'");
@@ -965,17 +1031,21 @@ TEST(SnapshotSchema, FromValueIsTolerantAndPrecise) {
             "f: device_traces[0][0]: unknown action 'explode'");
   EXPECT_EQ(err(trace(Value::dict({{"action", "alloc"}, {"addr", "0x10"}, {"size", 1}}))),
             "f: device_traces[0][0]: 'addr' is a str, expected an int");
-  EXPECT_EQ(err(trace(Value::dict({{"action", "alloc"}, {"addr", 1}, {"size", 1},
-                                   {"frames", Value::list({3})}}))),
+  EXPECT_EQ(err(trace(Value::dict(
+                {{"action", "alloc"}, {"addr", 1}, {"size", 1}, {"frames", Value::list({3})}}))),
             "f: device_traces[0][0]: frames[0]: a frame is a int, expected a dict");
   // Optional keys of trace entries; `annotate` entries are not allocator events.
   const Snapshot t = snapshot_from_value(
-      Value::dict({{"device_traces",
-                    Value::list({Value::list({Value::dict({{"action", "annotate"}}),
-                                              Value::dict({{"action", "snapshot"}, {"addr", 0},
-                                                           {"size", 5}, {"stream", Value()}}),
-                                              Value::dict({{"action", "oom"}, {"device_free", 7},
-                                                           {"size", 9}, {"frames", Value::list()}})})})}}),
+      Value::dict(
+          {{"device_traces",
+            Value::list({Value::list(
+                {Value::dict({{"action", "annotate"}}),
+                 Value::dict(
+                     {{"action", "snapshot"}, {"addr", 0}, {"size", 5}, {"stream", Value()}}),
+                 Value::dict({{"action", "oom"},
+                              {"device_free", 7},
+                              {"size", 9},
+                              {"frames", Value::list()}})})})}}),
       "t");
   ASSERT_EQ(t.device_traces[0].size(), 2u);
   EXPECT_EQ(t.device_traces[0][0].action, TraceAction::kSnapshot);
@@ -993,13 +1063,15 @@ TEST(SnapshotFiles, DetectsTheFormatFromTheContent) {
   EXPECT_TRUE(read_value_file(dir.file("a.bin")) == v);
   EXPECT_TRUE(read_value_file(dir.file("b.dat.gz")) == v);
   write_file(dir.file("c.txt"), "hello");
-  EXPECT_EQ(error_of([&] { read_value_file(dir.file("c.txt")); }),
-            dir.file("c.txt") + ": byte 0: neither a pickle (byte 0x80) nor JSON ('{' or '['): got 0x68");
+  EXPECT_EQ(
+      error_of([&] { read_value_file(dir.file("c.txt")); }),
+      dir.file("c.txt") + ": byte 0: neither a pickle (byte 0x80) nor JSON ('{' or '['): got 0x68");
   write_file(dir.file("d.txt"), "  ");
   EXPECT_CONTAINS(error_of([&] { read_value_file(dir.file("d.txt")); }), "empty file");
   write_file(dir.file("e.pickle"), "\x80\x02]");
-  EXPECT_EQ(error_of([&] { read_value_file(dir.file("e.pickle")); }),
-            dir.file("e.pickle") + ": byte 3: the data ends without a STOP opcode (truncated pickle?)");
+  EXPECT_EQ(
+      error_of([&] { read_value_file(dir.file("e.pickle")); }),
+      dir.file("e.pickle") + ": byte 3: the data ends without a STOP opcode (truncated pickle?)");
   EXPECT_EQ(format_for_path("x.json.gz"), SnapshotFormat::kJson);
   EXPECT_EQ(format_for_path("x.json"), SnapshotFormat::kJson);
   EXPECT_EQ(format_for_path("x.pickle"), SnapshotFormat::kPickle);
@@ -1008,10 +1080,28 @@ TEST(SnapshotFiles, DetectsTheFormatFromTheContent) {
 
 // ---- writing a large snapshot --------------------------------------------------------------
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define CCALLOC_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define CCALLOC_TEST_SANITIZED 1
+#endif
+#endif
+#ifndef CCALLOC_TEST_SANITIZED
+#define CCALLOC_TEST_SANITIZED 0
+#endif
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 TEST(SnapshotFiles, WritesAMillionEntriesQuickly) {
   constexpr int kEntries = 1000000;
-  const Value frames = Value::list({Value::dict({{"filename", "train.py"}, {"line", 42}, {"name", "step"}}),
-                                    Value::dict({{"filename", "main.py"}, {"line", 7}, {"name", "<module>"}})});
+  const Value frames =
+      Value::list({Value::dict({{"filename", "train.py"}, {"line", 42}, {"name", "step"}}),
+                   Value::dict({{"filename", "main.py"}, {"line", 7}, {"name", "<module>"}})});
   const char* actions[] = {"alloc", "free_requested", "free_completed"};
   List entries;
   entries.reserve(kEntries);
@@ -1029,23 +1119,31 @@ TEST(SnapshotFiles, WritesAMillionEntriesQuickly) {
                                {"device_traces", Value::list({Value::list(std::move(entries))})}});
   TempDir dir;
   const auto t0 = std::chrono::steady_clock::now();
+  const double c0 = thread_cpu_seconds();
   const std::string bytes = write_pickle(v);
   const auto t1 = std::chrono::steady_clock::now();
   write_file(dir.file("big.pickle.gz"), bytes);
   const auto t2 = std::chrono::steady_clock::now();
+  const double cpu_s = thread_cpu_seconds() - c0;
   const double pickle_s = std::chrono::duration<double>(t1 - t0).count();
   const double gzip_s = std::chrono::duration<double>(t2 - t1).count();
-  std::printf("write_pickle of %d entries: %.3f s (%.1f MB); gzip + write: %.3f s (%.1f MB); total %.3f s\n",
-              kEntries, pickle_s, static_cast<double>(bytes.size()) / 1e6, gzip_s,
-              static_cast<double>(fs::file_size(dir.file("big.pickle.gz"))) / 1e6, pickle_s + gzip_s);
+  std::printf(
+      "write_pickle of %d entries: %.3f s (%.1f MB); gzip + write: %.3f s (%.1f MB); total "
+      "%.3f s wall, %.3f s CPU\n",
+      kEntries, pickle_s, static_cast<double>(bytes.size()) / 1e6, gzip_s,
+      static_cast<double>(fs::file_size(dir.file("big.pickle.gz"))) / 1e6, pickle_s + gzip_s,
+      cpu_s);
   RecordProperty("write_pickle_s", std::to_string(pickle_s));
   RecordProperty("gzip_write_s", std::to_string(gzip_s));
   EXPECT_EQ(bytes.find("train.py"), bytes.rfind("train.py"));  // the shared stack once
-#if defined(NDEBUG) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-  EXPECT_LT(pickle_s + gzip_s, 2.0);
+  // The budget is 2 s. Measured in CPU time, so a loaded machine (ctest -j) does not make
+  // it flaky; sanitizer and unoptimized builds are exempt.
+#if defined(NDEBUG) && !CCALLOC_TEST_SANITIZED
+  EXPECT_LT(cpu_s, 2.0);
 #endif
   const Value back = parse_pickle(bytes, "big");
-  EXPECT_EQ(back.at("device_traces").as_list()[0].as_list().size(), static_cast<std::size_t>(kEntries));
+  EXPECT_EQ(back.at("device_traces").as_list()[0].as_list().size(),
+            static_cast<std::size_t>(kEntries));
 }
 
 // ---- RMM logs ------------------------------------------------------------------------------
@@ -1102,6 +1200,16 @@ TEST(RmmLog, RoundTrip) {
       {TraceAction::kOom, 777, 1 << 30, 3, 6003},
       {TraceAction::kAlloc, 0x1200, 100, 3, 1000},  // an earlier clock reading
   };
+  // The extremes of a 64-bit microsecond count read back.
+  const std::vector<TraceEntry> extremes = {
+      {TraceAction::kAlloc, 1, 1, 0, 0},
+      {TraceAction::kAlloc, 2, 1, 0, std::numeric_limits<std::int64_t>::min()},
+      {TraceAction::kAlloc, 3, 1, 0, std::numeric_limits<std::int64_t>::max()},
+  };
+  const std::vector<TraceRecord> ext = parse_rmm_log(format_rmm_log(extremes), "ext");
+  ASSERT_EQ(ext.size(), 3u);
+  EXPECT_EQ(ext[1].entry.time_us, std::numeric_limits<std::int64_t>::min());
+  EXPECT_EQ(ext[2].entry.time_us, std::numeric_limits<std::int64_t>::max());
   const std::string text = format_rmm_log(entries);
   EXPECT_EQ(text,
             "Thread,Time,Action,Pointer,Size,Stream\n"
@@ -1156,9 +1264,11 @@ TEST(RmmLog, ErrorsNameTheLine) {
             "rmm.csv:2: invalid Time 'noon' (expected HH:MM:SS.ffffff or seconds)");
   EXPECT_EQ(err(header + "1,1.0,allocate,0x10,1,0x10000000000000000\n"),
             "rmm.csv:2: invalid Stream '0x10000000000000000' (out of 64-bit range)");
-  EXPECT_EQ(err("\n\n"), "rmm.csv: empty RMM log (expected the header line "
-                         "'Thread,Time,Action,Pointer,Size,Stream')");
-  EXPECT_EQ(err("Action,Action,Pointer,Size\n"), "rmm.csv:1: duplicate column 'Action' in the header");
+  EXPECT_EQ(err("\n\n"),
+            "rmm.csv: empty RMM log (expected the header line "
+            "'Thread,Time,Action,Pointer,Size,Stream')");
+  EXPECT_EQ(err("Action,Action,Pointer,Size\n"),
+            "rmm.csv:1: duplicate column 'Action' in the header");
 }
 
 }  // namespace

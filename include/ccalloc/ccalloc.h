@@ -49,6 +49,17 @@ ccalloc_status ccalloc_reset_accumulated_stats(int device);
 ccalloc_status ccalloc_set_memory_fraction(double fraction, int device);
 ccalloc_status ccalloc_mem_get_info(int device, size_t* free_bytes, size_t* total_bytes);
 
+/* Allocation history on every device: enabled "none" | "state" | "all", context
+ * "none" | "state" | "alloc" | "all", stacks "cpp" | "none" (C++ stacks, symbolized when a
+ * snapshot is written). max_entries bounds the history kept per device. */
+ccalloc_status ccalloc_record_history(const char* enabled, const char* context,
+                                      const char* stacks, size_t max_entries);
+/* Writes a snapshot of every device (segments, history, settings) in PyTorch's schema:
+ * a pickle, or JSON if the path ends in .json; gzip if it ends in .gz. */
+ccalloc_status ccalloc_dump_snapshot(const char* path);
+/* Marks the start (start != 0) or end of a named region in the history of `device`. */
+ccalloc_status ccalloc_annotate(int device, const char* name, int start);
+
 /* The entry points torch.cuda.memory.CUDAPluggableAllocator calls:
  *   CUDAPluggableAllocator("libccalloc.so", "ccalloc_torch_alloc", "ccalloc_torch_free")
  * ccalloc_torch_alloc returns NULL on failure (the reason in ccalloc_last_error()). */

@@ -40,6 +40,10 @@ struct Config {
   // memory limit (the per-process fraction if set, else device capacity). 0 disables.
   double garbage_collection_threshold = 0.0;
   bool expandable_segments = false;
+  // Address space reserved for each expandable segment: a fraction of device memory, or an
+  // absolute size; at most (and by default) 9/8 of device memory. 0: the default.
+  double expandable_segments_reserve_fraction = 0.0;
+  std::size_t expandable_segments_reserve_bytes = 0;
   // Accepted for compatibility. ccalloc holds only the calling stream's arena lock around a
   // device allocation, so other streams are never blocked by it.
   bool release_lock_on_cudamalloc = false;

@@ -4,9 +4,17 @@
 // CUDA driver or GPU; there, creating a CudaDriver throws DriverError saying why, and
 // probe() reports it. Every call makes the driver's device current and restores the
 // caller's device afterwards.
+//
+// Virtual memory goes through the CUDA driver API (cuMem*), whose entry points are looked
+// up at run time through the runtime (cudaGetDriverEntryPointByVersion), so the library
+// never links against libcuda. The stream-ordered pool is the device's default
+// cudaMemPool_t, configured on first use to keep what it reserves (release threshold
+// UINT64_MAX) and to reuse memory across streams (the three reuse attributes on).
 #pragma once
 
+#include <cstddef>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -75,8 +83,14 @@ class CudaDriver final : public Driver {
   std::string name() const override { return name_; }
 
  private:
+  void* default_pool();  // the configured cudaMemPool_t
+
   int device_;
   std::string name_;
+  // Set on first use, under lazy_mutex_.
+  std::mutex lazy_mutex_;
+  std::size_t granularity_ = 0;
+  void* pool_ = nullptr;
 };
 
 }  // namespace ccalloc::cuda

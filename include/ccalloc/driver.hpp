@@ -78,8 +78,8 @@ class Driver {
   // Maps a whole physical allocation at `va` (inside a reservation) and makes it readable
   // and writable by the device.
   virtual void map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) = 0;
-  // Unmaps [va, va + bytes). Does not synchronize: the caller waits for the work that used
-  // the range first.
+  // Unmaps [va, va + bytes), which covers one or more whole mappings. Does not synchronize:
+  // the caller waits for the work that used the range first.
   virtual void unmap(DevicePtr va, std::size_t bytes) = 0;
 
   // --- The device's stream-ordered memory pool, for backend:cudaMallocAsync. ---
@@ -90,7 +90,8 @@ class Driver {
   virtual void free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) = 0;
   // Makes `stream` wait for `event` (cudaStreamWaitEvent).
   virtual void stream_wait_event(StreamId stream, EventId event) = 0;
-  // Releases the pool's unused memory, keeping at most `keep_bytes` (cudaMemPoolTrimTo).
+  // Releases the pool's unused memory down to `keep_bytes`: the pool keeps at least that
+  // much reserved (cudaMemPoolTrimTo). Memory whose free has not completed may stay.
   virtual void pool_trim(std::size_t keep_bytes) = 0;
   virtual PoolUsage pool_usage() = 0;
   virtual void pool_reset_peaks() = 0;

@@ -14,9 +14,11 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "ccalloc/allocator.hpp"
+#include "ccalloc/snapshot.hpp"
 
 namespace ccalloc {
 
@@ -51,6 +53,11 @@ class ProcessAllocator {
   void set_memory_fraction(double fraction, int device = -1);
   MemInfo mem_get_info(int device = -1);
 
+  // Records history on every device, including ones first used later.
+  void record_history(const HistoryOptions& options);
+  // Every device's segments and history in one snapshot (device_traces[d] for device d).
+  Snapshot snapshot();
+
   // The allocator of `device` (-1: current), created on first use. Throws DriverError for
   // a device that does not exist.
   Allocator& allocator(int device = -1);
@@ -72,6 +79,7 @@ class ProcessAllocator {
   const Devices devices_;
   const Config config_;
   std::mutex create_mutex_;
+  std::optional<HistoryOptions> history_;  // guarded by create_mutex_
   std::array<Slot, kMaxDevices> slots_;
   std::array<std::atomic<Allocator*>, kMaxDevices> allocators_{};
   // The one device with an allocator while there is exactly one (the common case: frees

@@ -3,13 +3,33 @@
 // It has a capacity; hands out deterministic, 2 MiB-aligned addresses (or, with an address
 // oracle, a given sequence of addresses, e.g. the ones a recorded trace got from
 // cudaMalloc); reports OOM as a value; keeps streams and events whose completion the
-// caller controls; counts every driver call; and accumulates simulated driver time from a
-// cost model. Tests, `ccalloc replay` and CI run on it.
+// caller controls; models virtual memory (reservations, physical handles, per-handle
+// mappings) and a stream-ordered pool (cudaMallocAsync); counts every driver call; and
+// accumulates simulated driver time from a cost model. Tests, `ccalloc replay` and CI run
+// on it.
 //
 // Event model: work queued on a stream completes in order. An event recorded on a stream
 // completes when the caller completes that event, a later event on the same stream, or the
 // whole stream; synchronize calls complete what they wait for. With
 // `events_complete_immediately`, every stream is always idle.
+//
+// Address space, lowest region first: the stream-ordered pool's allocations (from
+// Options::pool_base_address), address reservations (from Options::vm_base_address), device
+// allocations (from Options::base_address). Every placement avoids every other range, so
+// no two of them ever overlap whatever the options.
+//
+// Capacity: device allocations, physical allocations and the pool's reserved pages all
+// count against it; used_bytes() and mem_info() report their sum.
+//
+// The stream-ordered pool (docs/simulated-gpu.md, "The stream-ordered pool"): requests are
+// rounded to 512 B. Requests of 1 MiB and more take whole pages (vm_granularity) from any
+// free pages of the pool (the real driver remaps pages into contiguous address space), so
+// they never suffer external fragmentation; smaller ones are carved best-fit out of pages
+// set aside for small allocations. Freed memory is reusable at once by the freeing stream,
+// by a stream that waited (stream_wait_event) on an event recorded after the free, and by
+// every stream once the free has completed. The pool grows by the missing pages only when
+// no free memory fits, keeps what it reserves, and returns 0 when growing would exceed the
+// capacity.
 //
 // Thread safety: all methods are safe to call concurrently.
 #pragma once
@@ -20,6 +40,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -34,12 +55,37 @@ inline constexpr std::size_t kGiB = std::size_t{1} << 30;
 // shared/reference/perf-and-traces.md: cudaMalloc averaged 59.2 us and cudaFree 46 us in
 // ResNet-50 training (§1.1). Synchronisation has no published per-call figure; its default
 // is an assumption, stated as such in docs/simulated-gpu.md.
+//
+// Virtual memory: per-call averages on an A100, one thread, 2 MiB pages (§1.3). A real
+// mapping is cuMemMap followed by cuMemSetAccess, so map() is charged both. cuMemRelease and
+// cuMemAddressFree were not measured: 0 until someone measures them.
+//
+// The stream-ordered pool: cudaMallocAsync from a warm pool averaged 1.19 us (§1.2).
+// cudaFreeAsync has no published figure (0). Growing and trimming the pool have no
+// published figure either; their defaults are estimates from the VMM calls the driver
+// presumably makes: one physical allocation created, mapped and made accessible per growth
+// (VMM cost goes with the number of handles, not their size), one unmap (and an unmeasured
+// release) per trim that releases memory.
 struct CostModel {
   double allocate_us = 59.2;
   double free_us = 46.0;
-  double synchronize_us = 10.0;
+  double synchronize_us = 10.0;  // also synchronize_device
   double event_record_us = 0.0;
   double event_query_us = 0.0;
+  // Virtual memory.
+  double reserve_us = 19.0;           // cuMemAddressReserve
+  double address_free_us = 0.0;       // cuMemAddressFree: unmeasured
+  double physical_create_us = 193.0;  // cuMemCreate, also when it reports OOM
+  double physical_release_us = 0.0;   // cuMemRelease: unmeasured
+  double map_us = 1.45;               // cuMemMap, charged per map() ...
+  double set_access_us = 36.0;        // ... together with cuMemSetAccess
+  double unmap_us = 25.6;             // cuMemUnmap, per unmap() call
+  // The stream-ordered pool.
+  double async_allocate_us = 1.19;  // cudaMallocAsync, also when it reports OOM
+  double async_free_us = 0.0;       // cudaFreeAsync: unmeasured
+  double pool_grow_us = 230.45;     // per growth of the pool: an estimate (193 + 1.45 + 36)
+  double pool_trim_us = 25.6;       // per pool_trim that releases memory: an estimate
+  double stream_wait_us = 0.0;      // cudaStreamWaitEvent: unmeasured
 };
 
 struct Counters {
@@ -53,6 +99,26 @@ struct Counters {
   std::uint64_t event_queries = 0;
   std::uint64_t event_synchronizes = 0;
   std::uint64_t stream_synchronizes = 0;
+  // Virtual memory.
+  std::uint64_t reserve_calls = 0;
+  std::uint64_t address_frees = 0;
+  std::uint64_t physical_creates = 0;  // including the ones that returned OOM
+  std::uint64_t physical_create_ooms = 0;
+  std::uint64_t physical_releases = 0;
+  std::uint64_t maps = 0;
+  std::uint64_t unmaps = 0;
+  // The stream-ordered pool.
+  std::uint64_t async_allocates = 0;  // including the ones that returned OOM
+  std::uint64_t async_allocate_ooms = 0;
+  std::uint64_t async_frees = 0;
+  std::uint64_t pool_grows = 0;        // times the pool reserved more memory
+  std::uint64_t pool_pages_grown = 0;  // pages it reserved then
+  std::uint64_t pool_trims = 0;
+  std::uint64_t pool_pages_trimmed = 0;  // pages pool_trim released
+  std::uint64_t pool_usage_queries = 0;
+  std::uint64_t pool_peak_resets = 0;
+  std::uint64_t stream_waits = 0;
+  std::uint64_t device_synchronizes = 0;
   bool operator==(const Counters&) const = default;
 };
 
@@ -64,6 +130,13 @@ struct Options {
   DevicePtr base_address = DevicePtr{0x7f0000000000};
   std::size_t alignment = std::size_t{2} << 20;
   bool events_complete_immediately = false;
+  // Virtual memory: the granularity of reservations, physical allocations and mappings,
+  // and of the stream-ordered pool's pages (a power of two, at least 1 MiB).
+  std::size_t vm_granularity = std::size_t{2} << 20;
+  // First address reserve_address_range hands out.
+  DevicePtr vm_base_address = DevicePtr{0x600000000000};
+  // First address of the stream-ordered pool's allocations.
+  DevicePtr pool_base_address = DevicePtr{0x400000000000};
 };
 
 // One device allocation a recorded run obtained: the oracle hands `address` to the next
@@ -95,6 +168,8 @@ class SimDriver final : public Driver {
 
   Counters counters() const;
   double simulated_driver_us() const;
+  // Device memory in use: device allocations, physical allocations and the pool's reserved
+  // pages together (what counts against the capacity).
   std::size_t used_bytes() const;
   std::size_t capacity() const { return options_.capacity; }
   const Options& options() const { return options_; }
@@ -134,13 +209,70 @@ class SimDriver final : public Driver {
     std::uint64_t sequence = 0;  // position in its stream's queue
   };
   struct StreamState {
-    std::uint64_t recorded = 0;   // events recorded so far
+    std::uint64_t recorded = 0;   // events (and pool frees) recorded so far
     std::uint64_t completed = 0;  // events completed so far (a prefix)
+    // Streams this one waited on (stream_wait_event), with the furthest position waited for.
+    std::unordered_map<StreamId, std::uint64_t> waited;
+  };
+  struct Mapping {
+    std::size_t bytes = 0;
+    PhysicalHandle handle = 0;
+  };
+  struct Physical {
+    std::size_t bytes = 0;
+    DevicePtr mapped_at = 0;  // 0: not mapped
+  };
+  // A pool free: complete once `stream`'s queue passes `sequence`.
+  struct FreeMark {
+    StreamId stream = 0;
+    std::uint64_t sequence = 0;
+  };
+  // The frees that free pool memory waits for; none left: every stream may reuse it.
+  using FreeMarks = std::vector<FreeMark>;
+  // Address range of a large pool allocation or of a small-allocation page. A freed slot
+  // stays until its frees are usable by the stream that wants the addresses: work queued
+  // before the free may still touch them.
+  struct PoolSlot {
+    std::size_t bytes = 0;
+    bool live = false;
+    FreeMarks marks;
+  };
+  // Free whole pages of the pool that share their frees; oldest first.
+  struct PageRun {
+    std::size_t pages = 0;
+    FreeMarks marks;
+  };
+  struct SmallBlock {
+    std::size_t size = 0;
+    bool allocated = false;
+    FreeMarks marks;  // free blocks only
+  };
+  struct PoolAllocation {
+    std::size_t bytes = 0;    // as requested: counted in the pool's used bytes
+    std::size_t rounded = 0;  // what it occupies
+    bool small = false;
   };
 
-  DevicePtr place(std::size_t bytes);  // requires mutex_
+  // All require mutex_.
+  DevicePtr place(std::size_t bytes);
+  DevicePtr first_fit(DevicePtr start, std::size_t bytes, std::size_t alignment) const;
+  bool overlaps_any(DevicePtr addr, DevicePtr end) const;
+  std::size_t device_used() const;
   bool event_done(const Event& e) const;
   Event& event_ref(EventId event);
+  FreeMark mark_free(StreamId stream);
+  bool mark_done(const FreeMark& m) const;
+  bool usable_by(FreeMarks& marks, StreamId stream) const;  // prunes completed marks
+  void merge_marks(FreeMarks& into, const FreeMarks& from) const;
+  bool grow_pool(std::size_t pages);
+  DevicePtr place_in_pool(std::size_t bytes, StreamId stream);
+  void release_pool_slot(DevicePtr va, FreeMarks marks);
+  void add_free_pages(std::size_t pages, FreeMarks marks);
+  DevicePtr allocate_small(std::size_t rounded, StreamId stream);
+  DevicePtr allocate_large(std::size_t rounded, StreamId stream);
+  void free_small(DevicePtr ptr, const FreeMark& mark);
+  void add_small_free(DevicePtr addr, std::size_t size) { small_free_.emplace(size, addr); }
+  [[noreturn]] void fail(const std::string& what) const;
 
   const Options options_;
   mutable std::mutex mutex_;
@@ -153,6 +285,22 @@ class SimDriver final : public Driver {
   std::unordered_map<EventId, Event> events_;
   EventId next_event_ = 1;
   std::unordered_map<StreamId, StreamState> streams_;
+  // Virtual memory.
+  std::map<DevicePtr, std::size_t> reservations_;  // base -> bytes
+  std::map<DevicePtr, Mapping> mappings_;          // va -> one physical allocation
+  std::unordered_map<PhysicalHandle, Physical> physical_;
+  PhysicalHandle next_handle_ = 1;
+  std::size_t physical_bytes_ = 0;
+  // The stream-ordered pool.
+  std::map<DevicePtr, PoolSlot> pool_slots_;
+  std::vector<PageRun> free_pages_;
+  std::size_t pool_pages_ = 0;                                        // pages reserved
+  std::map<DevicePtr, std::map<DevicePtr, SmallBlock>> small_pages_;  // page -> its blocks
+  std::set<std::pair<std::size_t, DevicePtr>> small_free_;            // (size, address)
+  std::map<DevicePtr, PoolAllocation> pool_live_;
+  std::size_t pool_used_ = 0;
+  std::size_t pool_used_high_ = 0;
+  std::size_t pool_reserved_high_ = 0;
   Counters counters_;
   double driver_us_ = 0.0;
   std::atomic<std::int64_t> time_us_{0};

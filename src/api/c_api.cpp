@@ -1,14 +1,15 @@
 // The C API: ProcessAllocator behind status codes. Every entry point catches everything;
 // the message of the last failure is kept per thread.
-#include "ccalloc/ccalloc.h"
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <new>
 #include <string>
 
+#include "ccalloc/ccalloc.h"
 #include "ccalloc/process.hpp"
+#include "ccalloc/snapshot.hpp"
+#include "io/snapshot_io.hpp"
 
 namespace {
 
@@ -33,6 +34,8 @@ ccalloc_status guarded(Fn&& fn) noexcept {
     return fail(CCALLOC_ERROR_CONFIG, e.what());
   } catch (const ccalloc::DriverError& e) {
     return fail(CCALLOC_ERROR_DRIVER, e.what());
+  } catch (const ccalloc::FormatError& e) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, e.what());
   } catch (const std::bad_alloc&) {
     return fail(CCALLOC_ERROR_INTERNAL, "ccalloc: out of host memory");
   } catch (const std::exception& e) {
@@ -42,9 +45,13 @@ ccalloc_status guarded(Fn&& fn) noexcept {
   }
 }
 
-ccalloc::ProcessAllocator& process() { return ccalloc::ProcessAllocator::instance(); }
+ccalloc::ProcessAllocator& process() {
+  return ccalloc::ProcessAllocator::instance();
+}
 
-ccalloc::StreamId stream_id(void* stream) { return reinterpret_cast<ccalloc::StreamId>(stream); }
+ccalloc::StreamId stream_id(void* stream) {
+  return reinterpret_cast<ccalloc::StreamId>(stream);
+}
 
 // Copies `text` into a caller's buffer: at most capacity-1 bytes and a NUL.
 ccalloc_status copy_out(const std::string& text, char* buffer, size_t capacity, size_t* length) {
@@ -62,16 +69,19 @@ ccalloc_status copy_out(const std::string& text, char* buffer, size_t capacity, 
 
 extern "C" {
 
-const char* ccalloc_last_error(void) { return t_last_error.c_str(); }
+const char* ccalloc_last_error(void) {
+  return t_last_error.c_str();
+}
 
-const char* ccalloc_version(void) { return CCALLOC_VERSION; }
+const char* ccalloc_version(void) {
+  return CCALLOC_VERSION;
+}
 
 ccalloc_status ccalloc_malloc(void** ptr, size_t size, int device, void* stream) {
   if (ptr == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_malloc: ptr is NULL");
   *ptr = nullptr;
-  return guarded([&] {
-    *ptr = reinterpret_cast<void*>(process().malloc(size, stream_id(stream), device));
-  });
+  return guarded(
+      [&] { *ptr = reinterpret_cast<void*>(process().malloc(size, stream_id(stream), device)); });
 }
 
 ccalloc_status ccalloc_free(void* ptr) {
@@ -152,6 +162,29 @@ ccalloc_status ccalloc_mem_get_info(int device, size_t* free_bytes, size_t* tota
     *free_bytes = info.free_bytes;
     *total_bytes = info.total_bytes;
   });
+}
+
+ccalloc_status ccalloc_record_history(const char* enabled, const char* context, const char* stacks,
+                                      size_t max_entries) {
+  return guarded([&] {
+    ccalloc::HistoryOptions o;
+    o.enabled = ccalloc::HistoryOptions::parse_enabled(enabled ? enabled : "none");
+    o.context = ccalloc::HistoryOptions::parse_context(context ? context : "none");
+    o.stacks = ccalloc::HistoryOptions::parse_stacks(stacks ? stacks : "none");
+    o.max_entries = max_entries;
+    process().record_history(o);
+  });
+}
+
+ccalloc_status ccalloc_dump_snapshot(const char* path) {
+  if (path == nullptr)
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_dump_snapshot: path is NULL");
+  return guarded([&] { ccalloc::io::write_snapshot(path, process().snapshot()); });
+}
+
+ccalloc_status ccalloc_annotate(int device, const char* name, int start) {
+  if (name == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_annotate: name is NULL");
+  return guarded([&] { process().allocator(device).annotate(name, start != 0); });
 }
 
 void* ccalloc_torch_alloc(size_t size, int device, void* stream) {

@@ -1,9 +1,9 @@
-#include "ccalloc/process.hpp"
-
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 
 #include "ccalloc/cuda.hpp"
+#include "ccalloc/process.hpp"
 
 namespace ccalloc {
 
@@ -46,6 +46,7 @@ Allocator& ProcessAllocator::allocator(int device) {
   Slot& slot = slots_[static_cast<std::size_t>(device)];
   slot.driver = devices_.make_driver(device);
   slot.allocator = std::make_unique<Allocator>(*slot.driver, config_);
+  if (history_) slot.allocator->record_history(*history_);
   allocators_[static_cast<std::size_t>(device)].store(slot.allocator.get(),
                                                       std::memory_order_release);
   sole_device_.store(sole_device_.load() == -1 ? device : -2, std::memory_order_release);
@@ -119,13 +120,17 @@ void ProcessAllocator::empty_cache(int device) {
   }
 }
 
-DeviceStats ProcessAllocator::stats(int device) { return allocator(device).stats(); }
+DeviceStats ProcessAllocator::stats(int device) {
+  return allocator(device).stats();
+}
 
 std::string ProcessAllocator::memory_summary(int device, bool abbreviated) {
   return allocator(device).memory_summary(abbreviated);
 }
 
-void ProcessAllocator::reset_peak_stats(int device) { allocator(device).reset_peak_stats(); }
+void ProcessAllocator::reset_peak_stats(int device) {
+  allocator(device).reset_peak_stats();
+}
 
 void ProcessAllocator::reset_accumulated_stats(int device) {
   allocator(device).reset_accumulated_stats();
@@ -135,6 +140,37 @@ void ProcessAllocator::set_memory_fraction(double fraction, int device) {
   allocator(device).set_memory_fraction(fraction);
 }
 
-MemInfo ProcessAllocator::mem_get_info(int device) { return allocator(device).mem_get_info(); }
+MemInfo ProcessAllocator::mem_get_info(int device) {
+  return allocator(device).mem_get_info();
+}
+
+void ProcessAllocator::record_history(const HistoryOptions& options) {
+  std::lock_guard lock(create_mutex_);
+  history_ = options;
+  for (int d = 0; d < std::min(devices_.count, kMaxDevices); ++d) {
+    if (Allocator* a = existing(d)) a->record_history(options);
+  }
+}
+
+Snapshot ProcessAllocator::snapshot() {
+  Snapshot all;
+  for (int d = 0; d < std::min(devices_.count, kMaxDevices); ++d) {
+    Allocator* a = existing(d);
+    if (a == nullptr) continue;
+    Snapshot one = a->snapshot();
+    for (auto& seg : one.segments)
+      all.segments.push_back(std::move(seg));
+    if (all.device_traces.size() < one.device_traces.size()) {
+      all.device_traces.resize(one.device_traces.size());
+    }
+    all.device_traces[static_cast<std::size_t>(d)] =
+        std::move(one.device_traces[static_cast<std::size_t>(d)]);
+    for (auto& a2 : one.external_annotations)
+      all.external_annotations.push_back(std::move(a2));
+    all.allocator_settings = std::move(one.allocator_settings);
+  }
+  if (all.device_traces.empty()) all.device_traces.resize(1);
+  return all;
+}
 
 }  // namespace ccalloc

@@ -51,16 +51,6 @@ Engine::Engine(Driver& driver, Config config)
       config_(std::move(config)),
       uid_(g_next_engine_uid.fetch_add(1)),
       event_pool_(driver) {
-  if (config_.backend != ccalloc::Backend::kNative) {
-    throw ConfigError(
-        "ccalloc: backend:cudaMallocAsync is not available in this build; use "
-        "backend:native");
-  }
-  if (config_.expandable_segments) {
-    throw ConfigError(
-        "ccalloc: expandable_segments:True is not available in this build; use "
-        "expandable_segments:False");
-  }
   check_invariants_ = env_flag("CCALLOC_CHECK_INVARIANTS");
   capacity_ = driver_.mem_info().total_bytes;
   device_stats_.max_split_size =
@@ -173,10 +163,22 @@ Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool a
   if (advance_gc_clock && gc_enabled()) {
     pool_searches_[req.small ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   }
-  const PoolPos pos = pool.lower_bound(req.size);
-  if (pos == pool.blocks.end() || !oversize_allows((*pos)->size, req.size, config_)) {
-    return pool.blocks.end();
+  PoolPos pos = pool.lower_bound(req.size);
+  if (pos == pool.blocks.end()) return pos;
+  if ((*pos)->segment != nullptr) {
+    // A free block at the end of an expandable segment can grow into the unmapped range
+    // after it: for best fit, count that room too, and prefer a larger block that fits
+    // more tightly.
+    const auto room = [](const Block* b) {
+      return b->size + (b->next != nullptr && !b->next->mapped ? b->next->size : 0);
+    };
+    for (auto next = std::next(pos);
+         (*pos)->segment != nullptr && next != pool.blocks.end() && room(*next) < room(*pos);
+         ++next) {
+      pos = next;
+    }
   }
+  if (!oversize_allows((*pos)->size, req.size, config_)) return pool.blocks.end();
   return pos;
 }
 
@@ -197,12 +199,14 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
   DeviceStats& st = arena.stats;
   const StatType kinds[2] = {kAggregate, pool_stat(pool.is_small)};
 
-  if (should_split(block->size, req.size, pool.is_small, config_)) {
+  const bool expandable_block = block->segment != nullptr;
+  if (should_split(block->size, req.size, pool.is_small || expandable_block, config_)) {
     Block* remaining = block;
     block = arena.blocks.make();
     block->ptr = remaining->ptr;
     block->size = req.size;
     block->pool = &pool;
+    block->segment = remaining->segment;
     block->prev = remaining->prev;
     if (block->prev != nullptr) block->prev->next = block;
     block->next = remaining;
@@ -216,7 +220,10 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     } else {
       insert_into_pool(pool, remaining);
     }
+    // Expandable blocks never count as inactive_split: their free pages can always be
+    // unmapped.
     for (StatType t : kinds) {
+      if (expandable_block) break;
       if (already_split) {
         st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
       } else {
@@ -226,7 +233,7 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     }
   } else {
     if (pooled) pool.blocks.erase(pos);
-    if (already_split) {
+    if (already_split && !expandable_block) {
       for (StatType t : kinds) {
         st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
         st.inactive_split[t].decrease(1);
@@ -277,7 +284,7 @@ void Engine::free_block(Arena& arena, Block* block) {
   const auto requested = block->requested_size;
   FreePool& pool = *block->pool;
   const auto is_free = [](const Block* b) {
-    return b != nullptr && !b->allocated && b->event_count == 0;
+    return b != nullptr && b->mapped && !b->allocated && b->event_count == 0;
   };
   Block* const prev = is_free(block->prev) ? block->prev : nullptr;
   Block* const next = is_free(block->next) ? block->next : nullptr;
@@ -325,6 +332,7 @@ void Engine::free_block(Arena& arena, Block* block) {
   }
 
   DeviceStats& st = arena.stats;
+  if (merged->segment != nullptr) net_split_blocks = net_split_bytes = 0;  // see carve()
   for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
     if (net_split_blocks > 0) st.inactive_split[t].increase(net_split_blocks);
     if (net_split_blocks < 0) st.inactive_split[t].decrease(-net_split_blocks);

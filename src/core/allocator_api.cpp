@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/allocator_impl.hpp"
+#include "core/async_backend.hpp"
 
 namespace ccalloc {
 
@@ -26,6 +27,7 @@ Engine::~Engine() {
   AllArenasLock all(*this);
   for (Arena* arena : all.by_stream()) {
     for (const auto& blocks : segments_of(*arena)) {
+      if (blocks.front()->segment != nullptr) continue;  // freed with the arena
       std::size_t size = 0;
       for (const Block* b : blocks)
         size += b->size;
@@ -91,21 +93,45 @@ Allocator::Allocator(Driver& driver, Config config)
 
 Allocator::~Allocator() = default;
 
-DevicePtr Allocator::malloc(std::size_t size, StreamId stream) { return impl_->malloc(size, stream); }
-void Allocator::free(DevicePtr ptr) { impl_->free(ptr); }
-void Allocator::record_stream(DevicePtr ptr, StreamId stream) { impl_->record_stream(ptr, stream); }
-void Allocator::empty_cache() { impl_->empty_cache(); }
-DeviceStats Allocator::stats() const { return impl_->stats(); }
+DevicePtr Allocator::malloc(std::size_t size, StreamId stream) {
+  return impl_->malloc(size, stream);
+}
+void Allocator::free(DevicePtr ptr) {
+  impl_->free(ptr);
+}
+void Allocator::record_stream(DevicePtr ptr, StreamId stream) {
+  impl_->record_stream(ptr, stream);
+}
+void Allocator::empty_cache() {
+  impl_->empty_cache();
+}
+DeviceStats Allocator::stats() const {
+  return impl_->stats();
+}
 std::string Allocator::memory_summary(bool abbreviated) const {
   return ccalloc::memory_summary(impl_->stats(), impl_->device(), abbreviated);
 }
-void Allocator::reset_peak_stats() { impl_->reset_peak_stats(); }
-void Allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
-void Allocator::set_memory_fraction(double fraction) { impl_->set_memory_fraction(fraction); }
-double Allocator::memory_fraction() const { return impl_->memory_fraction(); }
-MemInfo Allocator::mem_get_info() { return impl_->driver().mem_info(); }
-std::vector<SegmentInfo> Allocator::segments() const { return impl_->segments(); }
-std::size_t Allocator::allocation_size(DevicePtr ptr) const { return impl_->allocation_size(ptr); }
+void Allocator::reset_peak_stats() {
+  impl_->reset_peak_stats();
+}
+void Allocator::reset_accumulated_stats() {
+  impl_->reset_accumulated_stats();
+}
+void Allocator::set_memory_fraction(double fraction) {
+  impl_->set_memory_fraction(fraction);
+}
+double Allocator::memory_fraction() const {
+  return impl_->memory_fraction();
+}
+MemInfo Allocator::mem_get_info() {
+  return impl_->driver().mem_info();
+}
+std::vector<SegmentInfo> Allocator::segments() const {
+  return impl_->segments();
+}
+std::size_t Allocator::allocation_size(DevicePtr ptr) const {
+  return impl_->allocation_size(ptr);
+}
 void Allocator::add_oom_observer(OomObserver observer) {
   impl_->add_oom_observer(std::move(observer));
 }
@@ -115,23 +141,42 @@ void Allocator::add_free_memory_callback(FreeMemoryCallback callback) {
 void Allocator::add_trace_observer(TraceObserver observer) {
   impl_->add_trace_observer(std::move(observer));
 }
-void Allocator::record_history(const HistoryOptions& options) { impl_->record_history(options); }
-Snapshot Allocator::snapshot() { return impl_->snapshot(); }
-void Allocator::annotate(std::string_view name, bool start) { impl_->annotate(name, start); }
+void Allocator::record_history(const HistoryOptions& options) {
+  impl_->record_history(options);
+}
+Snapshot Allocator::snapshot() {
+  return impl_->snapshot();
+}
+void Allocator::annotate(std::string_view name, bool start) {
+  impl_->annotate(name, start);
+}
 void Allocator::set_user_metadata(const std::string& metadata) {
   core::set_current_metadata(core::intern_metadata(metadata));
 }
-void Allocator::check_invariants() const { impl_->check_invariants(); }
-void Allocator::set_check_invariants(bool on) { impl_->set_check_invariants(on); }
-const Config& Allocator::config() const { return impl_->config(); }
-int Allocator::device() const { return impl_->device(); }
-Driver& Allocator::driver() const { return impl_->driver(); }
+void Allocator::check_invariants() const {
+  impl_->check_invariants();
+}
+void Allocator::set_check_invariants(bool on) {
+  impl_->set_check_invariants(on);
+}
+const Config& Allocator::config() const {
+  return impl_->config();
+}
+int Allocator::device() const {
+  return impl_->device();
+}
+Driver& Allocator::driver() const {
+  return impl_->driver();
+}
 
 }  // namespace ccalloc
 
 namespace ccalloc::core {
 
 std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
+  if (config.backend == ccalloc::Backend::kCudaMallocAsync) {
+    return std::make_unique<AsyncBackend>(driver, std::move(config));
+  }
   return std::make_unique<Engine>(driver, std::move(config));
 }
 

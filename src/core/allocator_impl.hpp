@@ -187,6 +187,16 @@ class Engine final : public Backend {
   [[noreturn]] void raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllArenasLock> all);
   bool run_free_memory_callbacks();
 
+  // --- expandable segments (expandable.cpp) ---
+  bool expandable() const { return config_.expandable_segments; }
+  std::size_t expandable_reserve_bytes() const;
+  Block* find_expandable_block(Arena& arena, FreePool& pool, std::size_t size);
+  bool map_block(Arena& arena, Block* b, std::size_t size);
+  void merge_mapped_neighbours(Arena& arena, Block* b);
+  Block* allocate_expandable(Arena& arena, const Request& req);
+  Block* unmap_block(Arena& arena, Block* b);
+  void release_expandable_segment(Arena& arena, Block* b);
+
   // --- uncached mode ---
   DevicePtr malloc_uncached(std::size_t size);
   void free_uncached(DevicePtr ptr);
@@ -199,6 +209,9 @@ class Engine final : public Backend {
   static StatType pool_stat(bool small) { return small ? kSmallPool : kLargePool; }
   // Blocks of every segment of `arena`, grouped by segment (every arena lock held).
   std::vector<std::vector<const Block*>> segments_of(const Arena& arena) const;
+  // As segments_of(), with each expandable segment split into its runs of mapped blocks:
+  // the segments a snapshot reports.
+  std::vector<std::vector<const Block*>> reported_segments(const Arena& arena) const;
 
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "ccalloc/stats.hpp"
 #include "core/arena_mutex.hpp"
 #include "core/block.hpp"
+#include "core/expandable.hpp"
 #include "core/ptr_map.hpp"
 #include "core/segment_map.hpp"
 
@@ -43,6 +45,8 @@ struct alignas(64) Arena {
   BlockRecycler blocks;
   // The live (allocated) blocks of this arena by address.
   PtrMap<Block*> live;
+  // This stream's expandable segments (usually one per pool).
+  std::vector<std::unique_ptr<ExpandableSegment>> expandable;
   // Per stream that used one of this arena's blocks: FIFO of frees waiting for its events.
   // Events on one stream complete in order, so processing stops at the first pending one.
   std::vector<std::pair<StreamId, std::deque<PendingFree>>> pending;

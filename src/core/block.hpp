@@ -21,6 +21,7 @@ namespace ccalloc::core {
 
 struct Arena;
 struct FreePool;
+class ExpandableSegment;
 
 struct Block {
   DevicePtr ptr = 0;
@@ -32,9 +33,11 @@ struct Block {
   std::uint64_t gc_count_base = 0;  // pool's search count when the block became free
   int event_count = 0;              // outstanding events before it may be reused
   bool allocated = false;
-  std::vector<StreamId> stream_uses;  // streams other than its own that used it
-  std::uint32_t stack = 0;            // history: context of its allocation (while active)
-  std::uint32_t segment_stack = 0;    // history: context of the device allocation (head only)
+  std::vector<StreamId> stream_uses;     // streams other than its own that used it
+  ExpandableSegment* segment = nullptr;  // the expandable segment it lies in, if any
+  bool mapped = true;               // false only for an unmapped range of an expandable segment
+  std::uint32_t stack = 0;          // history: context of its allocation (while active)
+  std::uint32_t segment_stack = 0;  // history: context of the device allocation (head only)
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
   DevicePtr end() const { return ptr + size; }
@@ -125,7 +128,12 @@ struct FreePool {
   NodeRecycler recycler_;  // declared before `blocks`: destroyed after it
 
  public:
-  Set blocks;
+  Set blocks;  // free, mapped blocks
+  struct ByAddress {
+    bool operator()(const Block* a, const Block* b) const { return a->ptr < b->ptr; }
+  };
+  // Unmapped ranges of this stream's expandable segments, lowest address first.
+  std::set<Block*, ByAddress> unmapped;
 };
 
 // Recycles Block objects so splits and merges on the hot path do not allocate. Only free
@@ -150,6 +158,8 @@ class BlockRecycler {
     b->gc_count_base = 0;
     b->stack = 0;
     b->segment_stack = 0;
+    b->segment = nullptr;
+    b->mapped = true;
     return b;
   }
   void recycle(Block* b) {

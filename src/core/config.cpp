@@ -39,6 +39,8 @@ Config pytorch_defaults() {
   c.roundup_power2_divisions.fill(0);
   c.garbage_collection_threshold = 0.0;
   c.expandable_segments = false;
+  c.expandable_segments_reserve_fraction = 0.0;
+  c.expandable_segments_reserve_bytes = 0;
   c.release_lock_on_cudamalloc = false;
   c.per_process_memory_fraction = 1.0;
   c.graph_capture_record_stream_reuse = false;
@@ -70,6 +72,7 @@ constexpr std::string_view kKeyLargeSegment = "large_segment_size_mb";
 constexpr std::string_view kKeyRoundup = "roundup_power2_divisions";
 constexpr std::string_view kKeyGcThreshold = "garbage_collection_threshold";
 constexpr std::string_view kKeyExpandable = "expandable_segments";
+constexpr std::string_view kKeyExpandableReserve = "expandable_segments_reserve";
 constexpr std::string_view kKeyReleaseLock = "release_lock_on_cudamalloc";
 constexpr std::string_view kKeyReleaseLockHip = "release_lock_on_hipmalloc";
 constexpr std::string_view kKeyMemoryFraction = "per_process_memory_fraction";
@@ -82,11 +85,11 @@ constexpr std::string_view kKeyReserveSegment = "pinned_reserve_segment_size_mb"
 constexpr std::string_view kKeyUncached = "uncached";
 
 constexpr std::string_view kAllKeys[] = {
-    kKeyBackend,         kKeyMaxSplit,        kKeyMaxNonSplitRounding, kKeyLargeSegment,
-    kKeyRoundup,         kKeyGcThreshold,     kKeyExpandable,          kKeyReleaseLock,
-    kKeyReleaseLockHip,  kKeyMemoryFraction,  kKeyGraphReuse,          kKeyHostRegister,
-    kKeyHostRegisterHip, kKeyRegisterThreads, kKeyBackgroundThreads,   kKeyReserveSegment,
-    kKeyUncached,
+    kKeyBackend,         kKeyMaxSplit,          kKeyMaxNonSplitRounding, kKeyLargeSegment,
+    kKeyRoundup,         kKeyGcThreshold,       kKeyExpandable,          kKeyReleaseLock,
+    kKeyReleaseLockHip,  kKeyMemoryFraction,    kKeyGraphReuse,          kKeyHostRegister,
+    kKeyHostRegisterHip, kKeyRegisterThreads,   kKeyBackgroundThreads,   kKeyReserveSegment,
+    kKeyUncached,        kKeyExpandableReserve,
 };
 
 bool is_known_key(std::string_view key) {
@@ -387,6 +390,40 @@ void set_roundup_divisions(Config& c, const Entry& e) {
   c.roundup_power2_divisions = table;
 }
 
+// expandable_segments_reserve: a fraction of device memory in (0, 1.125] ("0.5"), or a
+// size with a unit ("40G", "40GiB", "512M", "512MiB", "40GB").
+void set_expandable_reserve(Config& c, const Entry& e) {
+  constexpr std::string_view kForm =
+      "expected a fraction of device memory in (0, 1.125] such as 0.5, or a size such as 40G";
+  if (e.is_list) throw_invalid_value(e.key.text, e.value, kForm);
+  const std::string& text = e.value.text;
+  std::size_t digits = 0;
+  while (digits < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.')) {
+    ++digits;
+  }
+  const std::string_view unit = std::string_view(text).substr(digits);
+  double value = 0.0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + digits, value);
+  if (digits == 0 || ec != std::errc() || end != text.data() + digits || !(value > 0.0)) {
+    throw_invalid_value(e.key.text, e.value, kForm);
+  }
+  if (unit.empty()) {
+    if (value > 1.125) throw_invalid_value(e.key.text, e.value, kForm);
+    c.expandable_segments_reserve_fraction = value;
+    c.expandable_segments_reserve_bytes = 0;
+    return;
+  }
+  double factor = 0.0;
+  if (unit == "G" || unit == "GiB") factor = 0x1p30;
+  if (unit == "GB") factor = 1e9;
+  if (unit == "M" || unit == "MiB") factor = 0x1p20;
+  if (unit == "MB") factor = 1e6;
+  if (factor == 0.0 || value * factor > 0x1p62) throw_invalid_value(e.key.text, e.value, kForm);
+  c.expandable_segments_reserve_bytes = static_cast<std::size_t>(value * factor);
+  c.expandable_segments_reserve_fraction = 0.0;
+}
+
 void set_value(Config& c, const Entry& e) {
   const std::string_view key = e.key.text;
   if (key == kKeyBackend) {
@@ -430,6 +467,8 @@ void set_value(Config& c, const Entry& e) {
     c.pinned_reserve_segment_size_mb = mb;
   } else if (key == kKeyExpandable) {
     c.expandable_segments = scalar_bool(e);
+  } else if (key == kKeyExpandableReserve) {
+    set_expandable_reserve(c, e);
   } else if (key == kKeyReleaseLock || key == kKeyReleaseLockHip) {
     c.release_lock_on_cudamalloc = scalar_bool(e);
   } else if (key == kKeyGraphReuse) {
@@ -531,6 +570,11 @@ std::string Config::to_string() const {
     add(kKeyGcThreshold, format_double(garbage_collection_threshold));
   }
   add(kKeyExpandable, format_bool(expandable_segments));
+  if (expandable_segments_reserve_fraction != 0.0) {
+    add(kKeyExpandableReserve, format_double(expandable_segments_reserve_fraction));
+  } else if (expandable_segments_reserve_bytes != 0) {
+    add(kKeyExpandableReserve, std::to_string(expandable_segments_reserve_bytes / kMiB) + "M");
+  }
   add(kKeyReleaseLock, format_bool(release_lock_on_cudamalloc));
   add(kKeyMemoryFraction, format_double(per_process_memory_fraction));
   add(kKeyGraphReuse, format_bool(graph_capture_record_stream_reuse));

@@ -168,12 +168,13 @@ Snapshot Engine::snapshot() {
 
     std::vector<std::pair<SnapshotSegment, std::vector<StackTable::Id>>> built;
     for (Arena* arena : all.by_stream()) {
-      for (const auto& blocks : segments_of(*arena)) {
+      for (const auto& blocks : reported_segments(*arena)) {
         SnapshotSegment seg;
         seg.device = device();
         seg.address = blocks.front()->ptr;
         seg.stream = arena->stream;
         seg.is_small = blocks.front()->pool->is_small;
+        seg.is_expandable = blocks.front()->segment != nullptr;
         std::vector<StackTable::Id> stacks{blocks.front()->segment_stack};
         for (const Block* b : blocks) {
           SnapshotBlock sb;

@@ -34,6 +34,8 @@ std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) c
   for (const FreePool* pool : {&arena.small_pool, &arena.large_pool}) {
     for (const Block* b : pool->blocks)
       consider(b);
+    for (const Block* b : pool->unmapped)
+      consider(b);
   }
   arena.live.for_each([&](DevicePtr, const Block* b) { consider(b); });
   for (const auto& [stream, queue] : arena.pending) {
@@ -54,16 +56,39 @@ std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) c
   return segments;
 }
 
+std::vector<std::vector<const Block*>> Engine::reported_segments(const Arena& arena) const {
+  std::vector<std::vector<const Block*>> out;
+  for (auto& chain : segments_of(arena)) {
+    if (chain.front()->segment == nullptr) {
+      out.push_back(std::move(chain));
+      continue;
+    }
+    // An expandable segment is reported as one segment per run of mapped blocks.
+    std::vector<const Block*> run;
+    for (const Block* b : chain) {
+      if (b->mapped) {
+        run.push_back(b);
+      } else if (!run.empty()) {
+        out.push_back(std::move(run));
+        run.clear();
+      }
+    }
+    if (!run.empty()) out.push_back(std::move(run));
+  }
+  return out;
+}
+
 std::vector<SegmentInfo> Engine::segments() const {
   AllArenasLock all(*this);
   std::vector<SegmentInfo> out;
   for (Arena* arena : all.by_stream()) {
-    for (const auto& blocks : segments_of(*arena)) {
+    for (const auto& blocks : reported_segments(*arena)) {
       SegmentInfo seg;
       seg.device = device();
       seg.address = blocks.front()->ptr;
       seg.stream = arena->stream;
       seg.is_small = blocks.front()->pool->is_small;
+      seg.is_expandable = blocks.front()->segment != nullptr;
       for (const Block* b : blocks) {
         const BlockState state = state_of(b);
         seg.total_size += b->size;
@@ -130,6 +155,15 @@ void Engine::check_invariants() const {
         if (b->allocated || b->event_count != 0) {
           violation("block 0x%" PRIxPTR " is in a free pool but is allocated or pending", b->ptr);
         }
+        if (!b->mapped) violation("unmapped block 0x%" PRIxPTR " is in a free pool", b->ptr);
+        if (!in_pool.insert(b).second) violation("block 0x%" PRIxPTR " is pooled twice", b->ptr);
+      }
+      for (const Block* b : pool->unmapped) {
+        if (b->mapped || b->segment == nullptr || b->allocated || b->event_count != 0 ||
+            b->pool != pool) {
+          violation("block 0x%" PRIxPTR " is listed as unmapped but is not an unmapped range",
+                    b->ptr);
+        }
         if (!in_pool.insert(b).second) violation("block 0x%" PRIxPTR " is pooled twice", b->ptr);
       }
     }
@@ -157,7 +191,8 @@ void Engine::check_invariants() const {
             violation("blocks 0x%" PRIxPTR " and 0x%" PRIxPTR " do not tile their segment", b->ptr,
                       n->ptr);
           }
-          if (state_of(b) == BlockState::kInactive && state_of(n) == BlockState::kInactive) {
+          if (state_of(b) == BlockState::kInactive && state_of(n) == BlockState::kInactive &&
+              b->mapped == n->mapped) {
             violation("adjacent free blocks 0x%" PRIxPTR " and 0x%" PRIxPTR " were not merged",
                       b->ptr, n->ptr);
           }
@@ -183,7 +218,7 @@ void Engine::check_invariants() const {
             mine.active[t].current += 1;
             mine.active_bytes[t].current += sz;
             mine.requested_bytes[t].current += static_cast<std::int64_t>(b->requested_size);
-          } else if (b->is_split()) {
+          } else if (b->is_split() && b->segment == nullptr) {
             mine.inactive_split[t].current += 1;
             mine.inactive_split_bytes[t].current += sz;
           }
@@ -194,6 +229,21 @@ void Engine::check_invariants() const {
         }
       }
       extents.emplace_back(blocks.front()->ptr, seg_size);
+      if (const ExpandableSegment* es = blocks.front()->segment) {
+        // Only mapped pages are reserved; the segment count is of device allocations.
+        std::size_t mapped = 0;
+        for (const Block* b : blocks)
+          mapped += b->mapped ? b->size : 0;
+        if (mapped != es->mapped_bytes() || seg_size != es->size() ||
+            blocks.front()->ptr != es->base()) {
+          violation("expandable segment 0x%" PRIxPTR " maps %zu bytes but its blocks add up to %zu",
+                    es->base(), es->mapped_bytes(), mapped);
+        }
+        reserved_recount += mapped;
+        for (StatType t : kinds)
+          recount.reserved_bytes[t].current += static_cast<std::int64_t>(mapped);
+        continue;
+      }
       reserved_recount += seg_size;
       for (StatType t : kinds) {
         recount.segment[t].current += 1;

@@ -83,8 +83,10 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
     std::lock_guard lock(device_mutex_);
     if (is_retry) ++device_stats_.num_alloc_retries;
     if (limit_ && reserved_ + size > *limit_) return nullptr;
-    reserved_ += size;  // claimed before the driver call so concurrent streams see it
+    if (!expandable()) reserved_ += size;  // claimed before the driver call: streams see it
   }
+  // Expandable segments map just the pages the request needs (map_block accounts them).
+  if (expandable()) return allocate_expandable(arena, req);
   DevicePtr ptr = 0;
   try {
     ptr = driver_.allocate(size);
@@ -159,7 +161,7 @@ bool Engine::release_oversize_blocks(Arena& arena, const Request& req) {
   // Oversize blocks are whole segments under a validated config (max_split_size >=
   // large_segment_size); the is_split() checks keep a partly used segment safe regardless.
   auto it = pool.lower_bound(want);
-  if (it != pool.blocks.end() && !(*it)->is_split()) {
+  if (it != pool.blocks.end() && !(*it)->is_split() && (*it)->segment == nullptr) {
     release_segment(arena, *it);
     return true;
   }
@@ -170,7 +172,7 @@ bool Engine::release_oversize_blocks(Arena& arena, const Request& req) {
     const auto cur = it;
     const bool is_first = cur == pool.blocks.begin();
     if (!is_first) --it;
-    if (!(*cur)->is_split()) {
+    if (!(*cur)->is_split() && (*cur)->segment == nullptr) {
       released += (*cur)->size;
       release_segment(arena, *cur);
     }
@@ -186,9 +188,20 @@ void Engine::release_cached_segments(const AllArenasLock& all) {
   for (const bool small : {false, true}) {
     for (Arena* arena : all.by_stream()) {
       FreePool& pool = arena->pool_for(small);
+      std::vector<Block*> to_unmap;  // unmapping changes the pool: gather first
       for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
         Block* block = *it++;
-        if (!block->is_split()) release_segment(*arena, block);
+        if (block->segment != nullptr) {
+          to_unmap.push_back(block);
+        } else if (!block->is_split()) {
+          release_segment(*arena, block);
+        }
+      }
+      for (Block* block : to_unmap) {
+        Block* unmapped = unmap_block(*arena, block);
+        if (unmapped != nullptr && !unmapped->is_split()) {
+          release_expandable_segment(*arena, unmapped);
+        }
       }
     }
   }
@@ -218,7 +231,7 @@ void Engine::collect_garbage(const AllArenasLock& all) {
   std::size_t candidates = 0;
   for (Arena* arena : all.by_stream()) {
     for (const Block* b : arena->large_pool.blocks) {
-      if (!b->is_split()) {
+      if (!b->is_split() && b->segment == nullptr) {
         total_age += static_cast<double>(age(b));
         ++candidates;
       }
@@ -233,7 +246,7 @@ void Engine::collect_garbage(const AllArenasLock& all) {
       auto& blocks = arena->large_pool.blocks;
       for (auto it = blocks.begin(); it != blocks.end();) {
         Block* b = *it++;
-        if (!b->is_split() && static_cast<double>(age(b)) >= average_age) {
+        if (!b->is_split() && b->segment == nullptr && static_cast<double>(age(b)) >= average_age) {
           freed_some = true;
           reclaimed += b->size;
           total_age -= static_cast<double>(age(b));

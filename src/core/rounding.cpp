@@ -32,10 +32,9 @@ std::size_t segment_size_for(std::size_t rounded, const Config& config) {
   return kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
 }
 
-bool should_split(std::size_t block_size, std::size_t rounded, bool small_pool,
-                  const Config& config) {
+bool should_split(std::size_t block_size, std::size_t rounded, bool fine, const Config& config) {
   const std::size_t remaining = block_size - rounded;
-  if (small_pool) return remaining >= kMinBlockSize;
+  if (fine) return remaining >= kMinBlockSize;
   return rounded < config.max_split_size && remaining > kSmallSize;
 }
 

@@ -29,10 +29,9 @@ inline bool is_small_size(std::size_t rounded) {
 std::size_t segment_size_for(std::size_t rounded, const Config& config);
 
 // Whether taking `rounded` bytes from a free block of `block_size` leaves a remainder worth
-// its own block: >= 512 B in the small pool; > 1 MiB in the large pool, and never for
-// oversize requests.
-bool should_split(std::size_t block_size, std::size_t rounded, bool small_pool,
-                  const Config& config);
+// its own block: >= 512 B in the small pool and in expandable segments (`fine`); > 1 MiB
+// in the large pool, and never for oversize requests.
+bool should_split(std::size_t block_size, std::size_t rounded, bool fine, const Config& config);
 
 // Whether a cached free block of `block_size` may serve a request of `rounded` bytes under
 // the oversize rules (max_split_size, max_non_split_rounding_size).

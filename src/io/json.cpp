@@ -49,7 +49,8 @@ class Parser {
   bool at_end() const { return pos_ >= text_.size(); }
   char peek() const { return text_[pos_]; }
   void expect_literal(std::string_view word) {
-    if (text_.substr(pos_, word.size()) != word) fail("invalid literal (expected '" + std::string(word) + "')");
+    if (text_.substr(pos_, word.size()) != word)
+      fail("invalid literal (expected '" + std::string(word) + "')");
     pos_ += word.size();
   }
 
@@ -316,7 +317,7 @@ class Parser {
 
 // ---- writer ------------------------------------------------------------------------------
 
-constexpr std::size_t kMaxWriteDepth = 4096;
+constexpr std::size_t kMaxWriteDepth = 1000;
 
 class Writer {
  public:

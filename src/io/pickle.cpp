@@ -69,74 +69,40 @@ struct OpName {
 };
 // Every opcode Python defines, for messages; those the reader does not handle are refused.
 constexpr OpName kOpNames[] = {
-    {'(', "MARK"},
-    {'.', "STOP"},
-    {'0', "POP"},
-    {'1', "POP_MARK"},
-    {'2', "DUP"},
-    {'F', "FLOAT"},
-    {'I', "INT"},
-    {'J', "BININT"},
-    {'K', "BININT1"},
-    {'L', "LONG"},
-    {'M', "BININT2"},
-    {'N', "NONE"},
-    {'P', "PERSID"},
-    {'Q', "BINPERSID"},
-    {'R', "REDUCE"},
-    {'S', "STRING"},
-    {'T', "BINSTRING"},
-    {'U', "SHORT_BINSTRING"},
-    {'V', "UNICODE"},
-    {'X', "BINUNICODE"},
-    {'a', "APPEND"},
-    {'b', "BUILD"},
-    {'c', "GLOBAL"},
-    {'d', "DICT"},
-    {'}', "EMPTY_DICT"},
-    {'e', "APPENDS"},
-    {'g', "GET"},
-    {'h', "BINGET"},
-    {'i', "INST"},
-    {'j', "LONG_BINGET"},
-    {'l', "LIST"},
-    {']', "EMPTY_LIST"},
-    {'o', "OBJ"},
-    {'p', "PUT"},
-    {'q', "BINPUT"},
-    {'r', "LONG_BINPUT"},
-    {'s', "SETITEM"},
-    {'t', "TUPLE"},
-    {')', "EMPTY_TUPLE"},
-    {'u', "SETITEMS"},
-    {'G', "BINFLOAT"},
-    {0x80, "PROTO"},
-    {0x81, "NEWOBJ"},
-    {0x82, "EXT1"},
-    {0x83, "EXT2"},
-    {0x84, "EXT4"},
-    {0x85, "TUPLE1"},
-    {0x86, "TUPLE2"},
-    {0x87, "TUPLE3"},
-    {0x88, "NEWTRUE"},
-    {0x89, "NEWFALSE"},
-    {0x8a, "LONG1"},
-    {0x8b, "LONG4"},
-    {0x8c, "SHORT_BINUNICODE"},
-    {0x8d, "BINUNICODE8"},
-    {0x8e, "BINBYTES8"},
-    {0x8f, "EMPTY_SET"},
-    {0x90, "ADDITEMS"},
-    {0x91, "FROZENSET"},
-    {0x92, "NEWOBJ_EX"},
-    {0x93, "STACK_GLOBAL"},
-    {0x94, "MEMOIZE"},
-    {0x95, "FRAME"},
-    {0x96, "BYTEARRAY8"},
-    {0x97, "NEXT_BUFFER"},
-    {0x98, "READONLY_BUFFER"},
-    {'B', "BINBYTES"},
-    {'C', "SHORT_BINBYTES"},
+    {'(', "MARK"},          {'.', "STOP"},
+    {'0', "POP"},           {'1', "POP_MARK"},
+    {'2', "DUP"},           {'F', "FLOAT"},
+    {'I', "INT"},           {'J', "BININT"},
+    {'K', "BININT1"},       {'L', "LONG"},
+    {'M', "BININT2"},       {'N', "NONE"},
+    {'P', "PERSID"},        {'Q', "BINPERSID"},
+    {'R', "REDUCE"},        {'S', "STRING"},
+    {'T', "BINSTRING"},     {'U', "SHORT_BINSTRING"},
+    {'V', "UNICODE"},       {'X', "BINUNICODE"},
+    {'a', "APPEND"},        {'b', "BUILD"},
+    {'c', "GLOBAL"},        {'d', "DICT"},
+    {'}', "EMPTY_DICT"},    {'e', "APPENDS"},
+    {'g', "GET"},           {'h', "BINGET"},
+    {'i', "INST"},          {'j', "LONG_BINGET"},
+    {'l', "LIST"},          {']', "EMPTY_LIST"},
+    {'o', "OBJ"},           {'p', "PUT"},
+    {'q', "BINPUT"},        {'r', "LONG_BINPUT"},
+    {'s', "SETITEM"},       {'t', "TUPLE"},
+    {')', "EMPTY_TUPLE"},   {'u', "SETITEMS"},
+    {'G', "BINFLOAT"},      {0x80, "PROTO"},
+    {0x81, "NEWOBJ"},       {0x82, "EXT1"},
+    {0x83, "EXT2"},         {0x84, "EXT4"},
+    {0x85, "TUPLE1"},       {0x86, "TUPLE2"},
+    {0x87, "TUPLE3"},       {0x88, "NEWTRUE"},
+    {0x89, "NEWFALSE"},     {0x8a, "LONG1"},
+    {0x8b, "LONG4"},        {0x8c, "SHORT_BINUNICODE"},
+    {0x8d, "BINUNICODE8"},  {0x8e, "BINBYTES8"},
+    {0x8f, "EMPTY_SET"},    {0x90, "ADDITEMS"},
+    {0x91, "FROZENSET"},    {0x92, "NEWOBJ_EX"},
+    {0x93, "STACK_GLOBAL"}, {0x94, "MEMOIZE"},
+    {0x95, "FRAME"},        {0x96, "BYTEARRAY8"},
+    {0x97, "NEXT_BUFFER"},  {0x98, "READONLY_BUFFER"},
+    {'B', "BINBYTES"},      {'C', "SHORT_BINBYTES"},
 };
 
 const char* op_name(std::uint8_t code) {
@@ -345,9 +311,15 @@ class Reader {
     }
   }
 
+  // Room for `more` items; geometric, as APPENDS comes in batches of 1000.
+  template <typename Vec>
+  static void grow(Vec& v, std::size_t more) {
+    if (v.capacity() - v.size() < more) v.reserve(std::max(v.size() + more, 2 * v.capacity()));
+  }
+
   void append_items(Entry& target, std::size_t first, std::size_t last) {
     List& list = target.v.mutable_list();
-    list.reserve(list.size() + (last - first));
+    grow(list, last - first);
     for (std::size_t i = first; i < last; ++i) {
       check_child(target, stack_[i]);
       adopt(target.meta, stack_[i]);
@@ -360,7 +332,7 @@ class Reader {
            std::to_string(last - first) + ")");
     }
     Dict& dict = target.v.mutable_dict();
-    dict.reserve(dict.size() + (last - first) / 2);
+    grow(dict, (last - first) / 2);
     for (std::size_t i = first; i < last; i += 2) {
       check_key(stack_[i]);
       check_child(target, stack_[i]);
@@ -380,8 +352,8 @@ class Reader {
       items.push_back(std::move(stack_[i].v));
     }
     stack_.resize(first);
-    stack_.push_back(Entry{tuple ? Value::tuple(std::move(items)) : Value::list(std::move(items)),
-                           meta});
+    stack_.push_back(
+        Entry{tuple ? Value::tuple(std::move(items)) : Value::list(std::move(items)), meta});
     count_value();
   }
   void collect_dict(std::size_t first) {
@@ -460,7 +432,8 @@ class Reader {
       // Longer than 8 bytes is fine when the extra bytes only extend the sign.
       const unsigned char fill = negative ? 0xff : 0x00;
       for (std::size_t i = 8; i < n; ++i) {
-        if (p[i] != fill) fail("integer too large (" + std::to_string(n) + " bytes; at most 64 bits)");
+        if (p[i] != fill)
+          fail("integer too large (" + std::to_string(n) + " bytes; at most 64 bits)");
       }
       if (((p[7] & 0x80) != 0) != negative) {
         fail("integer too large (" + std::to_string(n) + " bytes; at most 64 bits)");
@@ -715,7 +688,7 @@ class Reader {
 
 // Deeper values (only possible through a cycle or a hand-built tree) are refused rather
 // than risking the stack.
-constexpr std::size_t kMaxWriteDepth = 4096;
+constexpr std::size_t kMaxWriteDepth = 1000;
 
 class Writer {
  public:

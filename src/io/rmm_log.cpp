@@ -64,7 +64,9 @@ std::string_view trim(std::string_view s) {
 bool iequals(std::string_view a, std::string_view b) {
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    const auto lower = [](char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c; };
+    const auto lower = [](char c) {
+      return (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c;
+    };
     if (lower(a[i]) != lower(b[i])) return false;
   }
   return true;
@@ -167,8 +169,9 @@ class Parser {
     const auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), v, base);
     if (ec == std::errc::result_out_of_range) fail_field(column, field, "out of 64-bit range");
     if (ec != std::errc() || ptr != digits.data() + digits.size() || digits.empty()) {
-      fail_field(column, field,
-                 allow_hex ? "expected a hex (0x...) or decimal integer" : "expected an unsigned integer");
+      fail_field(
+          column, field,
+          allow_hex ? "expected a hex (0x...) or decimal integer" : "expected an unsigned integer");
     }
     return v;
   }
@@ -178,7 +181,8 @@ class Parser {
     std::int64_t us = 0;
     std::size_t n = 0;
     for (const char c : frac) {
-      if (c < '0' || c > '9') fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+      if (c < '0' || c > '9')
+        fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
       if (n < 6) us = us * 10 + (c - '0');
       ++n;
     }
@@ -214,8 +218,19 @@ class Parser {
     }
     const std::int64_t us = fraction_us(frac, field);
     if (s.find(':') == std::string_view::npos) {
-      const std::int64_t t = small_number(s, field) * 1000000 + us;
-      return negative ? -t : t;
+      // Any 64-bit count of microseconds, so whatever format_rmm_log writes reads back.
+      std::uint64_t secs = 0;
+      const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), secs);
+      if (ec != std::errc() || ptr != s.data() + s.size() || s.empty()) {
+        fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+      }
+      constexpr std::uint64_t kLimit = std::uint64_t{1} << 63;  // |INT64_MIN|
+      if (secs > kLimit / 1000000 ||
+          secs * 1000000 + static_cast<std::uint64_t>(us) > kLimit - (negative ? 0 : 1)) {
+        fail_field(Column::kTime, field, "out of the range of 64-bit microseconds");
+      }
+      const std::uint64_t mag = secs * 1000000 + static_cast<std::uint64_t>(us);
+      return static_cast<std::int64_t>(negative ? 0 - mag : mag);
     }
     if (negative) fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
     std::int64_t parts[3] = {0, 0, 0};

@@ -2,9 +2,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
-#include <limits>
 #include <string_view>
 #include <unordered_map>
 #include <utility>
@@ -248,7 +248,8 @@ const List& list_of(std::string_view key, const Value& v) {
   return v.as_list();
 }
 void require_dict(const Value& v, std::string_view what) {
-  if (!v.is_dict()) bad(std::string(what) + " is a " + std::string(v.kind_name()) + ", expected a dict");
+  if (!v.is_dict())
+    bad(std::string(what) + " is a " + std::string(v.kind_name()) + ", expected a dict");
 }
 StreamId stream_of(const Value& d) {
   const Value* v = field(d, "stream");
@@ -310,9 +311,9 @@ class FromValue {
         located("external_annotations[" + std::to_string(i) + "]", [&] {
           const Value& it = items[i];
           require_dict(it, "an annotation");
-          s.external_annotations.push_back(Annotation{
-              opt_string(it, "name"), opt_string(it, "stage"),
-              static_cast<int>(opt_int(it, "device", 0)), opt_int(it, "time_us", 0)});
+          s.external_annotations.push_back(
+              Annotation{opt_string(it, "name"), opt_string(it, "stage"),
+                         static_cast<int>(opt_int(it, "device", 0)), opt_int(it, "time_us", 0)});
         });
       }
     }
@@ -346,7 +347,8 @@ class FromValue {
     }
     if (const Value* pool = field(v, "segment_pool_id")) {
       const List& ids = list_of("segment_pool_id", *pool);
-      if (ids.size() != 2) bad("'segment_pool_id' has " + std::to_string(ids.size()) + " items, expected 2");
+      if (ids.size() != 2)
+        bad("'segment_pool_id' has " + std::to_string(ids.size()) + " items, expected 2");
       seg.pool_id = {int_of("segment_pool_id", ids[0]), int_of("segment_pool_id", ids[1])};
     }
     seg.is_expandable = opt_bool(v, "is_expandable", false);
@@ -366,7 +368,8 @@ class FromValue {
           SnapshotBlock block;
           block.address = static_cast<DevicePtr>(opt_uint(b, "address", next));
           block.size = static_cast<std::size_t>(req_uint(b, "size"));
-          block.requested_size = static_cast<std::size_t>(opt_uint(b, "requested_size", block.size));
+          block.requested_size =
+              static_cast<std::size_t>(opt_uint(b, "requested_size", block.size));
           block.state = state_of(required(b, "state"));
           block.frames = stack(b, false);
           next = block.address + block.size;
@@ -482,7 +485,8 @@ class FromValue {
       const Value& f = items[i];
       located("frames[" + std::to_string(i) + "]", [&] {
         require_dict(f, "a frame");
-        frames.push_back(Frame{opt_string(f, "filename"), opt_int(f, "line", 0), opt_string(f, "name")});
+        frames.push_back(
+            Frame{opt_string(f, "filename"), opt_int(f, "line", 0), opt_string(f, "name")});
       });
       const Frame& fr = frames.back();
       h = h * 1000003 ^ std::hash<std::string>{}(fr.filename);
@@ -515,26 +519,29 @@ class FromValue {
 
 SnapshotFormat format_for_path(const std::string& path) {
   return ends_with(path, ".json") || ends_with(path, ".json.gz") ? SnapshotFormat::kJson
-                                                                  : SnapshotFormat::kPickle;
+                                                                 : SnapshotFormat::kPickle;
 }
 
 Value read_value_file(const std::string& path) {
   const std::string data = read_file(path);
   std::size_t i = 0;
   if (std::string_view(data).starts_with("\xef\xbb\xbf")) i = 3;
-  while (i < data.size() && (data[i] == ' ' || data[i] == '\t' || data[i] == '\n' || data[i] == '\r'))
+  while (i < data.size() &&
+         (data[i] == ' ' || data[i] == '\t' || data[i] == '\n' || data[i] == '\r'))
     ++i;
   if (i == data.size()) throw FormatError(path + ": empty file (expected a pickle or JSON)");
   const auto first = static_cast<unsigned char>(data[i]);
   if (first == '{' || first == '[') return parse_json(data, path);
   if (first == 0x80) return parse_pickle(data, path);
   static constexpr char kHex[] = "0123456789abcdef";
-  throw FormatError(path + ": byte " + std::to_string(i) + ": neither a pickle (byte 0x80) nor JSON ('{' or '['): got 0x" +
+  throw FormatError(path + ": byte " + std::to_string(i) +
+                    ": neither a pickle (byte 0x80) nor JSON ('{' or '['): got 0x" +
                     kHex[first >> 4] + kHex[first & 0xf]);
 }
 
 void write_value_file(const std::string& path, const Value& v) {
-  write_file(path, format_for_path(path) == SnapshotFormat::kJson ? write_json(v) : write_pickle(v));
+  write_file(path,
+             format_for_path(path) == SnapshotFormat::kJson ? write_json(v) : write_pickle(v));
 }
 
 Value to_value(const Snapshot& s) {

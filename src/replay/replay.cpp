@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "ccalloc/allocator.hpp"
+#include "ccalloc/snapshot.hpp"
 
 namespace ccalloc::replay {
 namespace {
@@ -88,10 +89,17 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
   if (options.keep_trace) {
     allocator.add_trace_observer([&result](const TraceEntry& e) { result.emitted.push_back(e); });
   }
+  if (options.keep_snapshot) {
+    HistoryOptions history;
+    history.context = HistoryOptions::Context::kNone;
+    history.stacks = HistoryOptions::Stacks::kNone;
+    history.max_entries = trace.size() + 16;
+    allocator.record_history(history);
+  }
 
-  std::unordered_map<DevicePtr, DevicePtr> live;          // recorded address -> ours
-  std::unordered_map<DevicePtr, StreamId> pending;        // recorded address -> side stream
-  std::unordered_map<DevicePtr, std::size_t> failed;      // allocs that hit OOM here
+  std::unordered_map<DevicePtr, DevicePtr> live;      // recorded address -> ours
+  std::unordered_map<DevicePtr, StreamId> pending;    // recorded address -> side stream
+  std::unordered_map<DevicePtr, std::size_t> failed;  // allocs that hit OOM here
   StreamId next_side_stream = kSideStreamBase;
   std::optional<DevicePtr> completed_with_request;  // its free_completed row is consumed
 
@@ -152,8 +160,13 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
   }
 
   result.stats = allocator.stats();
+  if (options.keep_snapshot) result.snapshot = allocator.snapshot();
   const DeviceStats& s = result.stats;
-  result.peak_requested_bytes = s.requested_bytes[kAggregate].peak;
+  // The stream-ordered pool backend knows only the bytes in use, which are the requested
+  // bytes there (PyTorch's cudaMallocAsync backend leaves requested_bytes at 0).
+  result.peak_requested_bytes = allocator.config().backend == Backend::kCudaMallocAsync
+                                    ? s.allocated_bytes[kAggregate].peak
+                                    : s.requested_bytes[kAggregate].peak;
   result.peak_allocated_bytes = s.allocated_bytes[kAggregate].peak;
   result.peak_reserved_bytes = s.reserved_bytes[kAggregate].peak;
   result.device_allocs = s.num_device_alloc;
@@ -169,7 +182,8 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
 
 std::size_t parse_size(const std::string& text) {
   std::size_t pos = 0;
-  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) {
+  while (pos < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) {
     ++pos;
   }
   const std::string number = text.substr(0, pos);
@@ -183,9 +197,9 @@ std::size_t parse_size(const std::string& text) {
     double factor;
   };
   static constexpr Unit kUnits[] = {
-      {"", 1.0},          {"b", 1.0},         {"kib", 0x1p10}, {"mib", 0x1p20}, {"gib", 0x1p30},
-      {"tib", 0x1p40},    {"kb", 1e3},        {"mb", 1e6},     {"gb", 1e9},     {"tb", 1e12},
-      {"k", 0x1p10},      {"m", 0x1p20},      {"g", 0x1p30},   {"t", 0x1p40},
+      {"", 1.0},       {"b", 1.0},    {"kib", 0x1p10}, {"mib", 0x1p20}, {"gib", 0x1p30},
+      {"tib", 0x1p40}, {"kb", 1e3},   {"mb", 1e6},     {"gb", 1e9},     {"tb", 1e12},
+      {"k", 0x1p10},   {"m", 0x1p20}, {"g", 0x1p30},   {"t", 0x1p40},
   };
   const Unit* unit_found = nullptr;
   for (const Unit& u : kUnits) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ccalloc/sim.hpp"
+#include "ccalloc/snapshot.hpp"
 #include "ccalloc/stats.hpp"
 #include "io/trace_csv.hpp"
 
@@ -28,6 +29,8 @@ struct Options {
   bool address_oracle = false;
   // Keep the replay's own trace entries in Result::emitted.
   bool keep_trace = false;
+  // Record history (context none) and keep the final snapshot in Result::snapshot.
+  bool keep_snapshot = false;
   sim::CostModel cost;
 };
 
@@ -45,6 +48,7 @@ struct Result {
   bool oracle_diverged = false;
   DeviceStats stats;                // at the end of the replay
   std::vector<TraceEntry> emitted;  // with keep_trace
+  std::optional<Snapshot> snapshot;  // with keep_snapshot
 };
 
 // What the recorded allocator did, computed from the trace itself.
@@ -62,6 +66,14 @@ Recorded recorded_figures(const std::vector<io::TraceRecord>& trace);
 // for a trace that is inconsistent (a free of an address that is not live, an alloc at a
 // live address), ConfigError for a bad config.
 Result run(const std::vector<io::TraceRecord>& trace, const Options& options);
+
+// memory_stats() of the device that recorded a snapshot. When the snapshot's trace covers
+// the whole run (no overflowed history, segment events from the first one) it is replayed
+// under the snapshot's own allocator settings with its device addresses, which reproduces
+// the recording allocator's statistics, peaks and totals included; `method` is then
+// "replay". Otherwise the current values come from the segments, peaks equal them and
+// totals are 0 ("segments").
+DeviceStats stats_from_snapshot(const Snapshot& s, int device, std::string* method = nullptr);
 
 // Parses sizes such as "141GiB", "80GB", "512MiB", "1.5TiB" or plain bytes. Binary (KiB,
 // MiB, GiB, TiB) and decimal (KB, MB, GB, TB) units; case-insensitive. Throws Error naming

@@ -1,8 +1,14 @@
 // The ccalloc command-line tool.
 //
-//   ccalloc replay TRACE [--conf STRING]... [--capacity SIZE] [--address-oracle]
-//                        [--emit-trace FILE] [--json]
+//   ccalloc replay FILE [--conf STRING]... [--capacity SIZE] [--address-oracle]
+//                       [--emit-trace FILE] [--snapshot-out FILE] [--json]
+//   ccalloc summary FILE [--device N]
+//   ccalloc stats FILE [--device N]
+//   ccalloc convert IN OUT [--device N]
 //   ccalloc info
+//
+// FILE is a trace CSV, a snapshot (pickle or JSON, PyTorch's or ccalloc's) or an RMM log,
+// gzip or plain.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -18,7 +24,10 @@
 #include "ccalloc/errors.hpp"
 #include "ccalloc/stats.hpp"
 #include "io/gzip.hpp"
+#include "io/rmm_log.hpp"
+#include "io/snapshot_io.hpp"
 #include "io/trace_csv.hpp"
+#include "io/trace_file.hpp"
 #include "replay/replay.hpp"
 
 namespace {
@@ -63,7 +72,8 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
                  const Recorded& recorded, const std::vector<Result>& results) {
   // Long config strings become lettered columns with a legend underneath.
   bool use_letters = false;
-  for (const Result& r : results) use_letters = use_letters || r.conf.size() > 24;
+  for (const Result& r : results)
+    use_letters = use_letters || r.conf.size() > 24;
   std::vector<std::string> header{"", "recorded"};
   std::vector<std::string> legend;
   for (std::size_t i = 0; i < results.size(); ++i) {
@@ -83,7 +93,8 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
   };
   const auto add = [&](const std::string& name, const std::string& rec, auto&& value) {
     std::vector<std::string> row{name, rec};
-    for (const Result& r : results) row.push_back(value(r));
+    for (const Result& r : results)
+      row.push_back(value(r));
     table.push_back(std::move(row));
   };
   add("peak_requested_bytes", grouped(recorded.peak_requested_bytes),
@@ -103,9 +114,11 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
       [](const Result& r) { return fixed(r.simulated_driver_us / 1000.0, 1); });
 
   std::vector<std::size_t> width(header.size(), 0);
-  for (std::size_t c = 0; c < header.size(); ++c) width[c] = header[c].size();
+  for (std::size_t c = 0; c < header.size(); ++c)
+    width[c] = header[c].size();
   for (const auto& row : table) {
-    for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+    for (std::size_t c = 0; c < row.size(); ++c)
+      width[c] = std::max(width[c], row[c].size());
   }
   std::cout << "Trace " << trace_path << ": " << grouped(static_cast<std::int64_t>(rows))
             << " entries, replayed on a simulated GPU of " << ccalloc::format_size(capacity)
@@ -123,10 +136,12 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
     std::cout << line << "\n";
   };
   print_row(header);
-  for (const auto& row : table) print_row(row);
+  for (const auto& row : table)
+    print_row(row);
   if (!legend.empty()) {
     std::cout << "\n";
-    for (const std::string& line : legend) std::cout << line << "\n";
+    for (const std::string& line : legend)
+      std::cout << line << "\n";
   }
   std::cout << "\nrecorded: what the recorded allocator did (from the trace's own segment rows).\n";
 }
@@ -150,12 +165,13 @@ nlohmann::json to_json(const Result& r) {
 
 int run_replay(const std::string& trace_path, const std::vector<std::string>& confs,
                const std::string& capacity_text, bool oracle, const std::string& emit_path,
-               bool json) {
-  const auto trace = ccalloc::io::read_trace_csv(trace_path);
+               const std::string& snapshot_path, bool json) {
+  const auto trace = ccalloc::io::read_any_trace(trace_path);
   ccalloc::replay::Options options;
   options.capacity = ccalloc::replay::parse_size(capacity_text);
   options.address_oracle = oracle;
   options.keep_trace = !emit_path.empty();
+  options.keep_snapshot = !snapshot_path.empty();
 
   std::vector<Result> results;
   const std::vector<std::string> configs = confs.empty() ? std::vector<std::string>{""} : confs;
@@ -171,15 +187,168 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
                               ccalloc::io::format_trace_csv(results.back().emitted));
       results.back().emitted.clear();
     }
+    if (options.keep_snapshot) {
+      ccalloc::io::write_snapshot(numbered_path(snapshot_path, i, configs.size()),
+                                  *results.back().snapshot);
+      results.back().snapshot.reset();
+    }
   }
   if (json) {
     nlohmann::json out = nlohmann::json::array();
-    for (const Result& r : results) out.push_back(to_json(r));
+    for (const Result& r : results)
+      out.push_back(to_json(r));
     std::cout << out.dump(2) << "\n";
   } else {
     print_table(trace_path, trace.size(), options.capacity,
                 ccalloc::replay::recorded_figures(trace), results);
   }
+  return 0;
+}
+
+// "12.50 GiB (13421772800 bytes)"
+std::string bytes(std::int64_t n) {
+  return ccalloc::format_size(static_cast<std::uint64_t>(n < 0 ? 0 : n)) + " (" + grouped(n) +
+         " bytes)";
+}
+
+// PyTorch's _memory_viz formats sizes as "3.3GiB": the same here, so figures compare.
+std::string viz_size(double n) {
+  static const char* const kUnits[] = {"", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "Zi"};
+  for (const char* unit : kUnits) {
+    if (n < 1024.0 && n > -1024.0) {
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "%3.1f%sB", n, unit);
+      return buf;
+    }
+    n /= 1024.0;
+  }
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.1fYiB", n);
+  return buf;
+}
+
+// ccalloc summary: memory_summary() for the snapshot's device, then each segment's
+// fragmentation (free bytes against the largest free block) and the totals as PyTorch's
+// `python -m torch.cuda._memory_viz stats` reports them.
+int run_summary(const std::string& path, int device) {
+  const ccalloc::Snapshot s = ccalloc::io::read_snapshot(path);
+  std::string method;
+  const ccalloc::DeviceStats stats = ccalloc::replay::stats_from_snapshot(s, device, &method);
+  std::cout << ccalloc::memory_summary(stats, device);
+  std::cout << "(statistics "
+            << (method == "replay" ? "reproduced by replaying the snapshot's trace"
+                                   : "from the segments' current state: peaks and totals "
+                                     "need a trace that covers the whole run")
+            << ")\n\n";
+
+  std::cout << "segment             type   stream      size        allocated   free        "
+               "largest free  fragmentation\n";
+  std::int64_t reserved = 0, allocated = 0, free_external = 0, free_internal = 0;
+  std::size_t count = 0;
+  for (const ccalloc::SnapshotSegment& seg : s.segments) {
+    if (seg.device != device) continue;
+    ++count;
+    std::int64_t seg_allocated = 0, seg_free = 0, largest = 0;
+    for (const ccalloc::SnapshotBlock& b : seg.blocks) {
+      if (b.state == ccalloc::BlockState::kActiveAllocated) {
+        seg_allocated += static_cast<std::int64_t>(b.requested_size);
+        free_internal += static_cast<std::int64_t>(b.size - b.requested_size);
+      } else {
+        seg_free += static_cast<std::int64_t>(b.size);
+        if (b.state == ccalloc::BlockState::kInactive) {
+          largest = std::max(largest, static_cast<std::int64_t>(b.size));
+        }
+      }
+    }
+    reserved += static_cast<std::int64_t>(seg.total_size);
+    allocated += seg_allocated;
+    free_external += seg_free;
+    const double fragmentation =
+        seg_free > 0 ? 100.0 * (1.0 - static_cast<double>(largest) / static_cast<double>(seg_free))
+                     : 0.0;
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "0x%-16llx  %-5s  %-10llu  %-10s  %-10s  %-10s  %-12s  %5.1f %%%s\n",
+                  static_cast<unsigned long long>(seg.address), seg.is_small ? "small" : "large",
+                  static_cast<unsigned long long>(seg.stream),
+                  viz_size(static_cast<double>(seg.total_size)).c_str(),
+                  viz_size(static_cast<double>(seg_allocated)).c_str(),
+                  viz_size(static_cast<double>(seg_free)).c_str(),
+                  viz_size(static_cast<double>(largest)).c_str(), fragmentation,
+                  seg.is_expandable ? "  (expandable)" : "");
+    std::cout << line;
+  }
+  const std::int64_t total_free = free_external + free_internal;
+  const double internal =
+      total_free > 0 ? 100.0 * static_cast<double>(free_internal) / static_cast<double>(total_free)
+                     : 0.0;
+  char pct[32];
+  std::snprintf(pct, sizeof pct, "%.0f", internal);
+  std::cout << "\nsegments: " << count << "\n"
+            << "total_reserved: " << viz_size(static_cast<double>(reserved)) << "  "
+            << bytes(reserved) << "\n"
+            << "total_allocated: " << viz_size(static_cast<double>(allocated)) << "  "
+            << bytes(allocated) << " (requested sizes of live blocks)\n"
+            << "total_free: " << viz_size(static_cast<double>(total_free)) << " (" << pct
+            << "% internal)  " << bytes(total_free) << "\n";
+  return 0;
+}
+
+// ccalloc stats: memory_stats() as JSON.
+int run_stats(const std::string& path, int device) {
+  const ccalloc::Snapshot s = ccalloc::io::read_snapshot(path);
+  std::string method;
+  const ccalloc::DeviceStats stats = ccalloc::replay::stats_from_snapshot(s, device, &method);
+  nlohmann::ordered_json j;
+  j["device"] = device;
+  j["method"] = method;
+  j["memory_stats"] = stats.to_map();
+  std::cout << j.dump(2) << "\n";
+  return 0;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// ccalloc convert: between snapshot formats (lossless), and between snapshots, trace CSVs
+// and RMM logs. A trace becomes a snapshot by replaying it with PyTorch's policy and the
+// trace's own device addresses.
+int run_convert(const std::string& in, const std::string& out, int device) {
+  const ccalloc::io::FileKind kind = ccalloc::io::detect_kind(in);
+  const bool in_snapshot = kind == ccalloc::io::FileKind::kSnapshotPickle ||
+                           kind == ccalloc::io::FileKind::kSnapshotJson;
+  std::string base = out;
+  if (ends_with(base, ".gz")) base.resize(base.size() - 3);
+  const bool out_rmm = ends_with(base, ".rmm.csv") || ends_with(base, ".rmm.log");
+  const bool out_csv = !out_rmm && ends_with(base, ".csv");
+  const bool out_snapshot =
+      ends_with(base, ".pickle") || ends_with(base, ".pkl") || ends_with(base, ".json");
+  if (!out_rmm && !out_csv && !out_snapshot) {
+    throw ccalloc::Error("convert: cannot tell the output format from '" + out +
+                         "': name it *.pickle, *.json (snapshots), *.csv (trace CSV) or *.rmm.csv "
+                         "(RMM log), optionally with .gz");
+  }
+  if (out_snapshot && in_snapshot) {
+    ccalloc::io::write_value_file(out, ccalloc::io::read_value_file(in));
+    return 0;
+  }
+  const auto trace = ccalloc::io::read_any_trace(in, device);
+  if (out_snapshot) {
+    ccalloc::replay::Options options;
+    options.conf = "pytorch";
+    options.address_oracle = true;
+    options.keep_snapshot = true;
+    ccalloc::io::write_snapshot(out, *ccalloc::replay::run(trace, options).snapshot);
+    return 0;
+  }
+  std::vector<ccalloc::TraceEntry> entries;
+  entries.reserve(trace.size());
+  for (const auto& r : trace)
+    entries.push_back(r.entry);
+  ccalloc::io::write_file(
+      out, out_rmm ? ccalloc::io::format_rmm_log(entries) : ccalloc::io::format_trace_csv(entries));
   return 0;
 }
 
@@ -239,7 +408,10 @@ int main(int argc, char** argv) {
   bool json = false;
   CLI::App* replay = app.add_subcommand(
       "replay", "Replay a recorded trace on the simulated GPU under one or more configs");
-  replay->add_option("trace", trace_path, "Trace CSV (plain or gzip)")->required();
+  replay
+      ->add_option("trace", trace_path,
+                   "Trace CSV, snapshot (pickle or JSON) or RMM log; plain or gzip")
+      ->required();
   replay->add_option("--conf", confs,
                      "Config string (CCALLOC_CONF grammar); repeat for side-by-side columns");
   replay->add_option("--capacity", capacity, "Simulated device memory, e.g. 141GiB")
@@ -248,14 +420,40 @@ int main(int argc, char** argv) {
                    "Hand out the trace's own segment addresses while the sizes match");
   replay->add_option("--emit-trace", emit_path,
                      "Write the replay's own trace as CSV (numbered per config if several)");
+  std::string snapshot_path;
+  replay->add_option("--snapshot-out", snapshot_path,
+                     "Write the replay's final snapshot with its history (.pickle or .json, "
+                     "optionally .gz; numbered per config if several)");
   replay->add_flag("--json", json, "Print a JSON array, one object per config");
+
+  std::string file;
+  int device = 0;
+  CLI::App* summary =
+      app.add_subcommand("summary", "memory_summary() and per-segment fragmentation of a snapshot");
+  summary->add_option("file", file, "Snapshot (pickle or JSON, plain or gzip)")->required();
+  summary->add_option("--device", device, "Device of the snapshot")->capture_default_str();
+  CLI::App* stats = app.add_subcommand("stats", "memory_stats() of a snapshot, as JSON");
+  stats->add_option("file", file, "Snapshot (pickle or JSON, plain or gzip)")->required();
+  stats->add_option("--device", device, "Device of the snapshot")->capture_default_str();
+  std::string out;
+  CLI::App* convert = app.add_subcommand(
+      "convert", "Convert between snapshots (pickle, JSON), trace CSVs and RMM logs");
+  convert->add_option("in", file, "Input: snapshot, trace CSV or RMM log")->required();
+  convert->add_option("out", out, "Output: *.pickle, *.json, *.csv or *.rmm.csv, optionally .gz")
+      ->required();
+  convert->add_option("--device", device, "Device whose trace to convert")->capture_default_str();
 
   CLI::App* info = app.add_subcommand(
       "info", "Show the version, the config in force and the CUDA devices this process sees");
 
   CLI11_PARSE(app, argc, argv);
   try {
-    if (replay->parsed()) return run_replay(trace_path, confs, capacity, oracle, emit_path, json);
+    if (replay->parsed()) {
+      return run_replay(trace_path, confs, capacity, oracle, emit_path, snapshot_path, json);
+    }
+    if (summary->parsed()) return run_summary(file, device);
+    if (stats->parsed()) return run_stats(file, device);
+    if (convert->parsed()) return run_convert(file, out, device);
     if (info->parsed()) return run_info();
   } catch (const std::exception& e) {
     std::cerr << "ccalloc: error: " << e.what() << "\n";

@@ -1,15 +1,22 @@
 // The CUDA driver over the CUDA runtime (linked statically: no libcudart needed at run
-// time, and libcuda is only opened by the runtime when a device is asked for).
-#include "ccalloc/cuda.hpp"
-
+// time, and libcuda is only opened by the runtime when a device is asked for). The
+// virtual-memory calls are driver API functions that the runtime looks up for us, so
+// libcuda stays a run-time dependency only.
 #include <chrono>
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
+#include <string>
 
+#include "ccalloc/cuda.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/stats.hpp"
 
 #if CCALLOC_HAVE_CUDA
+// <cuda.h> and <cudaTypedefs.h> are headers only: the driver API's types, enums and
+// function-pointer types. No cu* function is called by name.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -31,11 +38,14 @@ void check(cudaError_t err, const char* what, int device) {
 }
 
 // Makes `device` current for the scope of one driver call and restores the caller's.
+// bind_context: also when it is current already, because cudaSetDevice is what binds the
+// device's primary context to this thread, which driver API calls (cuMem*) need; a
+// runtime call would bind it lazily, a driver API call does not.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int device, bool bind_context = false) {
     check(cudaGetDevice(&previous_), "cudaGetDevice", device);
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice", device);
+    if (previous_ != device || bind_context) check(cudaSetDevice(device), "cudaSetDevice", device);
   }
   ~DeviceGuard() {
     int now = previous_;
@@ -48,8 +58,109 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-cudaStream_t to_stream(StreamId s) { return reinterpret_cast<cudaStream_t>(s); }
-cudaEvent_t to_event(EventId e) { return reinterpret_cast<cudaEvent_t>(e); }
+cudaStream_t to_stream(StreamId s) {
+  return reinterpret_cast<cudaStream_t>(s);
+}
+cudaEvent_t to_event(EventId e) {
+  return reinterpret_cast<cudaEvent_t>(e);
+}
+
+// The driver API functions used for virtual memory, looked up once per process. The
+// function-pointer types are those of the ABI version each symbol has had since CUDA 10.2.
+struct DriverApi {
+  PFN_cuGetErrorName_v6000 get_error_name = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 get_allocation_granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 address_free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+};
+
+// The ABI version asked for: the newest version of each symbol at or below it.
+constexpr unsigned kDriverApiVersion = 12000;
+
+template <typename Fn>
+void load_entry_point(const char* symbol, Fn& fn, int device) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(symbol, &p, kDriverApiVersion, cudaEnableDefault, &status);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint(symbol, &p, cudaEnableDefault, &status);
+#endif
+  if (err != cudaSuccess) {
+    fail((std::string("looking up the driver entry point ") + symbol).c_str(), err, device);
+  }
+  if (status != cudaDriverEntryPointSuccess || p == nullptr) {
+    throw DriverError(std::string("ccalloc: the CUDA driver of device ") + std::to_string(device) +
+                      " has no entry point " + symbol + " (query status " +
+                      std::to_string(static_cast<int>(status)) +
+                      "): virtual memory needs a driver for CUDA 10.2 or later");
+  }
+  fn = reinterpret_cast<Fn>(p);
+}
+
+const DriverApi& driver_api(int device) {
+  static std::once_flag once;
+  static DriverApi api;
+  // A lookup that throws leaves the flag unset, so a later call tries again.
+  std::call_once(once, [device] {
+    DriverApi a;
+    load_entry_point("cuGetErrorName", a.get_error_name, device);
+    load_entry_point("cuMemGetAllocationGranularity", a.get_allocation_granularity, device);
+    load_entry_point("cuMemAddressReserve", a.address_reserve, device);
+    load_entry_point("cuMemAddressFree", a.address_free, device);
+    load_entry_point("cuMemCreate", a.create, device);
+    load_entry_point("cuMemRelease", a.release, device);
+    load_entry_point("cuMemMap", a.map, device);
+    load_entry_point("cuMemSetAccess", a.set_access, device);
+    load_entry_point("cuMemUnmap", a.unmap, device);
+    api = a;
+  });
+  return api;
+}
+
+// `call` names the driver API call and its arguments, e.g. "cuMemMap(0x7f.., 2097152 bytes)".
+[[noreturn]] void cu_fail(const DriverApi& api, CUresult r, const std::string& call, int device) {
+  const char* name = nullptr;
+  if (api.get_error_name == nullptr || api.get_error_name(r, &name) != CUDA_SUCCESS ||
+      name == nullptr) {
+    name = "unknown error";
+  }
+  throw DriverError("ccalloc: " + call + " failed on CUDA device " + std::to_string(device) + ": " +
+                    name + " (" + std::to_string(static_cast<int>(r)) + ")");
+}
+
+void cu_check(const DriverApi& api, CUresult r, const std::string& call, int device) {
+  if (r != CUDA_SUCCESS) cu_fail(api, r, call, device);
+}
+
+std::string hex(std::uintptr_t p) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
+  return buf;
+}
+
+std::string range_args(DevicePtr va, std::size_t bytes) {
+  return hex(va) + ", " + std::to_string(bytes) + " bytes";
+}
+
+// Pinned device memory on `device`: what expandable segments map.
+CUmemAllocationProp device_allocation(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+cudaMemPool_t to_pool(void* p) {
+  return static_cast<cudaMemPool_t>(p);
+}
 
 }  // namespace
 
@@ -153,8 +264,7 @@ MemInfo CudaDriver::mem_info() {
 EventId CudaDriver::create_event() {
   DeviceGuard guard(device_);
   cudaEvent_t e = nullptr;
-  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags",
-        device_);
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags", device_);
   return reinterpret_cast<EventId>(e);
 }
 
@@ -187,33 +297,269 @@ void CudaDriver::synchronize_stream(StreamId stream) {
   check(cudaStreamSynchronize(to_stream(stream)), "cudaStreamSynchronize", device_);
 }
 
+// --- Virtual memory (driver API) ---
+
+std::size_t CudaDriver::vm_granularity() {
+  std::lock_guard lock(lazy_mutex_);
+  if (granularity_ == 0) {
+    const DriverApi& api = driver_api(device_);
+    DeviceGuard guard(device_, /*bind_context=*/true);
+    const CUmemAllocationProp prop = device_allocation(device_);
+    std::size_t g = 0;
+    cu_check(api, api.get_allocation_granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+             "cuMemGetAllocationGranularity", device_);
+    granularity_ = g;
+  }
+  return granularity_;
+}
+
+DevicePtr CudaDriver::reserve_address_range(std::size_t bytes) {
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  CUdeviceptr base = 0;
+  cu_check(api, api.address_reserve(&base, bytes, 0, 0, 0),
+           "cuMemAddressReserve(" + std::to_string(bytes) + " bytes)", device_);
+  return static_cast<DevicePtr>(base);
+}
+
+void CudaDriver::free_address_range(DevicePtr base, std::size_t bytes) {
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  cu_check(api, api.address_free(static_cast<CUdeviceptr>(base), bytes),
+           "cuMemAddressFree(" + range_args(base, bytes) + ")", device_);
+}
+
+PhysicalHandle CudaDriver::create_physical(std::size_t bytes) {
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  const CUmemAllocationProp prop = device_allocation(device_);
+  CUmemGenericAllocationHandle handle = 0;
+  const CUresult r = api.create(&handle, bytes, &prop, 0);
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) {
+    (void)cudaGetLastError();  // OOM is a value: leave no error behind
+    return 0;
+  }
+  cu_check(api, r, "cuMemCreate(" + std::to_string(bytes) + " bytes)", device_);
+  return static_cast<PhysicalHandle>(handle);
+}
+
+void CudaDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  cu_check(api, api.release(static_cast<CUmemGenericAllocationHandle>(handle)),
+           "cuMemRelease(handle of " + std::to_string(bytes) + " bytes)", device_);
+}
+
+void CudaDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  const auto ptr = static_cast<CUdeviceptr>(va);
+  cu_check(api, api.map(ptr, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0),
+           "cuMemMap(" + range_args(va, bytes) + ")", device_);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUresult r = api.set_access(ptr, bytes, &access, 1);
+  if (r != CUDA_SUCCESS) {
+    (void)api.unmap(ptr, bytes);  // leave the range as it was
+    cu_fail(api, r, "cuMemSetAccess(" + range_args(va, bytes) + ", read/write)", device_);
+  }
+}
+
+void CudaDriver::unmap(DevicePtr va, std::size_t bytes) {
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  cu_check(api, api.unmap(static_cast<CUdeviceptr>(va), bytes),
+           "cuMemUnmap(" + range_args(va, bytes) + ")", device_);
+}
+
+// --- The stream-ordered pool (runtime API) ---
+
+void* CudaDriver::default_pool() {
+  std::lock_guard lock(lazy_mutex_);
+  if (pool_ == nullptr) {
+    DeviceGuard guard(device_);
+    cudaMemPool_t pool = nullptr;
+    check(cudaDeviceGetDefaultMemPool(&pool, device_), "cudaDeviceGetDefaultMemPool", device_);
+    // Keep what the pool reserves: the default threshold (0) returns memory to the OS at
+    // every synchronize.
+    cuuint64_t threshold = UINT64_MAX;
+    check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+          "cudaMemPoolSetAttribute(ReleaseThreshold)", device_);
+    int on = 1;
+    check(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseFollowEventDependencies, &on),
+          "cudaMemPoolSetAttribute(ReuseFollowEventDependencies)", device_);
+    check(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowOpportunistic, &on),
+          "cudaMemPoolSetAttribute(ReuseAllowOpportunistic)", device_);
+    check(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &on),
+          "cudaMemPoolSetAttribute(ReuseAllowInternalDependencies)", device_);
+    pool_ = pool;
+  }
+  return pool_;
+}
+
+// From the default pool by name rather than the device's current pool (cudaMallocAsync),
+// so that allocations, trims and usage all concern the one pool configured above.
+DevicePtr CudaDriver::allocate_async(std::size_t bytes, StreamId stream) {
+  cudaMemPool_t pool = to_pool(default_pool());
+  DeviceGuard guard(device_);
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, pool, to_stream(stream));
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // OOM is a value: clear the error
+    return 0;
+  }
+  check(err, "cudaMallocFromPoolAsync", device_);
+  return reinterpret_cast<DevicePtr>(p);
+}
+
+void CudaDriver::free_async(DevicePtr ptr, std::size_t /*bytes*/, StreamId stream) {
+  DeviceGuard guard(device_);
+  check(cudaFreeAsync(reinterpret_cast<void*>(ptr), to_stream(stream)), "cudaFreeAsync", device_);
+}
+
+void CudaDriver::stream_wait_event(StreamId stream, EventId event) {
+  DeviceGuard guard(device_);
+  check(cudaStreamWaitEvent(to_stream(stream), to_event(event), 0), "cudaStreamWaitEvent", device_);
+}
+
+void CudaDriver::pool_trim(std::size_t keep_bytes) {
+  cudaMemPool_t pool = to_pool(default_pool());
+  DeviceGuard guard(device_);
+  check(cudaMemPoolTrimTo(pool, keep_bytes), "cudaMemPoolTrimTo", device_);
+}
+
+PoolUsage CudaDriver::pool_usage() {
+  cudaMemPool_t pool = to_pool(default_pool());
+  DeviceGuard guard(device_);
+  const auto get = [&](cudaMemPoolAttr attr, const char* what) {
+    cuuint64_t v = 0;
+    check(cudaMemPoolGetAttribute(pool, attr, &v), what, device_);
+    return static_cast<std::size_t>(v);
+  };
+  PoolUsage u;
+  u.reserved_current =
+      get(cudaMemPoolAttrReservedMemCurrent, "cudaMemPoolGetAttribute(ReservedMemCurrent)");
+  u.reserved_high = get(cudaMemPoolAttrReservedMemHigh, "cudaMemPoolGetAttribute(ReservedMemHigh)");
+  u.used_current = get(cudaMemPoolAttrUsedMemCurrent, "cudaMemPoolGetAttribute(UsedMemCurrent)");
+  u.used_high = get(cudaMemPoolAttrUsedMemHigh, "cudaMemPoolGetAttribute(UsedMemHigh)");
+  return u;
+}
+
+// The high-water marks can only be reset to zero.
+void CudaDriver::pool_reset_peaks() {
+  cudaMemPool_t pool = to_pool(default_pool());
+  DeviceGuard guard(device_);
+  cuuint64_t zero = 0;
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero),
+        "cudaMemPoolSetAttribute(ReservedMemHigh)", device_);
+  check(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero),
+        "cudaMemPoolSetAttribute(UsedMemHigh)", device_);
+}
+
+void CudaDriver::synchronize_device() {
+  DeviceGuard guard(device_);
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", device_);
+}
+
 #else  // built without the CUDA toolkit
 
 namespace {
 [[noreturn]] void unavailable() {
-  throw DriverError("ccalloc: this build has no CUDA support (the CUDA toolkit was not found "
-                    "when it was configured)");
+  throw DriverError(
+      "ccalloc: this build has no CUDA support (the CUDA toolkit was not found "
+      "when it was configured)");
 }
 }  // namespace
 
-int device_count() { return 0; }
-int current_device() { unavailable(); }
+int device_count() {
+  return 0;
+}
+int current_device() {
+  unavailable();
+}
 RuntimeInfo probe() {
   RuntimeInfo info;
   info.error = "ccalloc was built without CUDA support";
   return info;
 }
-CudaDriver::CudaDriver(int device) : device_(device) { unavailable(); }
+CudaDriver::CudaDriver(int device) : device_(device) {
+  unavailable();
+}
 CudaDriver::~CudaDriver() = default;
-DevicePtr CudaDriver::allocate(std::size_t) { unavailable(); }
-void CudaDriver::free(DevicePtr, std::size_t) { unavailable(); }
-MemInfo CudaDriver::mem_info() { unavailable(); }
-EventId CudaDriver::create_event() { unavailable(); }
-void CudaDriver::destroy_event(EventId) { unavailable(); }
-void CudaDriver::record_event(EventId, StreamId) { unavailable(); }
-bool CudaDriver::query_event(EventId) { unavailable(); }
-void CudaDriver::synchronize_event(EventId) { unavailable(); }
-void CudaDriver::synchronize_stream(StreamId) { unavailable(); }
+DevicePtr CudaDriver::allocate(std::size_t) {
+  unavailable();
+}
+void CudaDriver::free(DevicePtr, std::size_t) {
+  unavailable();
+}
+MemInfo CudaDriver::mem_info() {
+  unavailable();
+}
+EventId CudaDriver::create_event() {
+  unavailable();
+}
+void CudaDriver::destroy_event(EventId) {
+  unavailable();
+}
+void CudaDriver::record_event(EventId, StreamId) {
+  unavailable();
+}
+bool CudaDriver::query_event(EventId) {
+  unavailable();
+}
+void CudaDriver::synchronize_event(EventId) {
+  unavailable();
+}
+void CudaDriver::synchronize_stream(StreamId) {
+  unavailable();
+}
+std::size_t CudaDriver::vm_granularity() {
+  unavailable();
+}
+DevicePtr CudaDriver::reserve_address_range(std::size_t) {
+  unavailable();
+}
+void CudaDriver::free_address_range(DevicePtr, std::size_t) {
+  unavailable();
+}
+PhysicalHandle CudaDriver::create_physical(std::size_t) {
+  unavailable();
+}
+void CudaDriver::release_physical(PhysicalHandle, std::size_t) {
+  unavailable();
+}
+void CudaDriver::map(DevicePtr, std::size_t, PhysicalHandle) {
+  unavailable();
+}
+void CudaDriver::unmap(DevicePtr, std::size_t) {
+  unavailable();
+}
+DevicePtr CudaDriver::allocate_async(std::size_t, StreamId) {
+  unavailable();
+}
+void CudaDriver::free_async(DevicePtr, std::size_t, StreamId) {
+  unavailable();
+}
+void CudaDriver::stream_wait_event(StreamId, EventId) {
+  unavailable();
+}
+void CudaDriver::pool_trim(std::size_t) {
+  unavailable();
+}
+PoolUsage CudaDriver::pool_usage() {
+  unavailable();
+}
+void CudaDriver::pool_reset_peaks() {
+  unavailable();
+}
+void CudaDriver::synchronize_device() {
+  unavailable();
+}
+void* CudaDriver::default_pool() {
+  unavailable();
+}
 
 #endif
 
@@ -222,27 +568,5 @@ std::int64_t CudaDriver::now_us() {
              std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
-
-
-// --- not yet implemented (virtual memory and the stream-ordered pool) ---
-namespace {
-[[noreturn]] void not_yet(const char* what) {
-  throw ccalloc::DriverError(std::string("ccalloc: ") + what + " is not implemented yet");
-}
-}  // namespace
-std::size_t CudaDriver::vm_granularity() { not_yet("vm_granularity"); }
-DevicePtr CudaDriver::reserve_address_range(std::size_t) { not_yet("reserve_address_range"); }
-void CudaDriver::free_address_range(DevicePtr, std::size_t) { not_yet("free_address_range"); }
-PhysicalHandle CudaDriver::create_physical(std::size_t) { not_yet("create_physical"); }
-void CudaDriver::release_physical(PhysicalHandle, std::size_t) { not_yet("release_physical"); }
-void CudaDriver::map(DevicePtr, std::size_t, PhysicalHandle) { not_yet("map"); }
-void CudaDriver::unmap(DevicePtr, std::size_t) { not_yet("unmap"); }
-DevicePtr CudaDriver::allocate_async(std::size_t, StreamId) { not_yet("allocate_async"); }
-void CudaDriver::free_async(DevicePtr, std::size_t, StreamId) { not_yet("free_async"); }
-void CudaDriver::stream_wait_event(StreamId, EventId) { not_yet("stream_wait_event"); }
-void CudaDriver::pool_trim(std::size_t) { not_yet("pool_trim"); }
-PoolUsage CudaDriver::pool_usage() { not_yet("pool_usage"); }
-void CudaDriver::pool_reset_peaks() { not_yet("pool_reset_peaks"); }
-void CudaDriver::synchronize_device() { not_yet("synchronize_device"); }
 
 }  // namespace ccalloc::cuda
