@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/allocator_impl.hpp"
+#include "core/common.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {
@@ -29,16 +30,6 @@ thread_local std::size_t t_arena_cache_next = 0;
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
-std::string pointer_error(const char* what, DevicePtr ptr, int device) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf,
-                "ccalloc: %s of pointer 0x%" PRIxPTR
-                " on device %d, which is not a live allocation: it was never returned by "
-                "malloc, or it was already freed",
-                what, ptr, device);
-  return buf;
 }
 
 }  // namespace

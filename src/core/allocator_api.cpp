@@ -7,18 +7,6 @@
 
 namespace ccalloc {
 
-std::string_view to_string(BlockState state) {
-  switch (state) {
-    case BlockState::kActiveAllocated:
-      return "active_allocated";
-    case BlockState::kActivePendingFree:
-      return "active_pending_free";
-    case BlockState::kInactive:
-      return "inactive";
-  }
-  return "inactive";
-}
-
 namespace core {
 
 // Returns every segment to the device. Pending events are returned to the pool first so

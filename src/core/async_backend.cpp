@@ -9,22 +9,14 @@
 #include <string>
 #include <utility>
 
+#include "core/common.hpp"
+
 namespace ccalloc::core {
 namespace {
 
 std::string hex(DevicePtr p) {
   char buf[24];
   std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
-  return buf;
-}
-
-std::string pointer_error(const char* what, DevicePtr ptr, int device) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf,
-                "ccalloc: %s of pointer 0x%" PRIxPTR
-                " on device %d, which is not a live allocation: it was never returned by "
-                "malloc, or it was already freed",
-                what, ptr, device);
   return buf;
 }
 
@@ -41,22 +33,6 @@ std::string oom_message(int device, std::size_t used, std::size_t requested, con
          "\nccalloc limit (set by user-supplied memory fraction)"
          "\n                        : " +
          (limit ? format_size(*limit) : std::string("unlimited"));
-}
-
-AllocatorSettings settings_of(const Config& c) {
-  AllocatorSettings st;
-  st.conf = c.source;
-  st.max_split_size =
-      c.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(c.max_split_size);
-  st.garbage_collection_threshold = c.garbage_collection_threshold;
-  st.expandable_segments = c.expandable_segments;
-  st.pinned_num_register_threads = static_cast<std::int64_t>(c.pinned_num_register_threads);
-  st.release_lock_on_cudamalloc = c.release_lock_on_cudamalloc;
-  st.pinned_use_cuda_host_register = c.pinned_use_cuda_host_register;
-  for (const std::size_t d : c.roundup_power2_divisions)
-    st.roundup_power2_divisions.push_back(static_cast<std::int64_t>(d));
-  st.graph_capture_record_stream_reuse = c.graph_capture_record_stream_reuse;
-  return st;
 }
 
 }  // namespace
@@ -209,20 +185,10 @@ void AsyncBackend::reset_peak_stats() {
 void AsyncBackend::reset_accumulated_stats() {}
 
 void AsyncBackend::set_memory_fraction(double fraction) {
-  if (!(fraction >= 0.0 && fraction <= 1.0)) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf,
-                  "ccalloc: invalid memory fraction %g for device %d: set it within [0, 1]",
-                  fraction, device());
-    throw ConfigError(buf);
-  }
+  const std::optional<std::size_t> limit = fraction_limit(fraction, capacity_, device());
   std::lock_guard lock(mutex_);
   fraction_ = fraction;
-  if (fraction < 1.0) {
-    limit_ = static_cast<std::size_t>(fraction * static_cast<double>(capacity_));
-  } else {
-    limit_.reset();
-  }
+  limit_ = limit;
 }
 
 double AsyncBackend::memory_fraction() const {

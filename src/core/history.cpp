@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "core/allocator_impl.hpp"
+#include "core/common.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc {
@@ -254,18 +255,7 @@ Snapshot Engine::snapshot() {
   }
 
   AllocatorSettings& st = s.allocator_settings;
-  st.conf = config_.source;
-  st.max_split_size =
-      config_.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(config_.max_split_size);
-  st.garbage_collection_threshold = config_.garbage_collection_threshold;
-  st.expandable_segments = config_.expandable_segments;
-  st.pinned_num_register_threads = static_cast<std::int64_t>(config_.pinned_num_register_threads);
-  st.release_lock_on_cudamalloc = config_.release_lock_on_cudamalloc;
-  st.pinned_use_cuda_host_register = config_.pinned_use_cuda_host_register;
-  for (const std::size_t d : config_.roundup_power2_divisions) {
-    st.roundup_power2_divisions.push_back(static_cast<std::int64_t>(d));
-  }
-  st.graph_capture_record_stream_reuse = config_.graph_capture_record_stream_reuse;
+  st = settings_of(config_);
   st.trace_alloc_overflowed = history_.overflowed();
   st.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
   {

@@ -18,6 +18,7 @@
 #include <optional>
 
 #include "core/allocator_impl.hpp"
+#include "core/common.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {
@@ -289,20 +290,10 @@ void Engine::empty_cache() {
 }
 
 void Engine::set_memory_fraction(double fraction) {
-  if (!(fraction >= 0.0 && fraction <= 1.0)) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf,
-                  "ccalloc: invalid memory fraction %g for device %d: set it within [0, 1]",
-                  fraction, device());
-    throw ConfigError(buf);
-  }
+  const std::optional<std::size_t> limit = fraction_limit(fraction, capacity_, device());
   std::lock_guard lock(device_mutex_);
   fraction_ = fraction;
-  if (fraction < 1.0) {
-    limit_ = static_cast<std::size_t>(fraction * static_cast<double>(capacity_));
-  } else {
-    limit_.reset();
-  }
+  limit_ = limit;
 }
 
 double Engine::memory_fraction() const {

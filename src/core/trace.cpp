@@ -2,6 +2,8 @@
 
 #include <array>
 
+#include "ccalloc/allocator.hpp"
+
 namespace ccalloc {
 namespace {
 
@@ -27,6 +29,18 @@ std::optional<TraceAction> parse_trace_action(std::string_view name) {
     if (kActionNames[i] == name) return static_cast<TraceAction>(i);
   }
   return std::nullopt;
+}
+
+std::string_view to_string(BlockState state) {
+  switch (state) {
+    case BlockState::kActiveAllocated:
+      return "active_allocated";
+    case BlockState::kActivePendingFree:
+      return "active_pending_free";
+    case BlockState::kInactive:
+      return "inactive";
+  }
+  return "inactive";
 }
 
 }  // namespace ccalloc

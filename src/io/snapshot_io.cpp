@@ -24,18 +24,6 @@ bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-std::string_view block_state_name(BlockState state) {
-  switch (state) {
-    case BlockState::kActiveAllocated:
-      return "active_allocated";
-    case BlockState::kActivePendingFree:
-      return "active_pending_free";
-    case BlockState::kInactive:
-      return "inactive";
-  }
-  return "inactive";
-}
-
 // ---- Snapshot -> Value -------------------------------------------------------------------
 
 std::int64_t to_int(std::uint64_t v, const char* what) {
@@ -93,7 +81,7 @@ class ToValue {
           {"address", to_int(b.address, "block address")},
           {"size", to_int(b.size, "block size")},
           {"requested_size", to_int(b.requested_size, "block requested_size")},
-          {"state", std::string(block_state_name(b.state))},
+          {"state", std::string(to_string(b.state))},
           {"frames", frames(b.frames)},
       }));
     }
