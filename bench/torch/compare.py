@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""The real-model benchmark: every workload once on PyTorch's allocator and once on
+ccalloc, each in a fresh process, with PyTorch's native policy and with
+expandable_segments:True on both sides. Prints a table and writes JSON.
+
+    python3 bench/torch/compare.py [--json results.json] [--workloads a,b] [--modes native,expandable]
+
+Step time is the median over the timed steps; outputs must match bit for bit."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODES = {
+    "native": ("", "pytorch"),
+    "expandable": ("expandable_segments:True", "pytorch,expandable_segments:True"),
+}
+
+
+def run(workload, allocator, mode):
+    torch_conf, ccalloc_conf = MODES[mode]
+    env = dict(os.environ)
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("CCALLOC_CONF", None)
+    if allocator == "pytorch" and torch_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = torch_conf
+    if allocator == "ccalloc":
+        env["CCALLOC_CONF"] = ccalloc_conf
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "run_one.py"), workload,
+                           "--allocator", allocator], env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+    raise RuntimeError(f"{workload} on {allocator} ({mode}) failed with exit {proc.returncode}")
+
+
+def gib(n):
+    return f"{n / 2**30:.2f} GiB"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--workloads", default="resnet50,gpt2_varlen,llama_generate")
+    parser.add_argument("--modes", default="native,expandable")
+    args = parser.parse_args()
+
+    rows, failures = [], 0
+    for mode in args.modes.split(","):
+        for workload in args.workloads.split(","):
+            pt = run(workload, "pytorch", mode)
+            cc = run(workload, "ccalloc", mode)
+            identical = pt["outputs"] == cc["outputs"]
+            delta = cc["median_step_s"] / pt["median_step_s"] - 1.0
+            rows.append({"mode": mode, "workload": workload, "pytorch": pt, "ccalloc": cc,
+                         "outputs_identical": identical, "step_time_delta": delta})
+            ok = identical and delta <= 0.03 and cc["peak_reserved_bytes"] <= pt["peak_reserved_bytes"]
+            failures += 0 if ok else 1
+            print(f"{mode:10s} {workload:15s} step {pt['median_step_s']*1e3:8.2f} ms -> "
+                  f"{cc['median_step_s']*1e3:8.2f} ms ({delta:+.1%})  peak reserved "
+                  f"{gib(pt['peak_reserved_bytes'])} -> {gib(cc['peak_reserved_bytes'])}  "
+                  f"device allocs {pt['num_device_alloc']} -> {cc['num_device_alloc']}  "
+                  f"outputs {'identical' if identical else 'DIFFER'}  [{cc['installed']}]",
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n== real models: PyTorch's allocator vs ccalloc (median step time; peak reserved)")
+    print(f"{'mode':10s} {'workload':15s} {'step PyTorch':>13s} {'step ccalloc':>13s} {'delta':>7s} "
+          f"{'reserved PyTorch':>17s} {'reserved ccalloc':>17s} {'allocs':>11s} outputs")
+    for r in rows:
+        pt, cc = r["pytorch"], r["ccalloc"]
+        print(f"{r['mode']:10s} {r['workload']:15s} {pt['median_step_s']*1e3:10.2f} ms "
+              f"{cc['median_step_s']*1e3:10.2f} ms {r['step_time_delta']:+7.1%} "
+              f"{gib(pt['peak_reserved_bytes']):>17s} {gib(cc['peak_reserved_bytes']):>17s} "
+              f"{pt['num_device_alloc']:>5d}/{cc['num_device_alloc']:<5d} "
+              f"{'identical' if r['outputs_identical'] else 'DIFFER'}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

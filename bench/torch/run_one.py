@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Runs one workload on one allocator in this (fresh) process and prints one JSON object:
+step times, outputs, peak reserved memory and device allocations.
+
+    python3 bench/torch/run_one.py gpt2_varlen --allocator ccalloc
+
+The allocator's config comes from the environment: PYTORCH_CUDA_ALLOC_CONF for PyTorch's,
+CCALLOC_CONF for ccalloc (compare.py sets both)."""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "torch"))
+sys.path.insert(0, HERE)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workload")
+    parser.add_argument("--allocator", choices=["pytorch", "ccalloc"], required=True)
+    args = parser.parse_args()
+
+    if args.allocator == "ccalloc":
+        import ccalloc_torch
+        how = ccalloc_torch.install()
+    import torch
+    import workloads
+
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+    times, outputs = workloads.WORKLOADS[args.workload]()
+    if args.allocator == "ccalloc":
+        stats = ccalloc_torch.stats()
+    else:
+        stats = torch.cuda.memory_stats()
+    result = {
+        "workload": args.workload,
+        "allocator": args.allocator,
+        "installed": how if args.allocator == "ccalloc" else "native",
+        "conf": os.environ.get("CCALLOC_CONF" if args.allocator == "ccalloc"
+                               else "PYTORCH_CUDA_ALLOC_CONF", ""),
+        "median_step_s": statistics.median(times),
+        "step_times_s": times,
+        "outputs": outputs,
+        "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
+        "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
+        "num_device_alloc": stats["num_device_alloc"],
+        "num_alloc_retries": stats["num_alloc_retries"],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
