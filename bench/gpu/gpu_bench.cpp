@@ -1,6 +1,10 @@
 // The GPU benchmark: ccalloc against cudaMalloc/cudaFree, cudaMallocAsync on the device's
 // default pool, and PyTorch's CUDA caching allocator (when built with torch), in one
-// process on device 0.
+// process on device 0. ccalloc runs as the process-wide allocator ("ccalloc", the
+// environment's config), as a direct Allocator with that config ("ccalloc (direct)"), with
+// expandable segments ("ccalloc expandable": pytorch,expandable_segments:True) and with the
+// cudaMallocAsync backend ("ccalloc async": backend:cudaMallocAsync, on the same default
+// pool as the cudaMallocAsync column).
 //
 //   bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N] [--no-pin]
 //
@@ -213,6 +217,18 @@ struct CcallocDirect {
   void free(void* p, cudaStream_t) { a.free(reinterpret_cast<ccalloc::DevicePtr>(p)); }
   void finish(cudaStream_t) {}
   void release() { a.empty_cache(); }
+};
+
+// ccalloc's cudaMallocAsync backend: frees are stream-ordered (cudaFreeAsync), so a
+// repetition ends by waiting for its stream, as the cudaMallocAsync column's does.
+struct CcallocAsync {
+  ccalloc::Allocator& a;
+  void* alloc(std::size_t n, cudaStream_t s) {
+    return reinterpret_cast<void*>(a.malloc(n, stream_id(s)));
+  }
+  void free(void* p, cudaStream_t) { a.free(reinterpret_cast<ccalloc::DevicePtr>(p)); }
+  void finish(cudaStream_t s) { check(cudaStreamSynchronize(s), "cudaStreamSynchronize"); }
+  void release() { a.empty_cache(); }  // synchronizes the device, trims the pool
 };
 
 #if CCALLOC_BENCH_WITH_TORCH
@@ -429,9 +445,9 @@ double per_second(const Sample& s) {
 
 struct Options {
   int reps = 11;
-  // Per timed repetition of the pair and thread workloads: 11 rounds x 5 allocators x 6
-  // such workloads are ~17 s timed; with calibration, the random workload (a fixed
-  // sequence) and the contended thread runs, bench_gpu takes about a minute.
+  // Per timed repetition of the pair and thread workloads: 11 rounds x 7 allocators x 6
+  // such workloads are ~23 s timed; with calibration, the random workload (a fixed
+  // sequence) and the contended thread runs, bench_gpu takes about a minute and a half.
   double target_ms = 50;
   std::size_t random_steps = 200'000;
   std::string json;
@@ -534,7 +550,7 @@ class Bench {
         opt_.reps);
     std::printf("%-22s", "workload");
     for (const auto& c : columns_)
-      std::printf(" %17s", c.name.c_str());
+      std::printf(" %18s", c.name.c_str());
     std::printf("\n");
     static const char* const labels[] = {"pair 512 B   ns/pair",  "pair 1 MiB   ns/pair",
                                          "pair 64 MiB  ns/pair",  "random       ns/op",
@@ -561,7 +577,7 @@ class Bench {
         } else {
           cell = ns(s->median) + (s->note.empty() ? "" : "*");
         }
-        std::printf(" %17s", cell.c_str());
+        std::printf(" %18s", cell.c_str());
       }
       std::printf("\n");
     }
@@ -671,7 +687,7 @@ class Bench {
       try {
         c.runner->release();
       } catch (const std::exception& e) {
-        std::printf("  %-17s release failed: %s\n", c.name.c_str(), e.what());
+        std::printf("  %-18s release failed: %s\n", c.name.c_str(), e.what());
       }
     }
   }
@@ -712,7 +728,7 @@ class Bench {
   }
 
   void fail(Column& c, const char* workload, const std::exception& e) {
-    std::printf("  %-17s FAILED in %s: %s\n", c.name.c_str(), workload, e.what());
+    std::printf("  %-18s FAILED in %s: %s\n", c.name.c_str(), workload, e.what());
     std::fflush(stdout);
     errors_[c.name] = std::string(workload) + ": " + e.what();
     c.failed = true;
@@ -721,11 +737,11 @@ class Bench {
   void put(const std::string& workload, const Column& c, Sample s) {
     if (s.unit == "pairs_per_s") {
       std::printf(
-          "  %-17s %9.3f M pairs/s aggregate (%.1f ns/pair; min %.3f, max %.3f; %ld "
+          "  %-18s %9.3f M pairs/s aggregate (%.1f ns/pair; min %.3f, max %.3f; %ld "
           "pairs/thread)\n",
           c.name.c_str(), s.median / 1e6, 1e9 / s.median, s.min / 1e6, s.max / 1e6, s.iterations);
     } else {
-      std::printf("  %-17s %10.1f %s  %10.0f /s  (min %.1f, max %.1f; %ld per rep)%s%s\n",
+      std::printf("  %-18s %10.1f %s  %10.0f /s  (min %.1f, max %.1f; %ld per rep)%s%s\n",
                   c.name.c_str(), s.median, s.unit == "ns_per_op" ? "ns/op  " : "ns/pair",
                   per_second(s), s.min, s.max, s.iterations, s.note.empty() ? "" : "  ",
                   s.note.c_str());
@@ -869,6 +885,13 @@ int run(int argc, char** argv) {
   auto& pa = ccalloc::ProcessAllocator::instance();
   ccalloc::cuda::CudaDriver direct_driver(0);
   ccalloc::Allocator direct(direct_driver, pa.config());
+  const ccalloc::Config expandable_config =
+      ccalloc::Config::parse("pytorch,expandable_segments:True");
+  ccalloc::cuda::CudaDriver expandable_driver(0);
+  ccalloc::Allocator expandable(expandable_driver, expandable_config);
+  const ccalloc::Config async_config = ccalloc::Config::parse("backend:cudaMallocAsync");
+  ccalloc::cuda::CudaDriver async_driver(0);
+  ccalloc::Allocator async_backend(async_driver, async_config);
   std::string torch_version;
 #if CCALLOC_BENCH_WITH_TORCH
   bench_torch::init(info.device_count);
@@ -901,6 +924,8 @@ int run(int argc, char** argv) {
   std::printf("PyTorch: not built in (torch was not found when CMake ran)\n");
 #endif
   std::printf("cudaMallocAsync: default pool, release threshold UINT64_MAX\n");
+  std::printf("ccalloc expandable: %s\nccalloc async: %s (the same default pool)\n",
+              expandable_config.to_string().c_str(), async_config.to_string().c_str());
   std::printf(
       "repetitions: %d interleaved rounds per workload, each one repetition of every allocator "
       "(round r starts with allocator r mod k); ~%.0f ms per pair/thread repetition\n",
@@ -910,6 +935,10 @@ int run(int argc, char** argv) {
   Bench bench(opt, streams, pinning);
   bench.add({"ccalloc", std::make_unique<RunnerOf<CcallocProcess>>(CcallocProcess{pa})});
   bench.add({"ccalloc (direct)", std::make_unique<RunnerOf<CcallocDirect>>(CcallocDirect{direct})});
+  bench.add(
+      {"ccalloc expandable", std::make_unique<RunnerOf<CcallocDirect>>(CcallocDirect{expandable})});
+  bench.add(
+      {"ccalloc async", std::make_unique<RunnerOf<CcallocAsync>>(CcallocAsync{async_backend})});
 #if CCALLOC_BENCH_WITH_TORCH
   bench.add({"PyTorch", std::make_unique<RunnerOf<Torch>>(Torch{})});
 #endif

@@ -57,12 +57,15 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
   }
   if (config_.uncached) return malloc_uncached(size);
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
-  std::optional<OperationContext> context;
-  if (flags & (kTraceHistory | kCaptureOnMalloc)) {
-    context.emplace(flags & kCaptureOnMalloc ? stack_table().capture(1) : 0);
+  if (flags & (kTraceHistory | kCaptureOnMalloc)) [[unlikely]] {
+    const OperationContext context(flags & kCaptureOnMalloc ? stack_table().capture(1) : 0);
+    return malloc_cached(size, stream);
   }
-  if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
+  return malloc_cached(size, stream);
+}
 
+DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
+  if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
   const Request req = make_request(size, stream);
   Arena& arena = arena_for(stream);
   std::unique_lock lock(arena.mutex);
@@ -83,10 +86,15 @@ void Engine::free(DevicePtr ptr) {
     return;
   }
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
-  std::optional<OperationContext> context;
-  if (flags & kTraceHistory) {
-    context.emplace(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
+  if (flags & kTraceHistory) [[unlikely]] {
+    const OperationContext context(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
+    free_cached(ptr);
+    return;
   }
+  free_cached(ptr);
+}
+
+void Engine::free_cached(DevicePtr ptr) {
   {
     std::unique_lock<ArenaMutex> lock;
     Arena& arena = locked_arena_of(ptr, "free", lock);

@@ -30,10 +30,9 @@ Engine::~Engine() {
     driver_.free(ptr, size);
 }
 
-void Engine::record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
-                          const Block* block) {
+void Engine::record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size,
+                                StreamId stream, const Block* block) {
   const unsigned flags = trace_flags_.load(std::memory_order_relaxed);
-  if ((flags & (kTraceObservers | kTraceHistory)) == 0) return;
   const std::int64_t now = driver_.now_us();
   if (flags & kTraceHistory) {
     StackTable::Id stack = 0;

@@ -141,6 +141,9 @@ class Engine final : public Backend {
   Request make_request(std::size_t size, StreamId stream) const;
 
   std::vector<Arena*> arena_list() const;
+  // malloc and free once any history context is set up.
+  DevicePtr malloc_cached(std::size_t size, StreamId stream);
+  void free_cached(DevicePtr ptr);
   // The arena holding `ptr` live, locked, with the block; {nullptr, nullptr} if none.
   // `what` names the operation in the error thrown for a pointer that is not live.
   Arena& locked_arena_of(DevicePtr ptr, const char* what, std::unique_lock<ArenaMutex>& lock);
@@ -204,7 +207,13 @@ class Engine final : public Backend {
   // Sends an entry to the trace observers and the history. `block` is the block the entry
   // is about (its stacks stand in when the operation captured none), or nullptr.
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
-                    const Block* block);
+                    const Block* block) {
+    if (trace_flags_.load(std::memory_order_relaxed) & (kTraceObservers | kTraceHistory)) {
+      record_trace_entry(action, addr, size, stream, block);
+    }
+  }
+  void record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
+                          const Block* block);
   void add_segment_stats(bool small, std::size_t size, std::int64_t sign);  // device_mutex_
   static StatType pool_stat(bool small) { return small ? kSmallPool : kLargePool; }
   // Blocks of every segment of `arena`, grouped by segment (every arena lock held).
