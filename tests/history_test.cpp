@@ -9,8 +9,34 @@
 #include "ccalloc/snapshot.hpp"
 #include "core/stacks.hpp"
 
+namespace history_test {
+
+// noipa: no inlining and no specialised clones (GCC's constprop clones are local symbols,
+// invisible to dladdr); the names must stay in the stacks.
+#if defined(__clang__)
+#define CCALLOC_TEST_KEEP_FRAME [[clang::noinline]]
+#else
+#define CCALLOC_TEST_KEEP_FRAME [[gnu::noipa]]
+#endif
+
+// Two distinct, non-inlined call sites, so their stacks can be told apart by name. External
+// linkage: exported from the test program, dladdr names them even without libdw.
+CCALLOC_TEST_KEEP_FRAME ccalloc::DevicePtr AllocateFromKnownFunction(ccalloc::Allocator& a, std::size_t size) {
+  const ccalloc::DevicePtr p = a.malloc(size);
+  asm volatile("" ::: "memory");  // keep the call from becoming a tail call
+  return p;
+}
+CCALLOC_TEST_KEEP_FRAME void FreeFromKnownFunction(ccalloc::Allocator& a, ccalloc::DevicePtr p) {
+  a.free(p);
+  asm volatile("" ::: "memory");
+}
+
+}  // namespace history_test
+
 namespace {
 
+using history_test::AllocateFromKnownFunction;
+using history_test::FreeFromKnownFunction;
 using ccalloc::Allocator;
 using ccalloc::BlockState;
 using ccalloc::Config;
@@ -42,17 +68,6 @@ bool has_frame(const ccalloc::Frames& frames, const std::string& function) {
   return std::any_of(frames->begin(), frames->end(), [&](const ccalloc::Frame& f) {
     return f.name.find(function) != std::string::npos;
   });
-}
-
-// Two distinct, non-inlined call sites, so their stacks can be told apart by name.
-[[gnu::noinline]] DevicePtr AllocateFromKnownFunction(Allocator& a, std::size_t size) {
-  const DevicePtr p = a.malloc(size);
-  asm volatile("" ::: "memory");  // keep the call from becoming a tail call
-  return p;
-}
-[[gnu::noinline]] void FreeFromKnownFunction(Allocator& a, DevicePtr p) {
-  a.free(p);
-  asm volatile("" ::: "memory");
 }
 
 TEST(History, RecordsEveryActionWithPyTorchSemantics) {

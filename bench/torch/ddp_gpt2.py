@@ -27,13 +27,13 @@ def main():
         ccalloc_torch.install()
     import torch
     import torch.distributed as dist
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     torch.manual_seed(0)
     config = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
-    model = GPT2LMHeadModel(config, attn_implementation="eager").cuda()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random(10 + rank)

@@ -51,10 +51,10 @@ def resnet50(steps=25, warmup=3, batch=64):
 def gpt2_varlen(steps=30, warmup=3):
     """transformers GPT-2 small trained with batch 4-8 and sequence length 128-1024 varying
     per step, AdamW."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     config = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
-    model = GPT2LMHeadModel(config, attn_implementation="eager").cuda()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random(2)
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -80,12 +80,13 @@ def gpt2_varlen(steps=30, warmup=3):
 def llama_generate(steps=12, warmup=2, new_tokens=48):
     """A Llama-style decoder (8 layers, 1024 wide, bf16) generating greedily with batch and
     prompt length varying per call."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                          num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                          max_position_embeddings=2048)
-    model = LlamaForCausalLM(config, attn_implementation="eager").to("cuda", torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(
+        "cuda", torch.bfloat16)
     model.eval()
     rng = random.Random(3)
     gen = torch.Generator(device="cuda").manual_seed(3)

@@ -350,6 +350,8 @@ std::string oom_message(const OomFacts& f) {
 
   const bool limit_binds =
       f.limit && f.reserved + f.segment_size > *f.limit && f.device_free >= f.segment_size;
+  // Enough bytes exist, cached and free on the device together, but in no single piece.
+  const bool fragmented = unallocated > 0 && unallocated + f.device_free >= f.rounded;
   if (limit_binds) {
     m += "The per_process_memory_fraction limit refused it: raise the fraction "
          "(set_memory_fraction or per_process_memory_fraction) to let it succeed.";
@@ -357,11 +359,12 @@ std::string oom_message(const OomFacts& f) {
     m += "Enough memory is cached on other streams but free blocks stay with the stream "
          "that allocated them: allocate on fewer streams, or call empty_cache() after the "
          "other streams' work.";
-  } else if (unallocated >= f.rounded && !f.expandable) {
-    m += "Reserved but unallocated memory is large but fragmented: set "
+  } else if (fragmented && !f.expandable) {
+    m += "Free memory is fragmented: no cached block fits and the device cannot hold a "
+         "whole new segment beside what is cached; set "
          "CCALLOC_CONF=expandable_segments:True to let segments grow instead of splitting, or "
          "max_split_size_mb to keep large blocks whole.";
-  } else if (unallocated >= f.rounded) {
+  } else if (fragmented) {
     m += "Reserved but unallocated memory is pinned by live blocks in partly used pages; "
          "freeing long-lived allocations sooner would help.";
   } else {

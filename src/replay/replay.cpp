@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <limits>
 #include <cstdlib>
 #include <unordered_map>
 
@@ -93,7 +94,8 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
     HistoryOptions history;
     history.context = HistoryOptions::Context::kNone;
     history.stacks = HistoryOptions::Stacks::kNone;
-    history.max_entries = trace.size() + 16;
+    // Unbounded: an OOM path may add many entries (segment frees, the oom) to one row.
+    history.max_entries = std::numeric_limits<std::size_t>::max();
     allocator.record_history(history);
   }
 

@@ -5,6 +5,7 @@
 //   ccalloc summary FILE [--device N]
 //   ccalloc stats FILE [--device N]
 //   ccalloc convert IN OUT [--device N]
+//   ccalloc viz FILE -o OUT.html [--device N] [--conf STRING] [--capacity SIZE]
 //   ccalloc info
 //
 // FILE is a trace CSV, a snapshot (pickle or JSON, PyTorch's or ccalloc's) or an RMM log,
@@ -29,6 +30,7 @@
 #include "io/trace_csv.hpp"
 #include "io/trace_file.hpp"
 #include "replay/replay.hpp"
+#include "viz.hpp"
 
 namespace {
 
@@ -443,6 +445,9 @@ int main(int argc, char** argv) {
       ->required();
   convert->add_option("--device", device, "Device whose trace to convert")->capture_default_str();
 
+  ccalloc::cli::VizArgs viz_args;
+  CLI::App* viz = ccalloc::cli::add_viz_command(app, viz_args);
+
   CLI::App* info = app.add_subcommand(
       "info", "Show the version, the config in force and the CUDA devices this process sees");
 
@@ -454,6 +459,7 @@ int main(int argc, char** argv) {
     if (summary->parsed()) return run_summary(file, device);
     if (stats->parsed()) return run_stats(file, device);
     if (convert->parsed()) return run_convert(file, out, device);
+    if (viz->parsed()) return ccalloc::cli::run_viz(viz_args);
     if (info->parsed()) return run_info();
   } catch (const std::exception& e) {
     std::cerr << "ccalloc: error: " << e.what() << "\n";
