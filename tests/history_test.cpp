@@ -1,4 +1,5 @@
 // Allocation history: the trace ring, context levels, C++ stacks and snapshots.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -155,6 +156,26 @@ TEST(History, FramesCarryFileAndLineFromDebugInfo) {
   EXPECT_NE(frame.filename.find("history_test.cpp"), std::string::npos) << frame.filename;
   EXPECT_GT(frame.line, 0);
 #endif
+}
+
+TEST(History, StackCaptureLeavesTheProgramsExceptionUnwinderAlone) {
+  Fixture f;
+  f.alloc.record_history(options("state", "state", "cpp"));
+  const DevicePtr p = AllocateFromKnownFunction(f.alloc, 4096);
+  f.alloc.free(p);
+#if CCALLOC_TEST_HAVE_LIBUNWIND
+  EXPECT_STREQ(ccalloc::core::stack_unwinder(), "libunwind");
+#else
+  EXPECT_STREQ(ccalloc::core::stack_unwinder(), "backtrace");
+#endif
+  // libunwind defines _Unwind_RaiseException too; the program's C++ exceptions must still
+  // go through the toolchain's unwinder, whichever one the stacks use.
+  void* raise = ::dlsym(RTLD_DEFAULT, "_Unwind_RaiseException");
+  ASSERT_NE(raise, nullptr);
+  Dl_info info{};
+  ASSERT_NE(::dladdr(raise, &info), 0);
+  EXPECT_EQ(std::string(info.dli_fname).find("libunwind"), std::string::npos) << info.dli_fname;
+  EXPECT_THROW(f.alloc.free(p), ccalloc::InvalidPointerError);
 }
 
 TEST(History, ContextAllocPutsTheAllocationStackOnFreeEntries) {

@@ -12,10 +12,6 @@
 #if CCALLOC_HAVE_LIBUNWIND
 #define UNW_LOCAL_ONLY
 #include <libunwind.h>
-// libunwind caches each code address's unwind rule: ~10x faster than glibc's backtrace().
-#define CCALLOC_BACKTRACE(buf, n) unw_backtrace(buf, n)
-#else
-#define CCALLOC_BACKTRACE(buf, n) ::backtrace(buf, n)
 #endif
 
 #if CCALLOC_HAVE_LIBDW
@@ -32,9 +28,51 @@ std::size_t StackTable::Hash::operator()(const std::vector<std::uintptr_t>& v) c
   return static_cast<std::size_t>(h);
 }
 
+namespace {
+
+using BacktraceFn = int (*)(void**, int);
+
+int glibc_backtrace(void** buffer, int size) { return ::backtrace(buffer, size); }
+
+#if CCALLOC_HAVE_LIBUNWIND
+#define CCALLOC_STRINGIFY_(x) #x
+#define CCALLOC_STRINGIFY(x) CCALLOC_STRINGIFY_(x)
+#endif
+
+// libunwind caches each code address's unwind rule and walks stacks about ten times faster
+// than glibc's backtrace(). It is loaded privately (RTLD_LOCAL) rather than linked: the
+// libunwind.so that pkg-config names also defines _Unwind_RaiseException and friends, and
+// linking it would route every C++ exception of the host program through its unwinder.
+// Without it, or where it fails to load, glibc's backtrace() does the work.
+BacktraceFn resolve_backtrace() {
+#if CCALLOC_HAVE_LIBUNWIND
+  for (const char* soname : {"libunwind.so.8", "libunwind.so"}) {
+    void* handle = ::dlopen(soname, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) continue;
+    // unw_backtrace is a macro naming the architecture's local-only entry point.
+    if (void* fn = ::dlsym(handle, CCALLOC_STRINGIFY(unw_backtrace))) {
+      return reinterpret_cast<BacktraceFn>(fn);
+    }
+    ::dlclose(handle);
+  }
+#endif
+  return &glibc_backtrace;
+}
+
+BacktraceFn backtrace_fn() {
+  static const BacktraceFn fn = resolve_backtrace();
+  return fn;
+}
+
+}  // namespace
+
+const char* stack_unwinder() {
+  return backtrace_fn() == &glibc_backtrace ? "backtrace" : "libunwind";
+}
+
 StackTable::Id StackTable::capture(int skip) {
   void* raw[kMaxFrames + 8];
-  const int n = CCALLOC_BACKTRACE(raw, kMaxFrames + 8);
+  const int n = backtrace_fn()(raw, kMaxFrames + 8);
   const int first = std::min(n, skip + 1);  // +1: this function
   std::uintptr_t frames[kMaxFrames + 8];
   int count = 0;

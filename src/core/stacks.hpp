@@ -43,4 +43,7 @@ class StackTable {
 // Exposed for tests.
 Frame symbolize_address(std::uintptr_t address);
 
+// The unwinder capture() uses: "libunwind" when it loaded, else "backtrace" (glibc).
+const char* stack_unwinder();
+
 }  // namespace ccalloc::core
