@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "ccalloc/errors.hpp"
+#include "io/csv_text.hpp"
 #include "io/gzip.hpp"
 
 namespace ccalloc::io {
@@ -19,12 +20,7 @@ constexpr std::int64_t kMaxDays = 1000000;
 
 enum class Column : std::uint8_t { kIgnored, kThread, kTime, kAction, kPointer, kSize, kStream };
 
-struct KnownColumn {
-  std::string_view name;
-  Column column;
-  bool required;
-};
-constexpr std::array<KnownColumn, 6> kKnownColumns = {{
+constexpr std::array<KnownColumn<Column>, 6> kKnownColumns = {{
     {"Thread", Column::kThread, false},
     {"Time", Column::kTime, false},
     {"Action", Column::kAction, true},
@@ -33,57 +29,16 @@ constexpr std::array<KnownColumn, 6> kKnownColumns = {{
     {"Stream", Column::kStream, false},
 }};
 
-std::string quoted(std::string_view text) {
-  constexpr std::size_t kMaxShown = 64;
-  std::string out = "'";
-  for (const char c : text.substr(0, kMaxShown)) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x20 && u < 0x7f) {
-      out += c;
-    } else {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[u >> 4];
-      out += kHex[u & 0xf];
-    }
-  }
-  if (text.size() > kMaxShown) out += "...";
-  out += '\'';
-  return out;
-}
-
-std::string_view trim(std::string_view s) {
-  const auto is_space = [](char c) { return c == ' ' || c == '\t'; };
-  while (!s.empty() && is_space(s.front()))
-    s.remove_prefix(1);
-  while (!s.empty() && is_space(s.back()))
-    s.remove_suffix(1);
-  return s;
-}
-
-bool iequals(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const auto lower = [](char c) {
-      return (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c;
-    };
-    if (lower(a[i]) != lower(b[i])) return false;
-  }
-  return true;
-}
-
 enum class Action : std::uint8_t { kAllocate, kFree, kFailure };
 
 class Parser {
  public:
-  Parser(std::string_view text, const std::string& name) : text_(text), name_(name) {
-    if (text_.starts_with("\xef\xbb\xbf")) text_.remove_prefix(3);
-  }
+  Parser(std::string_view text, const std::string& name) : lines_(text, name), name_(name) {}
 
   std::vector<TraceRecord> parse() {
     std::string_view line;
     bool have_header = false;
-    while (next_line(line)) {
+    while (lines_.next(line)) {
       if (trim(line).empty()) continue;
       parse_header(line);
       have_header = true;
@@ -94,7 +49,7 @@ class Parser {
                         std::string(kHeader) + "')");
     }
     std::vector<TraceRecord> records;
-    while (next_line(line)) {
+    while (lines_.next(line)) {
       if (trim(line).empty()) continue;
       parse_row(line, records);
     }
@@ -102,49 +57,15 @@ class Parser {
   }
 
  private:
-  bool next_line(std::string_view& line) {
-    if (pos_ >= text_.size()) return false;
-    const std::size_t nl = text_.find('\n', pos_);
-    const std::size_t end = nl == std::string_view::npos ? text_.size() : nl;
-    line = text_.substr(pos_, end - pos_);
-    pos_ = nl == std::string_view::npos ? text_.size() : nl + 1;
-    ++line_no_;
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    return true;
-  }
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw FormatError(name_ + ":" + std::to_string(line_no_) + ": " + what);
-  }
+  [[noreturn]] void fail(const std::string& what) const { lines_.fail(what); }
   [[noreturn]] void fail_field(Column column, std::string_view field,
                                const std::string& why) const {
-    fail("invalid " + std::string(column_name(column)) + " " + quoted(field) + " (" + why + ")");
-  }
-  static std::string_view column_name(Column column) {
-    for (const KnownColumn& k : kKnownColumns) {
-      if (k.column == column) return k.name;
-    }
-    return "column";
+    fail("invalid " + std::string(column_name(kKnownColumns, column)) + " " + quoted(field) +
+         " (" + why + ")");
   }
 
   void parse_header(std::string_view line) {
-    std::array<bool, kKnownColumns.size()> seen{};
-    std::size_t start = 0;
-    for (;;) {
-      const std::size_t comma = line.find(',', start);
-      const std::size_t end = comma == std::string_view::npos ? line.size() : comma;
-      const std::string_view field = trim(line.substr(start, end - start));
-      Column column = Column::kIgnored;
-      for (std::size_t k = 0; k < kKnownColumns.size(); ++k) {
-        if (!iequals(kKnownColumns[k].name, field)) continue;
-        if (seen[k]) fail("duplicate column " + quoted(field) + " in the header");
-        seen[k] = true;
-        column = kKnownColumns[k].column;
-      }
-      columns_.push_back(column);
-      if (comma == std::string_view::npos) break;
-      start = comma + 1;
-    }
+    const auto seen = map_header(line, kKnownColumns, /*ignore_case=*/true, lines_, columns_);
     std::string missing;
     for (std::size_t k = 0; k < kKnownColumns.size(); ++k) {
       if (kKnownColumns[k].required && !seen[k]) {
@@ -307,27 +228,25 @@ class Parser {
     switch (action) {
       case Action::kAllocate:
         e.action = TraceAction::kAlloc;
-        records.push_back({e, line_no_});
+        records.push_back({e, lines_.line_no()});
         break;
       case Action::kFree:
         e.action = TraceAction::kFreeRequested;
-        records.push_back({e, line_no_});
+        records.push_back({e, lines_.line_no()});
         e.action = TraceAction::kFreeCompleted;
-        records.push_back({e, line_no_});
+        records.push_back({e, lines_.line_no()});
         break;
       case Action::kFailure:
         // RMM logs a null pointer; the device's free memory is not known.
         e.action = TraceAction::kOom;
         e.addr = 0;
-        records.push_back({e, line_no_});
+        records.push_back({e, lines_.line_no()});
         break;
     }
   }
 
-  std::string_view text_;
+  LineReader lines_;
   const std::string& name_;
-  std::size_t pos_ = 0;
-  std::size_t line_no_ = 0;
   std::vector<Column> columns_;
   std::int64_t day_offset_ = 0;
   std::int64_t last_clock_ = 0;

@@ -8,6 +8,7 @@
 #include <system_error>
 
 #include "ccalloc/errors.hpp"
+#include "io/csv_text.hpp"
 #include "io/gzip.hpp"
 
 namespace ccalloc::io {
@@ -21,39 +22,13 @@ constexpr std::size_t kMaxRowChars = 128;
 
 enum class Column : std::uint8_t { kIgnored, kAction, kAddr, kSize, kStream, kTimeUs };
 
-struct KnownColumn {
-  std::string_view name;
-  Column column;
-  bool required;
-};
-constexpr std::array<KnownColumn, 5> kKnownColumns = {{
+constexpr std::array<KnownColumn<Column>, 5> kKnownColumns = {{
     {"action", Column::kAction, true},
     {"addr", Column::kAddr, true},
     {"size", Column::kSize, true},
     {"stream", Column::kStream, false},
     {"time_us", Column::kTimeUs, false},
 }};
-
-// The offending text as it goes into a message: bounded, so a huge garbage line cannot
-// make a huge message, and with unprintable bytes escaped, so it cannot mangle a terminal.
-std::string quoted(std::string_view text) {
-  constexpr std::size_t kMaxShown = 64;
-  std::string out = "'";
-  for (const char c : text.substr(0, kMaxShown)) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x20 && u < 0x7f) {
-      out += c;
-    } else {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[u >> 4];
-      out += kHex[u & 0xf];
-    }
-  }
-  if (text.size() > kMaxShown) out += "...";
-  out += '\'';
-  return out;
-}
 
 std::string valid_actions() {
   std::string out;
@@ -64,26 +39,14 @@ std::string valid_actions() {
   return out;
 }
 
-std::string_view trim(std::string_view s) {
-  const auto is_space = [](char c) { return c == ' ' || c == '\t'; };
-  while (!s.empty() && is_space(s.front()))
-    s.remove_prefix(1);
-  while (!s.empty() && is_space(s.back()))
-    s.remove_suffix(1);
-  return s;
-}
-
 class Parser {
  public:
-  Parser(std::string_view text, const std::string& name) : text_(text), name_(name) {
-    // A UTF-8 byte order mark, as spreadsheet programs write, is not part of the header.
-    if (text_.starts_with("\xef\xbb\xbf")) text_.remove_prefix(3);
-  }
+  Parser(std::string_view text, const std::string& name) : lines_(text, name), name_(name) {}
 
   std::vector<TraceRecord> parse() {
     std::string_view line;
     bool have_header = false;
-    while (next_line(line)) {
+    while (lines_.next(line)) {
       if (line.empty()) continue;
       parse_header(line);
       have_header = true;
@@ -94,48 +57,18 @@ class Parser {
                         std::string(kHeader) + "')");
     }
     std::vector<TraceRecord> records;
-    while (next_line(line)) {
+    while (lines_.next(line)) {
       if (line.empty()) continue;
-      records.push_back({parse_row(line), line_no_});
+      records.push_back({parse_row(line), lines_.line_no()});
     }
     return records;
   }
 
  private:
-  bool next_line(std::string_view& line) {
-    if (pos_ >= text_.size()) return false;
-    const std::size_t nl = text_.find('\n', pos_);
-    const std::size_t end = nl == std::string_view::npos ? text_.size() : nl;
-    line = text_.substr(pos_, end - pos_);
-    pos_ = nl == std::string_view::npos ? text_.size() : nl + 1;
-    ++line_no_;
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    return true;
-  }
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw FormatError(name_ + ":" + std::to_string(line_no_) + ": " + what);
-  }
+  [[noreturn]] void fail(const std::string& what) const { lines_.fail(what); }
 
   void parse_header(std::string_view line) {
-    std::array<bool, kKnownColumns.size()> seen{};
-    std::size_t start = 0;
-    for (;;) {
-      const std::size_t comma = line.find(',', start);
-      const std::size_t end = comma == std::string_view::npos ? line.size() : comma;
-      const std::string_view field = trim(line.substr(start, end - start));
-      Column column = Column::kIgnored;
-      for (std::size_t k = 0; k < kKnownColumns.size(); ++k) {
-        if (kKnownColumns[k].name != field) continue;
-        if (seen[k]) fail("duplicate column " + quoted(field) + " in the header");
-        seen[k] = true;
-        column = kKnownColumns[k].column;
-        names_[static_cast<std::size_t>(column)] = kKnownColumns[k].name;
-      }
-      columns_.push_back(column);
-      if (comma == std::string_view::npos) break;
-      start = comma + 1;
-    }
+    const auto seen = map_header(line, kKnownColumns, /*ignore_case=*/false, lines_, columns_);
     for (std::size_t k = 0; k < kKnownColumns.size(); ++k) {
       if (kKnownColumns[k].required && !seen[k]) {
         fail("the header has no '" + std::string(kKnownColumns[k].name) + "' column (got " +
@@ -219,16 +152,13 @@ class Parser {
     return value;
   }
 
-  std::string column_name(Column column) const {
-    return std::string(names_[static_cast<std::size_t>(column)]);
+  static std::string column_name(Column column) {
+    return std::string(io::column_name(kKnownColumns, column));
   }
 
-  std::string_view text_;
+  LineReader lines_;
   const std::string& name_;
-  std::size_t pos_ = 0;
-  std::size_t line_no_ = 0;
-  std::vector<Column> columns_;              // the role of each field, in file order
-  std::array<std::string_view, 6> names_{};  // header name of each Column, for messages
+  std::vector<Column> columns_;  // the role of each field, in file order
 };
 
 // Formats one row into `buf` (at least kMaxRowChars long); returns its length.
