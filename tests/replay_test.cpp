@@ -5,9 +5,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +16,7 @@
 #include "ccalloc/errors.hpp"
 #include "ccalloc/trace.hpp"
 #include "io/trace_csv.hpp"
+#include "temp_dir.hpp"
 
 #ifndef CCALLOC_SHARED_TRACES
 #define CCALLOC_SHARED_TRACES "/work/shared/traces"
@@ -351,27 +350,7 @@ TEST(ReplayParseSize, BadInputThrowsErrorNamingTheText) {
 // ---------------------------------------------------------------------------------------
 // The command line
 
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ =
-        fs::temp_directory_path() / ("ccalloc_replay_test_" + std::string(info->name()) + "_" +
-                                     std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using ccalloc_test::TempDir;
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);

@@ -3,10 +3,8 @@
 #include "io/snapshot_io.hpp"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +22,7 @@
 #include "io/pickle.hpp"
 #include "io/rmm_log.hpp"
 #include "io/trace_csv.hpp"
+#include "temp_dir.hpp"
 
 #ifndef CCALLOC_SHARED_TRACES
 #define CCALLOC_SHARED_TRACES "/work/shared/traces"
@@ -37,27 +36,7 @@ using namespace std::string_literals;
 
 const std::string kTraces = CCALLOC_SHARED_TRACES;
 
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ =
-        fs::temp_directory_path() / ("ccalloc_snapshot_io_" + std::string(info->name()) + "_" +
-                                     std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using ccalloc_test::TempDir;
 
 std::vector<std::string> shared_pickles() {
   std::vector<std::string> out;

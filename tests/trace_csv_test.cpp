@@ -1,10 +1,8 @@
 #include "io/trace_csv.hpp"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +17,7 @@
 #include "ccalloc/errors.hpp"
 #include "ccalloc/trace.hpp"
 #include "io/gzip.hpp"
+#include "temp_dir.hpp"
 
 #ifndef CCALLOC_SHARED_TRACES
 #define CCALLOC_SHARED_TRACES "/work/shared/traces"
@@ -45,26 +44,7 @@ void write_raw(const std::string& path, std::string_view data) {
   ASSERT_TRUE(out) << path;
 }
 
-// A fresh directory per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ =
-        fs::temp_directory_path() / ("ccalloc_trace_csv_" + std::string(info->name()) + "_" +
-                                     std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using ccalloc_test::TempDir;
 
 // gzip bytes of `text`, made by write_file so the test needs no zlib of its own.
 std::string gzip_of(const TempDir& dir, std::string_view text) {
