@@ -15,9 +15,12 @@
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "test_support.hpp"
 
 namespace ccalloc {
 namespace {
+
+using ccalloc_test::message_of;
 
 constexpr std::size_t kGiB = 1024 * kMiB;
 constexpr DevicePtr kPool = DevicePtr{0x400000000000};  // the simulated pool's first address
@@ -39,18 +42,6 @@ struct Rig {
   sim::SimDriver gpu;
   Allocator alloc;
 };
-
-// The message of the OutOfMemoryError that `f` throws; fails the test if it throws none.
-template <typename F>
-std::string oom_message(F&& f) {
-  try {
-    f();
-  } catch (const OutOfMemoryError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an OutOfMemoryError";
-  return {};
-}
 
 TEST(AsyncBackend, TheConfigSelectsIt) {
   Rig rig;
@@ -153,7 +144,7 @@ TEST(AsyncBackend, TheMemoryFractionCapsBytesHandedOutWithPyTorchsMessage) {
     observed.emplace_back(d, req, limit, free);
   });
   const DevicePtr p = rig.alloc.malloc(300 * kMiB, kS1);
-  EXPECT_EQ(oom_message([&] { rig.alloc.malloc(300 * kMiB, kS1); }),
+  EXPECT_EQ(message_of<OutOfMemoryError>([&] { rig.alloc.malloc(300 * kMiB, kS1); }),
             "Allocation on device 0 would exceed allowed memory. (out of memory)\n"
             "Currently allocated     : 300.00 MiB\n"
             "Requested               : 300.00 MiB\n"
@@ -185,7 +176,7 @@ TEST(AsyncBackend, TheFractionCanComeFromTheConfig) {
 TEST(AsyncBackend, PoolOutOfMemoryIsAnErrorAndTheAllocatorStaysUsable) {
   Rig rig(64 * kMiB);
   const DevicePtr p = rig.alloc.malloc(40 * kMiB, kS1);
-  EXPECT_EQ(oom_message([&] { rig.alloc.malloc(30 * kMiB, kS1); }),
+  EXPECT_EQ(message_of<OutOfMemoryError>([&] { rig.alloc.malloc(30 * kMiB, kS1); }),
             "Allocation on device 0 would exceed allowed memory. (out of memory)\n"
             "Currently allocated     : 40.00 MiB\n"
             "Requested               : 30.00 MiB\n"

@@ -16,7 +16,7 @@
 #include "ccalloc/errors.hpp"
 #include "ccalloc/trace.hpp"
 #include "io/trace_csv.hpp"
-#include "temp_dir.hpp"
+#include "test_support.hpp"
 
 #ifndef CCALLOC_SHARED_TRACES
 #define CCALLOC_SHARED_TRACES "/work/shared/traces"

@@ -12,9 +12,12 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
+#include "test_support.hpp"
 
 namespace ccalloc::sim {
 namespace {
+
+using ccalloc_test::message_of;
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr DevicePtr kBase = DevicePtr{0x7f0000000000};
@@ -23,18 +26,6 @@ Options with_capacity(std::size_t capacity) {
   Options o;
   o.capacity = capacity;
   return o;
-}
-
-// The message of the DriverError that `f` throws; fails the test if it throws nothing.
-template <typename F>
-std::string driver_error_message(F&& f) {
-  try {
-    f();
-  } catch (const DriverError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a DriverError";
-  return {};
 }
 
 bool contains(const std::string& haystack, const std::string& needle) {
@@ -154,7 +145,7 @@ TEST(SimDriver, CustomAlignmentSetsThePlacementGranule) {
 
 TEST(SimDriver, ZeroByteAllocationThrowsAndIsNotCounted) {
   SimDriver d;
-  const std::string message = driver_error_message([&] { d.allocate(0); });
+  const std::string message = message_of<DriverError>([&] { d.allocate(0); });
   EXPECT_TRUE(contains(message, "0 bytes")) << message;
   EXPECT_EQ(d.counters().allocate_calls, 0u);
   EXPECT_EQ(d.simulated_driver_us(), 0.0);
@@ -232,7 +223,7 @@ TEST(SimDriver, MemInfoReportsFreeAndTotalAndIsCounted) {
 TEST(SimDriver, FreeOfUnknownPointerThrowsNamingIt) {
   SimDriver d;
   d.allocate(2 * kMiB);
-  const std::string message = driver_error_message([&] { d.free(kBase + 4 * kMiB, 2 * kMiB); });
+  const std::string message = message_of<DriverError>([&] { d.free(kBase + 4 * kMiB, 2 * kMiB); });
   EXPECT_TRUE(contains(message, "0x7f0000400000")) << message;
   EXPECT_TRUE(contains(message, "2097152 bytes")) << message;
 }
@@ -240,7 +231,7 @@ TEST(SimDriver, FreeOfUnknownPointerThrowsNamingIt) {
 TEST(SimDriver, FreeWithWrongSizeThrowsNamingPointerAndBothSizes) {
   SimDriver d;
   const DevicePtr p = d.allocate(2 * kMiB);
-  const std::string message = driver_error_message([&] { d.free(p, 1 * kMiB); });
+  const std::string message = message_of<DriverError>([&] { d.free(p, 1 * kMiB); });
   EXPECT_TRUE(contains(message, "0x7f0000000000")) << message;
   EXPECT_TRUE(contains(message, "1048576 bytes")) << message;
   EXPECT_TRUE(contains(message, "2097152 bytes")) << message;
@@ -514,7 +505,7 @@ TEST(SimDriver, UnknownEventIdThrowsInEveryCall) {
     EXPECT_THROW(d.complete_event(e), DriverError);
     EXPECT_THROW(d.synchronize_event(e), DriverError);
   }
-  const std::string message = driver_error_message([&] { d.query_event(42); });
+  const std::string message = message_of<DriverError>([&] { d.query_event(42); });
   EXPECT_TRUE(contains(message, "event 42")) << message;
 }
 

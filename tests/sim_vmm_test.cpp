@@ -11,9 +11,12 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
+#include "test_support.hpp"
 
 namespace ccalloc::sim {
 namespace {
+
+using ccalloc_test::message_of;
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr DevicePtr kVm = DevicePtr{0x600000000000};    // first reservation
@@ -26,22 +29,10 @@ Options with_capacity(std::size_t capacity) {
   return o;
 }
 
-// The message of the DriverError that `f` throws; fails the test if it throws nothing.
-template <typename F>
-std::string driver_error(F&& f) {
-  try {
-    f();
-  } catch (const DriverError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a DriverError";
-  return {};
-}
-
-#define EXPECT_DRIVER_ERROR(stmt, text)                            \
-  do {                                                             \
-    const std::string message_ = driver_error([&] { stmt; });      \
-    EXPECT_NE(message_.find(text), std::string::npos) << message_; \
+#define EXPECT_DRIVER_ERROR(stmt, text)                                  \
+  do {                                                                   \
+    const std::string message_ = message_of<DriverError>([&] { stmt; }); \
+    EXPECT_NE(message_.find(text), std::string::npos) << message_;       \
   } while (0)
 
 // ---------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@
 #include "io/pickle.hpp"
 #include "io/rmm_log.hpp"
 #include "io/trace_csv.hpp"
-#include "temp_dir.hpp"
+#include "test_support.hpp"
 
 #ifndef CCALLOC_SHARED_TRACES
 #define CCALLOC_SHARED_TRACES "/work/shared/traces"
@@ -30,6 +30,8 @@
 
 namespace ccalloc::io {
 namespace {
+
+using ccalloc_test::message_of;
 
 namespace fs = std::filesystem;
 using namespace std::string_literals;
@@ -53,21 +55,6 @@ std::vector<std::string> shared_pickles() {
   do {                                                                        \
     if (shared_pickles().empty()) GTEST_SKIP() << "no traces in " << kTraces; \
   } while (0)
-
-// The FormatError message of `f`, or a test failure if it throws nothing or another type.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const FormatError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected a FormatError, got: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "expected a FormatError, nothing was thrown";
-  return {};
-}
 
 #define EXPECT_CONTAINS(haystack, needle)                          \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
@@ -333,12 +320,20 @@ TEST(Value, AccessorsNameTheKinds) {
   EXPECT_EQ(Value(2.5).as_number(), 2.5);
   EXPECT_EQ(Value(4).as_number(), 4.0);
   EXPECT_EQ(Value::tuple({1, 2}).as_list().size(), 2u);
-  EXPECT_EQ(error_of([] { (void)Value("x").as_int(); }), "expected a int, got a str");
-  EXPECT_EQ(error_of([] { (void)Value().as_dict(); }), "expected a dict, got a None");
-  EXPECT_EQ(error_of([] { (void)Value(true).as_number(); }), "expected a number, got a bool");
-  EXPECT_EQ(error_of([] { (void)Value::list().as_string(); }), "expected a str, got a list");
-  EXPECT_EQ(error_of([] { (void)Value(1.5).as_list(); }), "expected a list, got a float");
-  EXPECT_EQ(error_of([] { (void)Value::dict({{"a", 1}}).at("b"); }), "missing key 'b'");
+  EXPECT_EQ(message_of<FormatError>([] { (void)Value("x").as_int(); }),
+            "expected a int, got a str");
+  EXPECT_EQ(message_of<FormatError>([] { (void)Value().as_dict(); }),
+            "expected a dict, got a None");
+  EXPECT_EQ(message_of<FormatError>([] { (void)Value(true).as_number(); }),
+            "expected a number, got a bool");
+  EXPECT_EQ(message_of<FormatError>([] { (void)Value::list().as_string(); }),
+            "expected a str, got a list");
+  EXPECT_EQ(message_of<FormatError>([] { (void)Value(1.5).as_list(); }),
+            "expected a list, got a float");
+  EXPECT_EQ(message_of<FormatError>([] {
+              (void)Value::dict({{"a", 1}}).at("b");
+            }),
+            "missing key 'b'");
 }
 
 TEST(Value, DeepEqualityKeepsKinds) {
@@ -405,62 +400,71 @@ TEST(Pickle, Long1SignExtensionAndLimits) {
   EXPECT_EQ(parse("\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\xff."s).as_int(), -1);
   EXPECT_EQ(parse("\x8a\x0a\x05\x00\x00\x00\x00\x00\x00\x00\x00\x00."s).as_int(), 5);
   // 2**64 - 1 and 2**63 need 9 bytes and do not fit.
-  EXPECT_CONTAINS(error_of([] { parse("\x80\x02\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00."s); }),
+  EXPECT_CONTAINS(message_of<FormatError>(
+                      [] { parse("\x80\x02\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00."s); }),
                   "byte 2: integer too large");
-  EXPECT_CONTAINS(error_of([] { parse("\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00."s); }),
-                  "byte 0: integer too large");
   EXPECT_CONTAINS(
-      error_of([] { parse("\x8b\x10\x00\x00\x00"s + std::string(15, '\0') + "\x01."); }),
+      message_of<FormatError>([] { parse("\x8a\x09\x00\x00\x00\x00\x00\x00\x00\x80\x00."s); }),
       "byte 0: integer too large");
-  EXPECT_CONTAINS(error_of([] { parse("L99999999999999999999L\n."); }), "integer too large");
+  EXPECT_CONTAINS(message_of<FormatError>(
+                      [] { parse("\x8b\x10\x00\x00\x00"s + std::string(15, '\0') + "\x01."); }),
+                  "byte 0: integer too large");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("L99999999999999999999L\n."); }),
+                  "integer too large");
 }
 
 TEST(Pickle, EveryTruncationIsAFormatError) {
   for (std::size_t cut = 0; cut < kPython4.size(); ++cut) {
-    const std::string msg = error_of([&] { parse(std::string_view(kPython4).substr(0, cut)); });
+    const std::string msg =
+        message_of<FormatError>([&] { parse(std::string_view(kPython4).substr(0, cut)); });
     EXPECT_CONTAINS(msg, "test.pickle: byte ") << " cut at " << cut;
   }
   const std::string written = write_pickle(python_object());
   for (std::size_t cut = 0; cut < written.size(); ++cut) {
-    EXPECT_FALSE(error_of([&] { parse(std::string_view(written).substr(0, cut)); }).empty());
+    EXPECT_FALSE(
+        message_of<FormatError>([&] { parse(std::string_view(written).substr(0, cut)); }).empty());
   }
-  EXPECT_EQ(error_of([] { parse(""); }),
+  EXPECT_EQ(message_of<FormatError>([] { parse(""); }),
             "test.pickle: byte 0: the data ends without a STOP opcode (truncated pickle?)");
-  EXPECT_CONTAINS(error_of([] { parse("\x80\x02N"); }), "byte 3: the data ends without a STOP");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x80\x02N"); }),
+                  "byte 3: the data ends without a STOP");
 }
 
 TEST(Pickle, RefusesCodeExecution) {
   // The classic: os.system('echo hi') through GLOBAL + REDUCE.
-  const std::string msg = error_of([] { parse("cos\nsystem\n(S'echo hi'\ntR."); });
+  const std::string msg = message_of<FormatError>([] { parse("cos\nsystem\n(S'echo hi'\ntR."); });
   EXPECT_EQ(msg,
             "test.pickle: byte 0: unsupported pickle opcode 0x63 ('GLOBAL'): only plain data is "
             "accepted (None, bool, int, float, str, list, tuple, dict)");
   // Protocol 4: STACK_GLOBAL.
-  EXPECT_CONTAINS(error_of([] { parse("\x80\x04\x8c\x02os\x94\x8c\x06system\x94\x93\x94."s); }),
-                  "byte 16: unsupported pickle opcode 0x93 ('STACK_GLOBAL')");
-  EXPECT_CONTAINS(error_of([] { parse("N)R."); }),
+  EXPECT_CONTAINS(
+      message_of<FormatError>([] { parse("\x80\x04\x8c\x02os\x94\x8c\x06system\x94\x93\x94."s); }),
+      "byte 16: unsupported pickle opcode 0x93 ('STACK_GLOBAL')");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("N)R."); }),
                   "byte 2: unsupported pickle opcode 0x52 ('REDUCE')");
-  EXPECT_CONTAINS(error_of([] { parse("}N}b."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("}N}b."); }),
                   "byte 3: unsupported pickle opcode 0x62 ('BUILD')");
-  EXPECT_CONTAINS(error_of([] { parse("\x80\x02)\x81."s); }), "('NEWOBJ')");
-  EXPECT_CONTAINS(error_of([] { parse("\x8f."s); }), "('EMPTY_SET')");
-  EXPECT_CONTAINS(error_of([] { parse("C\x01x."s); }), "('SHORT_BINBYTES')");
-  EXPECT_CONTAINS(error_of([] { parse("\x97."s); }), "('NEXT_BUFFER')");
-  EXPECT_CONTAINS(error_of([] { parse("Pid\n."s); }), "('PERSID')");
-  EXPECT_CONTAINS(error_of([] { parse("\x82\x01."s); }), "('EXT1')");
-  EXPECT_CONTAINS(error_of([] { parse("\xff."s); }), "byte 0: unknown pickle opcode 0xff");
-  EXPECT_CONTAINS(error_of([] { parse("\x80\x06N."s); }), "byte 0: unsupported pickle protocol 6");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x80\x02)\x81."s); }), "('NEWOBJ')");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x8f."s); }), "('EMPTY_SET')");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("C\x01x."s); }), "('SHORT_BINBYTES')");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x97."s); }), "('NEXT_BUFFER')");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("Pid\n."s); }), "('PERSID')");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x82\x01."s); }), "('EXT1')");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\xff."s); }),
+                  "byte 0: unknown pickle opcode 0xff");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x80\x06N."s); }),
+                  "byte 0: unsupported pickle protocol 6");
 }
 
 TEST(Pickle, BoundsNesting) {
   // 300 nested lists through APPEND: the 256th APPEND makes the 257th level.
   const std::string lists = "\x80\x02"s + std::string(300, ']') + std::string(299, 'a') + ".";
-  EXPECT_CONTAINS(error_of([&] { parse(lists); }),
+  EXPECT_CONTAINS(message_of<FormatError>([&] { parse(lists); }),
                   "byte 557: containers nested deeper than 256 levels (limit)");
   const std::string ok = std::string(256, ']') + std::string(255, 'a') + ".";
   EXPECT_NO_THROW(parse(ok));
   // MARKs: the 257th is refused.
-  EXPECT_CONTAINS(error_of([] { parse("\x80\x02"s + std::string(300, '(')); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x80\x02"s + std::string(300, '(')); }),
                   "byte 258: more than 256 nested MARKs (limit)");
   // Depth built through the memo with a flat stack: L0 = []; Li = [L(i-1)], each popped
   // after it is memoized. L16 is the 17th level: its APPEND at byte 4 + 7 * 15 + 3 fails.
@@ -472,7 +476,7 @@ TEST(Pickle, BoundsNesting) {
   chain += "h\x14.";
   PickleLimits small;
   small.max_depth = 16;
-  EXPECT_CONTAINS(error_of([&] { parse(chain, small); }),
+  EXPECT_CONTAINS(message_of<FormatError>([&] { parse(chain, small); }),
                   "byte 112: containers nested deeper than 16 levels");
   small.max_depth = 21;
   EXPECT_NO_THROW(parse(chain, small));
@@ -480,17 +484,18 @@ TEST(Pickle, BoundsNesting) {
 
 TEST(Pickle, RefusesCycles) {
   // A list appended to itself, directly and through DUP.
-  EXPECT_CONTAINS(error_of([] {
+  EXPECT_CONTAINS(message_of<FormatError>([] {
                     parse(
                         "]q\x00h\x00"
                         "a."s);
                   }),
                   "byte 5: APPEND puts a container inside itself");
-  EXPECT_CONTAINS(error_of([] { parse("]2a."); }), "APPEND puts a container inside itself");
-  EXPECT_CONTAINS(error_of([] { parse("}q\x00K\x01h\x00s."s); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("]2a."); }),
+                  "APPEND puts a container inside itself");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("}q\x00K\x01h\x00s."s); }),
                   "SETITEM puts a container inside itself");
   // L1 = []; L2 = [L1]; L1.append(L2): L1 is already inside L2.
-  EXPECT_CONTAINS(error_of([] {
+  EXPECT_CONTAINS(message_of<FormatError>([] {
                     parse(
                         "]q\x00]h\x00"
                         "aa."s);
@@ -509,7 +514,7 @@ TEST(Pickle, BoundsSharedExpansion) {
   data += ".";
   PickleLimits limits;
   limits.max_items = 1 << 20;
-  EXPECT_CONTAINS(error_of([&] { parse(data, limits); }),
+  EXPECT_CONTAINS(message_of<FormatError>([&] { parse(data, limits); }),
                   "holds more than 1048576 values, counting each reference to a shared container");
   // Strings copied out of the memo count against the string budget.
   std::string strings = "X\x00\x04\x00\x00"s + std::string(1024, 'a') + "q\x00("s;
@@ -518,53 +523,56 @@ TEST(Pickle, BoundsSharedExpansion) {
   strings += "l.";
   PickleLimits budget;
   budget.max_string_bytes = 1 << 20;
-  EXPECT_CONTAINS(error_of([&] { parse(strings, budget); }),
+  EXPECT_CONTAINS(message_of<FormatError>([&] { parse(strings, budget); }),
                   "strings total more than 1048576 bytes");
   limits = {};
   limits.max_items = 100;
   EXPECT_NO_THROW(parse("(" + std::string(200, 'N') + "l."));
-  EXPECT_CONTAINS(error_of([&] { parse("(" + std::string(200, 'N') + "l.", limits); }),
-                  "byte 101: more than 100 values (limit)");
+  EXPECT_CONTAINS(
+      message_of<FormatError>([&] { parse("(" + std::string(200, 'N') + "l.", limits); }),
+      "byte 101: more than 100 values (limit)");
 }
 
 TEST(Pickle, RefusesHugeLengths) {
-  EXPECT_EQ(error_of([] { parse("\x80\x02X\xff\xff\xff\xff"s); }),
+  EXPECT_EQ(message_of<FormatError>([] { parse("\x80\x02X\xff\xff\xff\xff"s); }),
             "test.pickle: byte 2: BINUNICODE announces 4294967295 bytes, but only 0 remain "
             "(truncated or corrupt pickle)");
-  EXPECT_CONTAINS(error_of([] {
+  EXPECT_CONTAINS(message_of<FormatError>([] {
                     parse(
                         "\x8d\xff\xff\xff\xff\xff\xff\xff\x7f"
                         "abc."s);
                   }),
                   "byte 0: BINUNICODE8 announces 9223372036854775807 bytes, but only 4 remain");
-  EXPECT_CONTAINS(error_of([] { parse("\x8b\xff\xff\xff\x7f."s); }), "byte 0: LONG4 announces");
-  EXPECT_CONTAINS(error_of([] { parse("\x8b\xff\xff\xff\xff."s); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x8b\xff\xff\xff\x7f."s); }),
+                  "byte 0: LONG4 announces");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x8b\xff\xff\xff\xff."s); }),
                   "LONG4 with a negative length");
-  EXPECT_CONTAINS(error_of([] { parse("T\xff\xff\xff\xff."s); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("T\xff\xff\xff\xff."s); }),
                   "BINSTRING with a negative length");
-  EXPECT_CONTAINS(error_of([] { parse("\x80\x04\x95\xff\xff\xff\xff\xff\xff\xff\xff}."s); }),
-                  "byte 2: FRAME of 18446744073709551615 bytes");
-  EXPECT_CONTAINS(error_of([] {
+  EXPECT_CONTAINS(
+      message_of<FormatError>([] { parse("\x80\x04\x95\xff\xff\xff\xff\xff\xff\xff\xff}."s); }),
+      "byte 2: FRAME of 18446744073709551615 bytes");
+  EXPECT_CONTAINS(message_of<FormatError>([] {
                     parse(
                         "\x8c\x05"
                         "ab"s);
                   }),
                   "byte 0: SHORT_BINUNICODE announces 5 bytes, but only 2 remain");
-  EXPECT_CONTAINS(error_of([] { parse("J\x01\x02"s); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("J\x01\x02"s); }),
                   "byte 0: BININT needs 4 byte(s) of argument, but only 2 remain");
 }
 
 TEST(Pickle, MemoErrors) {
-  EXPECT_EQ(error_of([] { parse("\x80\x02h\x05."s); }),
+  EXPECT_EQ(message_of<FormatError>([] { parse("\x80\x02h\x05."s); }),
             "test.pickle: byte 2: BINGET of memo index 5, which was never stored");
-  EXPECT_CONTAINS(error_of([] { parse("Nj\xff\xff\xff\xff."s); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("Nj\xff\xff\xff\xff."s); }),
                   "byte 1: LONG_BINGET of memo index 4294967295, which was never stored");
-  EXPECT_CONTAINS(error_of([] { parse("g7\n."s); }), "byte 0: GET of memo index 7");
-  EXPECT_CONTAINS(error_of([] { parse("\x94."s); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("g7\n."s); }), "byte 0: GET of memo index 7");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x94."s); }),
                   "byte 0: MEMOIZE needs 1 value(s) on the stack");
   PickleLimits limits;
   limits.max_memo = 10;
-  EXPECT_CONTAINS(error_of([&] { parse("Nr\x0a\x00\x00\x00."s, limits); }),
+  EXPECT_CONTAINS(message_of<FormatError>([&] { parse("Nr\x0a\x00\x00\x00."s, limits); }),
                   "byte 1: memo index 10 exceeds the limit of 10 entries");
   // A far index is stored sparsely and still found.
   EXPECT_TRUE(parse("K\x07r\x00\x00\x00\x01"
@@ -573,31 +581,36 @@ TEST(Pickle, MemoErrors) {
 
 TEST(Pickle, StackErrors) {
   EXPECT_CONTAINS(
-      error_of([] { parse("a."); }),
+      message_of<FormatError>([] { parse("a."); }),
       "byte 0: APPEND needs 2 value(s) on the stack, but there are 0 (stack underflow)");
   EXPECT_CONTAINS(
-      error_of([] { parse("N(Na."); }),
+      message_of<FormatError>([] { parse("N(Na."); }),
       "byte 3: APPEND needs 2 value(s) on the stack above the last MARK, but there are 1");
-  EXPECT_CONTAINS(error_of([] { parse("Ne."); }), "byte 1: APPENDS without a preceding MARK");
-  EXPECT_CONTAINS(error_of([] { parse("(Ne."); }), "byte 2: APPENDS has no list below its MARK");
-  EXPECT_CONTAINS(error_of([] { parse("N(Ne."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("Ne."); }),
+                  "byte 1: APPENDS without a preceding MARK");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("(Ne."); }),
+                  "byte 2: APPENDS has no list below its MARK");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("N(Ne."); }),
                   "byte 3: APPENDS needs a list below its items, got a None");
-  EXPECT_CONTAINS(error_of([] { parse("}(NNNu."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("}(NNNu."); }),
                   "byte 5: SETITEMS needs key/value pairs, got an odd number of items (3)");
-  EXPECT_CONTAINS(error_of([] { parse("}]Ns."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("}]Ns."); }),
                   "byte 3: a list cannot be a dict key (unhashable)");
-  EXPECT_CONTAINS(error_of([] { parse(")Na."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse(")Na."); }),
                   "byte 2: APPEND needs a list below its items, got a tuple");
-  EXPECT_CONTAINS(error_of([] { parse("NN."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("NN."); }),
                   "byte 2: STOP needs exactly one value on the stack, got 2");
-  EXPECT_CONTAINS(error_of([] { parse("(N."); }), "byte 2: STOP inside an unclosed MARK");
-  EXPECT_CONTAINS(error_of([] { parse("."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("(N."); }),
+                  "byte 2: STOP inside an unclosed MARK");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("."); }),
                   "byte 0: STOP needs exactly one value on the stack, got 0");
-  EXPECT_CONTAINS(error_of([] { parse("0."); }), "byte 0: POP on an empty stack");
-  EXPECT_CONTAINS(error_of([] { parse("\x86."s); }), "byte 0: TUPLE2 needs 2 value(s)");
-  EXPECT_CONTAINS(error_of([] { parse("I12x\n."); }),
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("0."); }), "byte 0: POP on an empty stack");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("\x86."s); }),
+                  "byte 0: TUPLE2 needs 2 value(s)");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("I12x\n."); }),
                   "byte 0: INT has a malformed decimal argument");
-  EXPECT_CONTAINS(error_of([] { parse("I12"); }), "byte 0: INT has no terminating newline");
+  EXPECT_CONTAINS(message_of<FormatError>([] { parse("I12"); }),
+                  "byte 0: INT has no terminating newline");
   // POP with nothing above the MARK drops the MARK, as in Python.
   EXPECT_TRUE(parse("N(0.") == Value());
   EXPECT_TRUE(parse("(NN1N.") == Value());
@@ -720,10 +733,11 @@ TEST(Json, WritesCompactRoundTrippingText) {
   EXPECT_TRUE(a[1] == Value(2.0));
   EXPECT_TRUE(a[2] == Value(0.1));
   EXPECT_TRUE(a[5] == Value(5e-324));
-  EXPECT_EQ(error_of([] { write_json(Value(std::nan(""))); }),
+  EXPECT_EQ(message_of<FormatError>([] { write_json(Value(std::nan(""))); }),
             "write_json: NaN cannot be written as JSON");
-  EXPECT_CONTAINS(error_of([] { write_json(Value::list({HUGE_VAL})); }), "an infinity");
-  EXPECT_CONTAINS(error_of([] {
+  EXPECT_CONTAINS(message_of<FormatError>([] { write_json(Value::list({HUGE_VAL})); }),
+                  "an infinity");
+  EXPECT_CONTAINS(message_of<FormatError>([] {
                     write_json(Value::dict({{Value::tuple({1}), 1}}));
                   }),
                   "a tuple cannot be an object key");
@@ -733,43 +747,46 @@ TEST(Json, Errors) {
   const std::string doc = R"({"a":[1,2.5,"x\u00e9"],"b":{"c":null,"d":true}})";
   ASSERT_NO_THROW(json(doc));
   for (std::size_t cut = 0; cut < doc.size(); ++cut) {
-    EXPECT_CONTAINS(error_of([&] { json(std::string_view(doc).substr(0, cut)); }),
+    EXPECT_CONTAINS(message_of<FormatError>([&] { json(std::string_view(doc).substr(0, cut)); }),
                     "test.json: byte ")
         << " cut at " << cut;
   }
-  EXPECT_EQ(error_of([] { json(R"(["a\x"])"); }), "test.json: byte 4: invalid escape '\\x'");
-  EXPECT_EQ(error_of([] { json(R"(["\u12G4"])"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json(R"(["a\x"])"); }),
+            "test.json: byte 4: invalid escape '\\x'");
+  EXPECT_EQ(message_of<FormatError>([] { json(R"(["\u12G4"])"); }),
             "test.json: byte 6: invalid \\u escape (expected 4 hex digits)");
-  EXPECT_EQ(error_of([] { json(R"(["\udc00"])"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json(R"(["\udc00"])"); }),
             "test.json: byte 2: unpaired low surrogate escape");
-  EXPECT_EQ(error_of([] { json(R"(["\ud800x"])"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json(R"(["\ud800x"])"); }),
             "test.json: byte 2: high surrogate escape not followed by a low surrogate");
-  EXPECT_EQ(error_of([] { json(R"(["\ud800\u0041"])"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json(R"(["\ud800\u0041"])"); }),
             "test.json: byte 2: high surrogate escape not followed by a low surrogate");
-  EXPECT_EQ(error_of([] { json("[\"a\nb\"]"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("[\"a\nb\"]"); }),
             "test.json: byte 3: control character in a string (it must be escaped)");
-  EXPECT_EQ(error_of([] { json(std::string(100000, '[')); }),
+  EXPECT_EQ(message_of<FormatError>([] { json(std::string(100000, '[')); }),
             "test.json: byte 256: arrays and objects nested deeper than 256 levels (limit)");
   EXPECT_NO_THROW(json(std::string(256, '[') + std::string(256, ']')));
-  EXPECT_EQ(error_of([] { json(std::string(300, '{')); }),
+  EXPECT_EQ(message_of<FormatError>([] { json(std::string(300, '{')); }),
             "test.json: byte 1: unexpected character '{' (expected a string key)");
-  EXPECT_EQ(error_of([] { json("[1] x"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("[1] x"); }),
             "test.json: byte 4: unexpected character 'x' after the JSON value");
-  EXPECT_EQ(error_of([] { json("[01]"); }), "test.json: byte 1: invalid number (leading zero)");
-  EXPECT_EQ(error_of([] { json("[1.]"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("[01]"); }),
+            "test.json: byte 1: invalid number (leading zero)");
+  EXPECT_EQ(message_of<FormatError>([] { json("[1.]"); }),
             "test.json: byte 3: invalid number (expected a digit after '.')");
-  EXPECT_EQ(error_of([] { json("[1e400]"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("[1e400]"); }),
             "test.json: byte 1: number out of the range of a double");
-  EXPECT_EQ(error_of([] { json("[tru]"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("[tru]"); }),
             "test.json: byte 1: invalid literal (expected 'true')");
-  EXPECT_EQ(error_of([] { json("{\"a\" 1}"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("{\"a\" 1}"); }),
             "test.json: byte 5: unexpected character '1' (expected ':')");
-  EXPECT_EQ(error_of([] { json("[1,]"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("[1,]"); }),
             "test.json: byte 3: unexpected character ']' (expected a value)");
-  EXPECT_EQ(error_of([] { json(""); }),
+  EXPECT_EQ(message_of<FormatError>([] { json(""); }),
             "test.json: byte 0: unexpected end of input (expected a value)");
-  EXPECT_EQ(error_of([] { json("\"abc"); }), "test.json: byte 0: unterminated string");
-  EXPECT_EQ(error_of([] { json("[\x01]"); }),
+  EXPECT_EQ(message_of<FormatError>([] { json("\"abc"); }),
+            "test.json: byte 0: unterminated string");
+  EXPECT_EQ(message_of<FormatError>([] { json("[\x01]"); }),
             "test.json: byte 1: unexpected byte 0x01 (expected a value)");
 }
 
@@ -986,7 +1003,9 @@ TEST(SnapshotSchema, FromValueIsTolerantAndPrecise) {
   EXPECT_FALSE(seg.is_small);
   EXPECT_TRUE(s.device_traces.empty());
 
-  const auto err = [](const Value& v) { return error_of([&] { snapshot_from_value(v, "f"); }); };
+  const auto err = [](const Value& v) {
+    return message_of<FormatError>([&] { snapshot_from_value(v, "f"); });
+  };
   EXPECT_EQ(err(Value(3)), "f: a snapshot is a dict (or a list of segments), got a int");
   EXPECT_EQ(err(Value::dict({{"x", 1}})),
             "f: not a memory snapshot: it has neither 'segments' nor 'device_traces'");
@@ -1043,13 +1062,14 @@ TEST(SnapshotFiles, DetectsTheFormatFromTheContent) {
   EXPECT_TRUE(read_value_file(dir.file("b.dat.gz")) == v);
   write_file(dir.file("c.txt"), "hello");
   EXPECT_EQ(
-      error_of([&] { read_value_file(dir.file("c.txt")); }),
+      message_of<FormatError>([&] { read_value_file(dir.file("c.txt")); }),
       dir.file("c.txt") + ": byte 0: neither a pickle (byte 0x80) nor JSON ('{' or '['): got 0x68");
   write_file(dir.file("d.txt"), "  ");
-  EXPECT_CONTAINS(error_of([&] { read_value_file(dir.file("d.txt")); }), "empty file");
+  EXPECT_CONTAINS(message_of<FormatError>([&] { read_value_file(dir.file("d.txt")); }),
+                  "empty file");
   write_file(dir.file("e.pickle"), "\x80\x02]");
   EXPECT_EQ(
-      error_of([&] { read_value_file(dir.file("e.pickle")); }),
+      message_of<FormatError>([&] { read_value_file(dir.file("e.pickle")); }),
       dir.file("e.pickle") + ": byte 3: the data ends without a STOP opcode (truncated pickle?)");
   EXPECT_EQ(format_for_path("x.json.gz"), SnapshotFormat::kJson);
   EXPECT_EQ(format_for_path("x.json"), SnapshotFormat::kJson);
@@ -1222,7 +1242,7 @@ TEST(RmmLog, RoundTrip) {
 TEST(RmmLog, ErrorsNameTheLine) {
   const std::string header = "Thread,Time,Action,Pointer,Size,Stream\n";
   const auto err = [](const std::string& text) {
-    return error_of([&] { parse_rmm_log(text, "rmm.csv"); });
+    return message_of<FormatError>([&] { parse_rmm_log(text, "rmm.csv"); });
   };
   EXPECT_EQ(err(header + "1,00:00:01.0,allocate,0x10,1,0x0\n1,00:00:01.0,reallocate,0x10,1,0x0\n"),
             "rmm.csv:3: unknown action 'reallocate' (expected 'allocate', 'free' or 'allocate "

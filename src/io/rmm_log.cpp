@@ -60,8 +60,8 @@ class Parser {
   [[noreturn]] void fail(const std::string& what) const { lines_.fail(what); }
   [[noreturn]] void fail_field(Column column, std::string_view field,
                                const std::string& why) const {
-    fail("invalid " + std::string(column_name(kKnownColumns, column)) + " " + quoted(field) +
-         " (" + why + ")");
+    fail("invalid " + std::string(column_name(kKnownColumns, column)) + " " + quoted(field) + " (" +
+         why + ")");
   }
 
   void parse_header(std::string_view line) {

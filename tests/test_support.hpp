@@ -1,16 +1,35 @@
-// A fresh directory per test, named after the test and removed afterwards.
+// Helpers the test programs share.
 #pragma once
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <exception>
 #include <filesystem>
 #include <string>
 #include <system_error>
+#include <utility>
 
 namespace ccalloc_test {
 
+// The message of the `E` that `f` throws; a test failure (and "") if it throws nothing or
+// another exception.
+template <typename E, typename F>
+std::string message_of(F&& f) {
+  try {
+    std::forward<F>(f)();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected another exception type, got: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected an exception, nothing was thrown";
+  return {};
+}
+
+// A fresh directory per test, named after the test and removed afterwards.
 class TempDir {
  public:
   TempDir() {
