@@ -293,20 +293,7 @@ Snapshot AsyncBackend::snapshot() {
   const auto frames = stack_table().symbolize(ids);
 
   s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
-  auto& mine = s.device_traces[static_cast<std::size_t>(device())];
-  mine.reserve(entries.size());
-  for (const HistoryEntry& e : entries) {
-    SnapshotTraceEntry te;
-    te.action = e.action;
-    te.addr = e.addr;
-    te.size = e.size;
-    te.stream = e.stream;
-    te.time_us = e.time_us;
-    const auto f = frames.find(e.stack);
-    if (f != frames.end()) te.frames = f->second;
-    if (e.metadata != 0) te.user_metadata = metadata_string(e.metadata);
-    mine.push_back(std::move(te));
-  }
+  s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
   return s;
 }
 

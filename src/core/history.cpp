@@ -78,6 +78,31 @@ void set_current_metadata(std::uint32_t id) {
   t_metadata = id;
 }
 
+std::vector<SnapshotTraceEntry> snapshot_trace(
+    const std::vector<HistoryEntry>& entries,
+    const std::unordered_map<StackTable::Id, Frames>& frames) {
+  std::vector<SnapshotTraceEntry> trace;
+  trace.reserve(entries.size());
+  std::unordered_map<std::uint32_t, std::string> metadata;  // looked up once per id
+  for (const HistoryEntry& e : entries) {
+    SnapshotTraceEntry te;
+    te.action = e.action;
+    te.addr = e.addr;
+    te.size = e.size;
+    te.stream = e.stream;
+    te.time_us = e.time_us;
+    if (const auto f = frames.find(e.stack); f != frames.end()) te.frames = f->second;
+    if (e.metadata != 0) {
+      auto it = metadata.find(e.metadata);
+      if (it == metadata.end())
+        it = metadata.emplace(e.metadata, metadata_string(e.metadata)).first;
+      te.user_metadata = it->second;
+    }
+    trace.push_back(std::move(te));
+  }
+  return trace;
+}
+
 void HistoryRing::configure(std::size_t capacity, bool clear) {
   lock();
   std::vector<HistoryEntry> kept;
@@ -234,25 +259,7 @@ Snapshot Engine::snapshot() {
     block->frames = frames_of(id);
 
   s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
-  auto& mine = s.device_traces[static_cast<std::size_t>(device())];
-  mine.reserve(entries.size());
-  std::unordered_map<std::uint32_t, std::string> metadata;
-  for (const HistoryEntry& e : entries) {
-    SnapshotTraceEntry te;
-    te.action = e.action;
-    te.addr = e.addr;
-    te.size = e.size;
-    te.stream = e.stream;
-    te.time_us = e.time_us;
-    te.frames = frames_of(e.stack);
-    if (e.metadata != 0) {
-      auto it = metadata.find(e.metadata);
-      if (it == metadata.end())
-        it = metadata.emplace(e.metadata, metadata_string(e.metadata)).first;
-      te.user_metadata = it->second;
-    }
-    mine.push_back(std::move(te));
-  }
+  s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
 
   AllocatorSettings& st = s.allocator_settings;
   st = settings_of(config_);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ccalloc/snapshot.hpp"
@@ -85,5 +86,12 @@ std::uint32_t intern_metadata(const std::string& s);
 std::string metadata_string(std::uint32_t id);
 std::uint32_t current_metadata();
 void set_current_metadata(std::uint32_t id);
+
+// A snapshot's device trace from recorded entries (chronological): each entry's frames
+// come from `frames` (StackTable::symbolize of its stack ids), its metadata id becomes the
+// user metadata string.
+std::vector<SnapshotTraceEntry> snapshot_trace(
+    const std::vector<HistoryEntry>& entries,
+    const std::unordered_map<StackTable::Id, Frames>& frames);
 
 }  // namespace ccalloc::core
