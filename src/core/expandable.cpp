@@ -9,6 +9,39 @@
 
 namespace ccalloc::core {
 
+namespace {
+
+// Joins b's previous neighbour, already out of its pool, into b: b starts where it started
+// and keeps its segment stack (the stack of the mapping that began the range).
+void absorb_prev(Arena& arena, Block* b) {
+  Block* p = b->prev;
+  b->ptr = p->ptr;
+  b->size += p->size;
+  b->prev = p->prev;
+  if (b->prev != nullptr) b->prev->next = b;
+  if (p->segment_stack != 0) b->segment_stack = p->segment_stack;
+  arena.blocks.recycle(p);
+}
+
+// Joins b's next neighbour, already out of its pool, into b.
+void absorb_next(Arena& arena, Block* b) {
+  Block* n = b->next;
+  b->size += n->size;
+  b->next = n->next;
+  if (b->next != nullptr) b->next->prev = b;
+  arena.blocks.recycle(n);
+}
+
+// Links the new block `f` into the segment's list right after b.
+void link_after(Block* b, Block* f) {
+  f->prev = b;
+  f->next = b->next;
+  if (f->next != nullptr) f->next->prev = f;
+  b->next = f;
+}
+
+}  // namespace
+
 ExpandableSegment::ExpandableSegment(Driver& driver, Arena* arena, bool small, std::size_t page,
                                      std::size_t reserve)
     : driver_(driver), arena_(arena), small_(small), page_(page) {
@@ -118,10 +151,7 @@ bool Engine::map_block(Arena& arena, Block* b, std::size_t size) {
     remaining->pool = &pool;
     remaining->segment = b->segment;
     remaining->mapped = false;
-    remaining->prev = b;
-    remaining->next = b->next;
-    if (b->next != nullptr) b->next->prev = remaining;
-    b->next = remaining;
+    link_after(b, remaining);
     b->size = r.size;
     pool.unmapped.insert(remaining);
   }
@@ -151,22 +181,12 @@ void Engine::merge_mapped_neighbours(Arena& arena, Block* b) {
     return n != nullptr && n->mapped && !n->allocated && n->event_count == 0;
   };
   if (free_mapped(b->prev)) {
-    Block* p = b->prev;
-    p->pool->blocks.erase(p);
-    b->ptr = p->ptr;
-    b->size += p->size;
-    b->prev = p->prev;
-    if (b->prev != nullptr) b->prev->next = b;
-    if (p->segment_stack != 0) b->segment_stack = p->segment_stack;
-    arena.blocks.recycle(p);
+    b->prev->pool->blocks.erase(b->prev);
+    absorb_prev(arena, b);
   }
   if (free_mapped(b->next)) {
-    Block* n = b->next;
-    n->pool->blocks.erase(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (b->next != nullptr) b->next->prev = b;
-    arena.blocks.recycle(n);
+    b->next->pool->blocks.erase(b->next);
+    absorb_next(arena, b);
   }
 }
 
@@ -215,10 +235,7 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
     f->size = after;
     f->pool = &pool;
     f->segment = b->segment;
-    f->prev = b;
-    f->next = b->next;
-    if (f->next != nullptr) f->next->prev = f;
-    b->next = f;
+    link_after(b, f);
     insert_into_pool(pool, f);
   }
   b->ptr = r.ptr;
@@ -236,22 +253,12 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
   record_trace(TraceAction::kSegmentUnmap, r.ptr, r.size, arena.stream, b);
   // Merge with unmapped neighbours.
   if (b->prev != nullptr && !b->prev->mapped) {
-    Block* p = b->prev;
-    pool.unmapped.erase(p);
-    b->ptr = p->ptr;
-    b->size += p->size;
-    b->prev = p->prev;
-    if (b->prev != nullptr) b->prev->next = b;
-    if (p->segment_stack != 0) b->segment_stack = p->segment_stack;
-    arena.blocks.recycle(p);
+    pool.unmapped.erase(b->prev);
+    absorb_prev(arena, b);
   }
   if (b->next != nullptr && !b->next->mapped) {
-    Block* n = b->next;
-    pool.unmapped.erase(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (b->next != nullptr) b->next->prev = b;
-    arena.blocks.recycle(n);
+    pool.unmapped.erase(b->next);
+    absorb_next(arena, b);
   }
   pool.unmapped.insert(b);
   return b;
