@@ -224,7 +224,7 @@ TEST(Expandable, ReserveIsConfigurable) {
 class RecordedExpandable : public testing::TestWithParam<std::string> {};
 
 TEST_P(RecordedExpandable, ReplayMatchesRecordedPeakAndMappings) {
-  const auto trace = ccalloc::io::read_trace_csv(std::string(CCALLOC_SHARED_TRACES) + "/" +
+  const auto trace = ccalloc::io::read_trace_csv(std::string(CCALLOC_TRACES_DIR) + "/" +
                                                  GetParam() + ".expandable.csv.gz");
   ccalloc::replay::Options options;
   options.conf = "pytorch,expandable_segments:True";

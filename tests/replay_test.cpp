@@ -18,8 +18,8 @@
 #include "io/trace_csv.hpp"
 #include "test_support.hpp"
 
-#ifndef CCALLOC_SHARED_TRACES
-#define CCALLOC_SHARED_TRACES "/work/shared/traces"
+#ifndef CCALLOC_TRACES_DIR
+#error "CCALLOC_TRACES_DIR must name data/traces (set by the build)"
 #endif
 
 namespace {
@@ -32,7 +32,7 @@ using ccalloc::io::TraceRecord;
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr DevicePtr kSeg = DevicePtr{0x7f1200000000};  // 2 MiB aligned
-const std::string kResnet = std::string(CCALLOC_SHARED_TRACES) + "/resnet50_train.csv.gz";
+const std::string kResnet = std::string(CCALLOC_TRACES_DIR) + "/resnet50_train.csv.gz";
 const std::string kCli = std::string(CCALLOC_BINARY_DIR) + "/bin/ccalloc";
 
 bool contains(const std::string& haystack, const std::string& needle) {

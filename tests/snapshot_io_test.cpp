@@ -1,5 +1,5 @@
 // Snapshot files: the pickle and JSON readers and writers, the typed snapshot schema
-// against PyTorch's own snapshots in shared/traces, and the RMM log format.
+// against PyTorch's own snapshots in data/traces, and the RMM log format.
 #include "io/snapshot_io.hpp"
 
 #include <gtest/gtest.h>
@@ -24,8 +24,8 @@
 #include "io/trace_csv.hpp"
 #include "test_support.hpp"
 
-#ifndef CCALLOC_SHARED_TRACES
-#define CCALLOC_SHARED_TRACES "/work/shared/traces"
+#ifndef CCALLOC_TRACES_DIR
+#error "CCALLOC_TRACES_DIR must name data/traces (set by the build)"
 #endif
 
 namespace ccalloc::io {
@@ -36,7 +36,7 @@ using ccalloc_test::message_of;
 namespace fs = std::filesystem;
 using namespace std::string_literals;
 
-const std::string kTraces = CCALLOC_SHARED_TRACES;
+const std::string kTraces = CCALLOC_TRACES_DIR;
 
 using ccalloc_test::TempDir;
 
@@ -53,7 +53,7 @@ std::vector<std::string> shared_pickles() {
 
 #define REQUIRE_TRACES()                                                      \
   do {                                                                        \
-    if (shared_pickles().empty()) GTEST_SKIP() << "no traces in " << kTraces; \
+    if (shared_pickles().empty()) FAIL() << "no traces in " << kTraces;     \
   } while (0)
 
 #define EXPECT_CONTAINS(haystack, needle)                          \

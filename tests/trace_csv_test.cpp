@@ -19,8 +19,8 @@
 #include "io/gzip.hpp"
 #include "test_support.hpp"
 
-#ifndef CCALLOC_SHARED_TRACES
-#define CCALLOC_SHARED_TRACES "/work/shared/traces"
+#ifndef CCALLOC_TRACES_DIR
+#error "CCALLOC_TRACES_DIR must name data/traces (set by the build)"
 #endif
 
 namespace ccalloc::io {
@@ -28,7 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kTraces = CCALLOC_SHARED_TRACES;
+const std::string kTraces = CCALLOC_TRACES_DIR;
 const std::string kResnet = kTraces + "/resnet50_train.csv.gz";
 
 // The bytes of a file exactly as stored, bypassing read_file's decompression.

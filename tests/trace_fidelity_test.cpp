@@ -1,4 +1,4 @@
-// Acceptance: replaying PyTorch's own recorded traces (shared/traces) with the `pytorch`
+// Acceptance: replaying PyTorch's own recorded traces (data/traces) with the `pytorch`
 // preset reproduces PyTorch's decisions exactly. With the address oracle, every
 // segment_alloc and every alloc gets the same address and size, in the same order; without
 // it, peak reserved memory stays within 2 % of the recorded peak.
@@ -17,7 +17,7 @@ using ccalloc::TraceEntry;
 using ccalloc::io::TraceRecord;
 
 std::vector<TraceRecord> load(const std::string& stem) {
-  return ccalloc::io::read_trace_csv(std::string(CCALLOC_SHARED_TRACES) + "/" + stem + ".csv.gz");
+  return ccalloc::io::read_trace_csv(std::string(CCALLOC_TRACES_DIR) + "/" + stem + ".csv.gz");
 }
 
 struct Row {
@@ -81,7 +81,7 @@ TEST_P(RecordedTrace, ReplayWithoutOracleStaysWithinTwoPercentOfRecordedPeak) {
 INSTANTIATE_TEST_SUITE_P(SharedTraces, RecordedTrace,
                          testing::Values("resnet50_train", "gpt2_train_varlen", "moe_train"));
 
-// PyTorch's published max_memory_allocated() for these runs (shared/traces/README.md).
+// PyTorch's published max_memory_allocated() for these runs (data/traces/README.md).
 TEST(RecordedTrace, OracleReplayMatchesPyTorchMaxMemoryAllocated) {
   const std::pair<const char*, std::int64_t> expected[] = {
       {"resnet50_train", 3'218'915'840},

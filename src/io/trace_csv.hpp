@@ -1,4 +1,4 @@
-// The trace CSV format of shared/traces: a header line, then one row per trace entry:
+// The trace CSV format of data/traces: a header line, then one row per trace entry:
 //
 //   action,addr,size,stream,time_us
 //

@@ -2,7 +2,7 @@
 // playwright-core. Run by scripts/test-viz (which builds ccalloc and installs what is
 // missing):
 //
-//   node tests/viz/viewer_test.js --ccalloc build/plain/bin/ccalloc --traces ../shared/traces \
+//   node tests/viz/viewer_test.js --ccalloc build/plain/bin/ccalloc --traces data/traces \
 //        --out build/viz-artifacts --work build/viz-work
 //
 // For every trace file: `ccalloc viz` writes the page; the page loads with no console error,
@@ -28,7 +28,7 @@ const BIG_FIRST_FRAME_BUDGET_MS = 15000;
 const BIG_PAN_FRAME_BUDGET_MS = 250;  // "pans without freezing" on a 2-core CI machine
 
 function parseArgs() {
-  const args = { ccalloc: 'build/plain/bin/ccalloc', traces: process.env.CCALLOC_SHARED_TRACES || '../shared/traces',
+  const args = { ccalloc: 'build/plain/bin/ccalloc', traces: process.env.CCALLOC_TRACES_DIR || 'data/traces',
     out: 'build/viz-artifacts', work: 'build/viz-work', only: null, big: true };
   const argv = process.argv.slice(2);
   for (let i = 0; i < argv.length; i++) {

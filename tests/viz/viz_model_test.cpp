@@ -19,8 +19,8 @@
 #include "viz/page.hpp"
 #include "viz/what_if.hpp"
 
-#ifndef CCALLOC_SHARED_TRACES
-#define CCALLOC_SHARED_TRACES "/work/shared/traces"
+#ifndef CCALLOC_TRACES_DIR
+#error "CCALLOC_TRACES_DIR must name data/traces (set by the build)"
 #endif
 
 namespace {
@@ -197,7 +197,7 @@ TEST(VizModel, RealTraceEndsWithTheSnapshotsSegments) {
   for (const char* stem : {"gpt2_train_varlen", "gpt2_train_varlen.expandable"}) {
     SCOPED_TRACE(stem);
     const Snapshot s =
-        ccalloc::io::read_snapshot(std::string(CCALLOC_SHARED_TRACES) + "/" + stem + ".pickle.gz");
+        ccalloc::io::read_snapshot(std::string(CCALLOC_TRACES_DIR) + "/" + stem + ".pickle.gz");
     const Model m = ccalloc::viz::build_model(s, 0);
     EXPECT_TRUE(m.warnings.empty()) << m.warnings.front();
     EXPECT_EQ(segments_after(m, m.never() - 1), s.segments.size());
@@ -299,7 +299,7 @@ TEST(VizPage, EmbedsAPayloadThatDecodesToTheModel) {
 // even after releasing its cache), where expandable segments fit: the what-if replays say so.
 TEST(VizWhatIf, ExpandableSegmentsAvoidGpt2sOomsOnTenGiB) {
   const auto trace =
-      ccalloc::io::read_trace_csv(std::string(CCALLOC_SHARED_TRACES) + "/gpt2_train_varlen.csv.gz");
+      ccalloc::io::read_trace_csv(std::string(CCALLOC_TRACES_DIR) + "/gpt2_train_varlen.csv.gz");
   ccalloc::replay::Options options;
   options.conf = "pytorch";
   options.capacity = ccalloc::replay::parse_size("10.2GiB");
