@@ -56,7 +56,7 @@ Config WithoutSource(Config c) {
 TEST(ConfigDefaults, MemberInitialisersArePyTorchNativeDefaults) {
   const Config c;
   EXPECT_EQ(c.preset, "ccalloc");
-  EXPECT_EQ(c.backend, Backend::kNative);
+  EXPECT_EQ(c.backend, BackendKind::kNative);
   EXPECT_EQ(c.max_split_size, SIZE_MAX);
   EXPECT_EQ(c.max_non_split_rounding_size, 20 * kMiB);
   EXPECT_EQ(c.large_segment_size, 20 * kMiB);
@@ -92,11 +92,11 @@ TEST(ConfigKeys, SourceHoldsTheRawText) {
 }
 
 TEST(ConfigKeys, BackendCudaMallocAsync) {
-  EXPECT_EQ(Config::parse("backend:cudaMallocAsync").backend, Backend::kCudaMallocAsync);
+  EXPECT_EQ(Config::parse("backend:cudaMallocAsync").backend, BackendKind::kCudaMallocAsync);
 }
 
 TEST(ConfigKeys, BackendNative) {
-  EXPECT_EQ(Config::parse("backend:native").backend, Backend::kNative);
+  EXPECT_EQ(Config::parse("backend:native").backend, BackendKind::kNative);
 }
 
 TEST(ConfigKeys, MaxSplitSizeMbIsStoredInBytes) {
@@ -232,7 +232,7 @@ TEST(ConfigPreset, PytorchPresetThenKeyOverridesThatKeyOnly) {
 TEST(ConfigPreset, PytorchPresetHasPyTorchNativeDefaults) {
   const Config c = Config::parse("pytorch");
   EXPECT_EQ(c.preset, "pytorch");
-  EXPECT_EQ(c.backend, Backend::kNative);
+  EXPECT_EQ(c.backend, BackendKind::kNative);
   EXPECT_EQ(c.max_split_size, SIZE_MAX);
   EXPECT_EQ(c.max_non_split_rounding_size, 20 * kMiB);
   EXPECT_EQ(c.large_segment_size, 20 * kMiB);

@@ -19,14 +19,16 @@ namespace ccalloc {
 
 inline constexpr std::size_t kMiB = 1024 * 1024;
 
-enum class Backend { kNative, kCudaMallocAsync };
+// Which implementation serves the allocator (the config key `backend`): the native caching
+// engine or the device's stream-ordered pool.
+enum class BackendKind { kNative, kCudaMallocAsync };
 
 struct Config {
   // Number of power-of-two intervals of the roundup table: [1 MiB, 2 MiB) ... [32 GiB, inf).
   static constexpr int kRoundupIntervals = 16;
 
   std::string preset = "ccalloc";
-  Backend backend = Backend::kNative;
+  BackendKind backend = BackendKind::kNative;
   // Blocks of at least this size are "oversize": never split, never given to smaller
   // requests, releasable by the OOM ladder. SIZE_MAX means unlimited.
   std::size_t max_split_size = SIZE_MAX;

@@ -2,7 +2,7 @@
 // trace and observer plumbing.
 #include <algorithm>
 
-#include "core/allocator_impl.hpp"
+#include "core/engine.hpp"
 #include "core/async_backend.hpp"
 
 namespace ccalloc {
@@ -161,7 +161,7 @@ Driver& Allocator::driver() const {
 namespace ccalloc::core {
 
 std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
-  if (config.backend == ccalloc::Backend::kCudaMallocAsync) {
+  if (config.backend == ccalloc::BackendKind::kCudaMallocAsync) {
     return std::make_unique<AsyncBackend>(driver, std::move(config));
   }
   return std::make_unique<Engine>(driver, std::move(config));

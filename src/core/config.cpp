@@ -32,7 +32,7 @@ namespace {
 Config pytorch_defaults() {
   Config c;
   c.preset = "pytorch";
-  c.backend = Backend::kNative;
+  c.backend = BackendKind::kNative;
   c.max_split_size = SIZE_MAX;
   c.max_non_split_rounding_size = 20 * kMiB;
   c.large_segment_size = 20 * kMiB;
@@ -428,9 +428,9 @@ void set_value(Config& c, const Entry& e) {
   const std::string_view key = e.key.text;
   if (key == kKeyBackend) {
     if (!e.is_list && e.value.text == "native") {
-      c.backend = Backend::kNative;
+      c.backend = BackendKind::kNative;
     } else if (!e.is_list && e.value.text == "cudaMallocAsync") {
-      c.backend = Backend::kCudaMallocAsync;
+      c.backend = BackendKind::kCudaMallocAsync;
     } else {
       throw_invalid_value(key, e.value,
                           "unknown allocator backend, options are native and cudaMallocAsync");
@@ -549,7 +549,7 @@ std::string Config::to_string() const {
     out += ':';
     out += value;
   };
-  add(kKeyBackend, backend == Backend::kNative ? "native" : "cudaMallocAsync");
+  add(kKeyBackend, backend == BackendKind::kNative ? "native" : "cudaMallocAsync");
   // Unlimited, the "off" threshold and the "no reserve" size have no spelling in the
   // grammar (each key rejects them), so they are written by leaving the key out.
   if (max_split_size != SIZE_MAX) add(kKeyMaxSplit, std::to_string(max_split_size / kMiB));

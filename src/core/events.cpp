@@ -4,7 +4,7 @@
 // empty_cache().
 #include <algorithm>
 
-#include "core/allocator_impl.hpp"
+#include "core/engine.hpp"
 
 namespace ccalloc::core {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "core/allocator_impl.hpp"
+#include "core/engine.hpp"
 #include "core/arena.hpp"
 #include "core/rounding.hpp"
 

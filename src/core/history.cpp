@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <unordered_map>
 
-#include "core/allocator_impl.hpp"
+#include "core/engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 

@@ -17,7 +17,7 @@
 #include <cstdio>
 #include <optional>
 
-#include "core/allocator_impl.hpp"
+#include "core/engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 

@@ -3,7 +3,7 @@
 
 #include <string_view>
 
-#include "core/allocator_impl.hpp"
+#include "core/engine.hpp"
 
 namespace ccalloc {
 namespace {

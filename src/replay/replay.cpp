@@ -166,7 +166,7 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
   const DeviceStats& s = result.stats;
   // The stream-ordered pool backend knows only the bytes in use, which are the requested
   // bytes there (PyTorch's cudaMallocAsync backend leaves requested_bytes at 0).
-  result.peak_requested_bytes = allocator.config().backend == Backend::kCudaMallocAsync
+  result.peak_requested_bytes = allocator.config().backend == BackendKind::kCudaMallocAsync
                                     ? s.allocated_bytes[kAggregate].peak
                                     : s.requested_bytes[kAggregate].peak;
   result.peak_allocated_bytes = s.allocated_bytes[kAggregate].peak;

@@ -59,7 +59,7 @@ constexpr const char* kConfigs[] = {"pytorch", "ccalloc", "pytorch,expandable_se
 // the pool (allocated/active/reserved bytes "all"), and its OOM message is PyTorch's
 // CUDAMallocAsyncAllocator's.
 bool is_async(const char* conf) {
-  return ccalloc::Config::parse(conf).backend == ccalloc::Backend::kCudaMallocAsync;
+  return ccalloc::Config::parse(conf).backend == ccalloc::BackendKind::kCudaMallocAsync;
 }
 
 // ---------------------------------------------------------------------------------------

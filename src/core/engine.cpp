@@ -8,7 +8,7 @@
 #include <optional>
 #include <utility>
 
-#include "core/allocator_impl.hpp"
+#include "core/engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 
