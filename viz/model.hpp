@@ -30,7 +30,7 @@
 
 namespace ccalloc::viz {
 
-// Event kinds as the page numbers them (viewer.js EVENT_NAMES follows this order).
+// Event kinds as the page numbers them (viz/js/common.js EVENT_NAMES follows this order).
 enum class EventKind : std::uint8_t {
   kAlloc,
   kFreeRequested,  // the program freed it; the block waits for other streams' events

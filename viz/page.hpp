@@ -1,7 +1,7 @@
-// The memory viewer page: one self-contained HTML file (viewer.html, viewer.css and
-// viewer.js embedded at build time) holding one device's model as its payload.
+// The memory viewer page: one self-contained HTML file (viewer.html, viewer.css and the
+// scripts of js/ embedded at build time) holding one device's model as its payload.
 //
-// Payload (read by viewer.js `loadPayload`):
+// Payload (read by js/data.js `loadPayload`):
 //   <script id="ccalloc-meta" type="application/json">  small JSON: titles, the column
 //       table, streams, the stack table, memory_summary, statistics, settings, OOM facts
 //       and what-if replays. Every '<' is written as \u003c so no text can end the script.

@@ -55,7 +55,7 @@ Snapshot with_trace(std::vector<SnapshotTraceEntry> trace) {
 }
 
 // Segments after event e as the page shows them: live spans, touching expandable spans of
-// one stream merged (viewer.js stateAt does the same).
+// one stream merged (viz/js/state_view.js stateAt does the same).
 std::size_t segments_after(const Model& m, std::int32_t e) {
   std::vector<const SegmentSpan*> live;
   for (const SegmentSpan& s : m.spans) {

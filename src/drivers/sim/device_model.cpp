@@ -1,0 +1,244 @@
+// The simulated GPU's device model: its address space (first-fit placement and the
+// address oracle), device allocations (cudaMalloc / cudaFree), streams and events, and the
+// driver calls' counters and cost for them.
+//
+// Invariants, all under mutex_:
+//   used_ == sum of the sizes in live_;
+//   the ranges of live_, reservations_ and pool_slots_ are pairwise disjoint and never
+//   contain 0 (every placement, here and in the other models, goes through first_fit or
+//   avoids all three maps);
+//   for every stream, completed <= recorded, and an event (or pool free) recorded on it at
+//   sequence q is complete exactly when q <= completed (work on a stream finishes in order).
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "drivers/sim/sim_common.hpp"
+
+namespace ccalloc::sim {
+namespace {
+
+// Completes `e` and everything queued before it on its stream. A template only because
+// the event and stream types are private to SimDriver.
+template <typename Streams, typename Event>
+void complete_through(Streams& streams, const Event& e) {
+  if (!e.recorded) return;
+  auto& s = streams.at(e.stream);
+  s.completed = std::max(s.completed, e.sequence);
+}
+
+}  // namespace
+
+void SimDriver::set_address_oracle(std::vector<OracleEntry> sequence) {
+  std::lock_guard lock(mutex_);
+  oracle_ = std::move(sequence);
+  oracle_next_ = 0;
+  oracle_hits_ = 0;
+  oracle_diverged_ = false;
+}
+
+std::size_t SimDriver::oracle_hits() const {
+  std::lock_guard lock(mutex_);
+  return oracle_hits_;
+}
+
+bool SimDriver::oracle_diverged() const {
+  std::lock_guard lock(mutex_);
+  return oracle_diverged_;
+}
+
+// The oracle is consulted only for allocations that fit, because a recorded cudaMalloc
+// that ran out of memory produced no address to replay.
+DevicePtr SimDriver::place(std::size_t bytes) {
+  if (!oracle_diverged_ && oracle_next_ < oracle_.size()) {
+    const OracleEntry& next = oracle_[oracle_next_];
+    // A recorded run's addresses stay meaningful only while both runs ask for the same
+    // sizes in the same order; after the first difference, later entries describe a
+    // different history, so the oracle is abandoned for good rather than resynchronised.
+    const bool usable = next.size == bytes && next.address != 0 &&
+                        bytes <= kMaxPtr - next.address &&
+                        !overlaps_any(next.address, next.address + bytes);
+    if (usable) {
+      ++oracle_next_;
+      ++oracle_hits_;
+      return next.address;
+    }
+    oracle_diverged_ = true;
+  }
+
+  return first_fit(options_.base_address, bytes, options_.alignment);
+}
+
+// The lowest `alignment`-aligned address at or above `start` whose range overlaps no device
+// allocation, reservation or pool range. Oracle ranges may be unaligned or lie below
+// base_address, so a range can end anywhere; the search relies only on each map being
+// sorted and disjoint.
+DevicePtr SimDriver::first_fit(DevicePtr start, std::size_t bytes, std::size_t alignment) const {
+  const int device = options_.device;
+  DevicePtr addr = align_up(start, alignment, device);
+  for (;;) {
+    const DevicePtr end = range_end(addr, bytes, device);
+    const DevicePtr next =
+        std::max({overlap_end(live_, addr, end, plain_size),
+                  overlap_end(reservations_, addr, end, plain_size),
+                  overlap_end(pool_slots_, addr, end, [](const PoolSlot& s) { return s.bytes; })});
+    if (next == 0) return addr;
+    addr = align_up(next, alignment, device);
+  }
+}
+
+bool SimDriver::overlaps_any(DevicePtr addr, DevicePtr end) const {
+  return overlap_end(live_, addr, end, plain_size) != 0 ||
+         overlap_end(reservations_, addr, end, plain_size) != 0 ||
+         overlap_end(pool_slots_, addr, end, [](const PoolSlot& s) { return s.bytes; }) != 0;
+}
+
+DevicePtr SimDriver::allocate(std::size_t bytes) {
+  if (bytes == 0) {
+    throw DriverError("ccalloc: allocate of 0 bytes on " + device_label(options_.device) +
+                      ": the driver needs a positive size");
+  }
+  std::lock_guard lock(mutex_);
+  ++counters_.allocate_calls;
+  // A failed cudaMalloc still costs a driver round trip, so OOMs are charged too.
+  driver_us_ += options_.cost.allocate_us;
+  if (bytes > options_.capacity - device_used()) {
+    ++counters_.allocate_ooms;
+    return 0;
+  }
+  const DevicePtr addr = place(bytes);
+  live_.emplace(addr, bytes);
+  used_ += bytes;
+  return addr;
+}
+
+void SimDriver::free(DevicePtr ptr, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  const auto it = live_.find(ptr);
+  if (it == live_.end() || it->second != bytes) {
+    char buf[320];
+    if (it == live_.end()) {
+      std::snprintf(buf, sizeof buf,
+                    "ccalloc: free of pointer 0x%" PRIxPTR
+                    " (%zu bytes) on %s, which is not the start of a live allocation",
+                    ptr, bytes, device_label(options_.device).c_str());
+    } else {
+      std::snprintf(buf, sizeof buf,
+                    "ccalloc: free of pointer 0x%" PRIxPTR
+                    " with size %zu bytes on %s, but it was allocated with %zu bytes",
+                    ptr, bytes, device_label(options_.device).c_str(), it->second);
+    }
+    throw DriverError(buf);
+  }
+  live_.erase(it);
+  used_ -= bytes;
+  ++counters_.free_calls;
+  driver_us_ += options_.cost.free_us;
+}
+
+MemInfo SimDriver::mem_info() {
+  std::lock_guard lock(mutex_);
+  ++counters_.mem_info_calls;
+  return MemInfo{options_.capacity - device_used(), options_.capacity};
+}
+
+EventId SimDriver::create_event() {
+  std::lock_guard lock(mutex_);
+  ++counters_.event_creates;
+  const EventId id = next_event_++;
+  events_.emplace(id, Event{});
+  return id;
+}
+
+void SimDriver::destroy_event(EventId event) {
+  std::lock_guard lock(mutex_);
+  event_ref(event);
+  events_.erase(event);
+  ++counters_.event_destroys;
+}
+
+void SimDriver::record_event(EventId event, StreamId stream) {
+  std::lock_guard lock(mutex_);
+  Event& e = event_ref(event);
+  StreamState& s = streams_[stream];
+  // Re-recording moves the event to the stream's tail, as cudaEventRecord does: it then
+  // waits for the new work only.
+  e.recorded = true;
+  e.stream = stream;
+  e.sequence = ++s.recorded;
+  if (options_.events_complete_immediately) s.completed = s.recorded;
+  ++counters_.event_records;
+  driver_us_ += options_.cost.event_record_us;
+}
+
+bool SimDriver::query_event(EventId event) {
+  std::lock_guard lock(mutex_);
+  const Event& e = event_ref(event);
+  ++counters_.event_queries;
+  driver_us_ += options_.cost.event_query_us;
+  return event_done(e);
+}
+
+void SimDriver::complete_event(EventId event) {
+  std::lock_guard lock(mutex_);
+  complete_through(streams_, event_ref(event));
+}
+
+void SimDriver::complete_stream(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  const auto it = streams_.find(stream);
+  if (it != streams_.end()) it->second.completed = it->second.recorded;
+}
+
+void SimDriver::complete_all() {
+  std::lock_guard lock(mutex_);
+  for (auto& [id, s] : streams_)
+    s.completed = s.recorded;
+}
+
+void SimDriver::synchronize_event(EventId event) {
+  std::lock_guard lock(mutex_);
+  complete_through(streams_, event_ref(event));
+  ++counters_.event_synchronizes;
+  driver_us_ += options_.cost.synchronize_us;
+}
+
+void SimDriver::synchronize_stream(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  const auto it = streams_.find(stream);
+  if (it != streams_.end()) it->second.completed = it->second.recorded;
+  ++counters_.stream_synchronizes;
+  driver_us_ += options_.cost.synchronize_us;
+}
+
+bool SimDriver::event_done(const Event& e) const {
+  if (!e.recorded) return true;
+  return e.sequence <= streams_.at(e.stream).completed;
+}
+
+SimDriver::Event& SimDriver::event_ref(EventId event) {
+  const auto it = events_.find(event);
+  if (it == events_.end()) {
+    throw DriverError("ccalloc: unknown event " + std::to_string(event) + " on " +
+                      device_label(options_.device) +
+                      ": it was never created by this driver, or it was destroyed");
+  }
+  return it->second;
+}
+
+void SimDriver::stream_wait_event(StreamId stream, EventId event) {
+  std::lock_guard lock(mutex_);
+  const Event& e = event_ref(event);
+  // Waiting on an event never recorded is a no-op, as in CUDA.
+  if (e.recorded && e.stream != stream) {
+    std::uint64_t& waited = streams_[stream].waited[e.stream];
+    waited = std::max(waited, e.sequence);
+  }
+  ++counters_.stream_waits;
+  driver_us_ += options_.cost.stream_wait_us;
+}
+
+}  // namespace ccalloc::sim
