@@ -2,7 +2,7 @@
 // `pytorch` preset: where blocks land (exact addresses), how segments are sized, best fit,
 // splitting and merging, per-stream pools, record_stream, empty_cache, every statistic,
 // uncached mode and the errors. Every expected value is worked out by hand from §2 and §3
-// of shared/reference/pytorch-allocator.md; comments show the arithmetic.
+// of docs/pytorch-behaviour.md; comments show the arithmetic.
 //
 // Addresses: the simulated GPU places each device allocation at the lowest 2 MiB-aligned
 // address >= 0x7f0000000000 that overlaps no live allocation (docs/simulated-gpu.md).

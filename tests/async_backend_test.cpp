@@ -1,5 +1,5 @@
 // backend:cudaMallocAsync on the simulated GPU (src/core/async_backend.hpp; PyTorch's
-// CUDAMallocAsyncAllocator, shared/reference/pytorch-allocator.md §2.18).
+// CUDAMallocAsyncAllocator, docs/pytorch-behaviour.md §2.18).
 #include "core/async_backend.hpp"
 
 #include <gtest/gtest.h>

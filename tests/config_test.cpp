@@ -1,5 +1,5 @@
 // Config::parse, from_environment, roundup_divisions_for and to_string: the grammar and the
-// option table of §1 of the PyTorch reference.
+// option table of docs/pytorch-behaviour.md §1.
 #include "ccalloc/config.hpp"
 
 #include <gtest/gtest.h>

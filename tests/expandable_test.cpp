@@ -1,6 +1,6 @@
 // Expandable segments (expandable_segments:True): one address reservation per (stream,
 // pool), pages mapped on demand lowest address first, only wholly free pages unmapped.
-// Expected values follow shared/reference/pytorch-allocator.md §2.16.
+// Expected values follow docs/pytorch-behaviour.md §2.16.
 #include <gtest/gtest.h>
 
 #include <string>

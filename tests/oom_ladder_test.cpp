@@ -1,6 +1,6 @@
 // The OOM ladder, free-memory callbacks, the OOM error and its observers, the per-process
 // memory fraction and the age-based garbage collector, against
-// shared/reference/pytorch-allocator.md §2.5-§2.15 and src/core/oom_ladder.cpp's ladder:
+// docs/pytorch-behaviour.md §2.5-§2.15 and src/core/oom_ladder.cpp's ladder:
 //   free list -> free-memory callbacks -> (GC) -> new segment -> release oversize blocks of
 //   the stream + new segment -> wait for pending frees, release every cached segment + new
 //   segment (a retry) -> free list again (ccalloc's fix of pytorch#189504) -> OOM.
@@ -485,8 +485,8 @@ TEST(OomRecovery, AllocatorStaysConsistentAndUsable) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The message (DESIGN.md "Errors": request, capacity, free, allocated vs reserved but
-// unallocated, largest free block, the config that would help)
+// The message (docs/design.md#errors-and-bad-input: request, capacity, free, allocated vs
+// reserved but unallocated, largest free block, the config that would help)
 
 // "Tried to allocate" states the request, not the 20 MiB segment PyTorch reports (§7).
 TEST(OomMessage, StatesTheRequestedSizeNotTheSegmentSize) {

@@ -1,7 +1,7 @@
-// The size rules of src/core/rounding.hpp: request rounding (round_size, reference §2.3 and
-// the roundup table of §1.4), segment sizes (§2.4), the split rule (§2.8) and the oversize
-// rules of get_free_block (§2.6). Every expected value is computed by hand from the
-// reference's pseudocode; the comments show the arithmetic.
+// The size rules of src/core/rounding.hpp against docs/pytorch-behaviour.md: request rounding
+// (round_size, §2.3, and the roundup table of §1.4), segment sizes (§2.4), the split rule
+// (§2.8) and the oversize rules of get_free_block (§2.6). Every expected value is computed by
+// hand from the pseudocode there; the comments show the arithmetic.
 #include "core/rounding.hpp"
 
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // DeviceStats::to_map/from_map (PyTorch's memory_stats() keys, §3.3), memory_summary()
 // (PyTorch's exact 75-column layout, §3.4), format_size (§2.14), and the reset functions
-// (§3.2) through the allocator, against shared/reference/pytorch-allocator.md.
+// (§3.2) through the allocator, against docs/pytorch-behaviour.md.
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -185,7 +185,7 @@ const std::vector<std::string> kAllKeys = {
     "segment.small_pool.peak",
 };
 
-// The sample table of §3.4, copied from the reference.
+// The sample table of §3.4, copied from docs/pytorch-behaviour.md.
 constexpr const char* kSampleSummary =
     "|===========================================================================|\n"
     "|                  PyTorch CUDA memory summary, device ID 0                 |\n"

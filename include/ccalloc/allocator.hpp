@@ -126,7 +126,7 @@ class Allocator {
   // any device ("" detaches it).
   static void set_user_metadata(const std::string& metadata);
 
-  // Verifies every invariant of the allocator's state (DESIGN.md "Invariants"); throws
+  // Verifies every invariant of the allocator's state (docs/design.md#invariants); throws
   // InvariantError naming the first violation.
   void check_invariants() const;
   // When on, check_invariants() runs after every public operation. Defaults to the

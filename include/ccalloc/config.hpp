@@ -73,7 +73,8 @@ struct Config {
   // PYTORCH_NO_CUDA_MEMORY_CACHING=1.
   static Config from_environment();
 
-  // Divisions that apply to a request of `size` bytes (the table lookup of §1.4).
+  // Divisions that apply to a request of `size` bytes (the table lookup of
+  // docs/pytorch-behaviour.md §1.4).
   std::size_t roundup_divisions_for(std::size_t size) const;
   // Canonical string of every setting, parseable by parse().
   std::string to_string() const;

@@ -51,21 +51,21 @@ namespace ccalloc::sim {
 
 inline constexpr std::size_t kGiB = std::size_t{1} << 30;
 
-// Simulated cost of each driver call, in microseconds. Defaults from
-// shared/reference/perf-and-traces.md: cudaMalloc averaged 59.2 us and cudaFree 46 us in
-// ResNet-50 training (§1.1). Synchronisation has no published per-call figure; its default
-// is an assumption, stated as such in docs/simulated-gpu.md.
+// Simulated cost of each driver call, in microseconds. Defaults from published measurements,
+// whose sources docs/simulated-gpu.md lists: cudaMalloc averaged 59.2 us and cudaFree 46 us
+// in ResNet-50 training (JuliaGPU/CuArrays.jl PR #414). Synchronisation has no published
+// per-call figure; its default is an assumption, stated as such in docs/simulated-gpu.md.
 //
-// Virtual memory: per-call averages on an A100, one thread, 2 MiB pages (§1.3). A real
-// mapping is cuMemMap followed by cuMemSetAccess, so map() is charged both. cuMemRelease and
-// cuMemAddressFree were not measured: 0 until someone measures them.
+// Virtual memory: per-call averages on an A100, one thread, 2 MiB pages (kvcached's VMM
+// benchmark). A real mapping is cuMemMap followed by cuMemSetAccess, so map() is charged both.
+// cuMemRelease and cuMemAddressFree were not measured: 0 until someone measures them.
 //
-// The stream-ordered pool: cudaMallocAsync from a warm pool averaged 1.19 us (§1.2).
-// cudaFreeAsync has no published figure (0). Growing and trimming the pool have no
-// published figure either; their defaults are estimates from the VMM calls the driver
-// presumably makes: one physical allocation created, mapped and made accessible per growth
-// (VMM cost goes with the number of handles, not their size), one unmap (and an unmeasured
-// release) per trim that releases memory.
+// The stream-ordered pool: cudaMallocAsync from a warm pool averaged 1.19 us
+// (JuliaGPU/CUDA.jl PR #2162). cudaFreeAsync has no published figure (0). Growing and
+// trimming the pool have no published figure either; their defaults are estimates from the
+// VMM calls the driver presumably makes: one physical allocation created, mapped and made
+// accessible per growth (VMM cost goes with the number of handles, not their size), one unmap
+// (and an unmeasured release) per trim that releases memory.
 struct CostModel {
   double allocate_us = 59.2;
   double free_us = 46.0;

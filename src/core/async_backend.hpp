@@ -1,6 +1,6 @@
 // backend:cudaMallocAsync — the allocator behind ccalloc::Allocator when the device's
 // stream-ordered pool does the caching (PyTorch's CUDAMallocAsyncAllocator,
-// shared/reference/pytorch-allocator.md §2.18).
+// docs/pytorch-behaviour.md §2.18).
 //
 // Model. Every malloc is a Driver::allocate_async on the caller's stream and every free a
 // Driver::free_async; the driver's pool keeps freed memory and decides reuse. This backend

@@ -1,6 +1,6 @@
-// Parsing and printing of allocator configuration strings (PyTorch's grammar, §1 of the
-// reference). Parsing runs in three steps so that errors come out in a useful order and the
-// options that depend on each other see their final inputs:
+// Parsing and printing of allocator configuration strings (PyTorch's grammar,
+// docs/pytorch-behaviour.md §1). Parsing runs in three steps so that errors come out in a
+// useful order and the options that depend on each other see their final inputs:
 //   1. tokenize: `,` `:` `[` `]` are tokens, whitespace is dropped, every token keeps the
 //      offset of its first character in the input;
 //   2. structure: the optional preset, then key:value pairs, checked for shape and for

@@ -1,4 +1,4 @@
-// The state checker (DESIGN.md "Invariants") and the segment listing it shares with
+// The state checker (docs/design.md#invariants) and the segment listing it shares with
 // snapshots. Both walk every segment under every arena lock.
 #include <algorithm>
 #include <cinttypes>
