@@ -1,7 +1,7 @@
 // The ccalloc command-line tool.
 //
 //   ccalloc replay FILE [--conf STRING]... [--capacity SIZE] [--address-oracle]
-//                       [--emit-trace FILE] [--snapshot-out FILE] [--json]
+//                       [--emit-trace FILE] [--snapshot-out FILE] [--json] [--max-entries N]
 //   ccalloc summary FILE [--device N]
 //   ccalloc stats FILE [--device N]
 //   ccalloc convert IN OUT [--device N]
