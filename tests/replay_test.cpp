@@ -257,7 +257,8 @@ TEST(ReplayOom, AllocAboveOneExabyteIsAnOomWithPyTorchsMessage) {
   csv += line_of("alloc", kSeg + 2 * kMiB, std::size_t{1} << 60, 3);  // exactly 1 EiB
   const ccalloc::replay::Result result = ccalloc::replay::run(parse(csv), {});
   EXPECT_EQ(result.ooms, 2);
-  EXPECT_EQ(result.first_oom_message, "CUDA out of memory. Tried to allocate more than 1EB memory.");
+  EXPECT_EQ(result.first_oom_message,
+            "CUDA out of memory. Tried to allocate more than 1EB memory.");
   EXPECT_EQ(result.stats.allocation[ccalloc::kAggregate].allocated, 0);
 }
 
@@ -273,7 +274,8 @@ TEST(ReplayStream, PulledTraceMatchesTheTraceInMemory) {
   ccalloc::io::TraceReader reader(kResnet);
   std::vector<ccalloc::sim::OracleEntry> oracle;
   for (const TraceRecord& r : trace) {
-    if (r.entry.action == TraceAction::kSegmentAlloc) oracle.push_back({r.entry.addr, r.entry.size});
+    if (r.entry.action == TraceAction::kSegmentAlloc)
+      oracle.push_back({r.entry.addr, r.entry.size});
   }
   ccalloc::replay::Recorded recorded;
   const ccalloc::replay::Result pulled = ccalloc::replay::run(

@@ -346,9 +346,10 @@ TEST(ByteSource, DataLimitNamesTheVariable) {
   limits.max_data_bytes = 1000;
   ByteSource source(path, limits);
   EXPECT_EQ(message_of([&] { drain(source); }),
-            path + ": data exceeds the limit of 1000 bytes at byte offset 1000 (limit "
-                   "max_data_bytes = 1000; raise it with the environment variable "
-                   "CCALLOC_MAX_DATA_BYTES)");
+            path +
+                ": data exceeds the limit of 1000 bytes at byte offset 1000 (limit "
+                "max_data_bytes = 1000; raise it with the environment variable "
+                "CCALLOC_MAX_DATA_BYTES)");
 }
 
 TEST(ByteSource, FileLimitNamesTheVariable) {
@@ -358,8 +359,9 @@ TEST(ByteSource, FileLimitNamesTheVariable) {
   ReadLimits limits;
   limits.max_file_bytes = 100;
   EXPECT_EQ(message_of([&] { ByteSource source(path, limits); }),
-            path + ": the file is larger than 100 bytes (limit max_file_bytes = 100; raise it "
-                   "with the environment variable CCALLOC_MAX_FILE_BYTES)");
+            path +
+                ": the file is larger than 100 bytes (limit max_file_bytes = 100; raise it "
+                "with the environment variable CCALLOC_MAX_FILE_BYTES)");
 }
 
 // Zeros compress about 1000 to 1: past the grace amount such a ratio fails before the
@@ -434,9 +436,10 @@ TEST(TraceReaderStream, FileOfZerosFailsAtDetection) {
   const std::string path = dir.file("zeros.gz");
   write_file(path, std::string(std::size_t{4} << 20, '\0'));
   EXPECT_EQ(message_of([&] { TraceReader reader(path); }),
-            path + ": not a snapshot (pickle or JSON), a trace CSV (header "
-                   "action,addr,size,stream,time_us) or an RMM log (header "
-                   "Thread,Time,Action,Pointer,Size,Stream)");
+            path +
+                ": not a snapshot (pickle or JSON), a trace CSV (header "
+                "action,addr,size,stream,time_us) or an RMM log (header "
+                "Thread,Time,Action,Pointer,Size,Stream)");
 }
 
 TEST(Gzip, MaxBytesLimitOnPlainFile) {

@@ -68,8 +68,8 @@ bool LineReader::next(std::string_view& line) {
   const auto too_long = [&] {
     line_offset_ = offset_ - carry_.size();
     ++line_no_;
-    fail("the line starting at byte offset " + std::to_string(line_offset_) +
-         " is longer than " + std::to_string(max_line_bytes_) +
+    fail("the line starting at byte offset " + std::to_string(line_offset_) + " is longer than " +
+         std::to_string(max_line_bytes_) +
          " bytes (rows of traces and RMM logs are far shorter: is this the right file?)" +
          limit_hint("max_line_bytes", max_line_bytes_, "CCALLOC_MAX_LINE_BYTES"));
   };

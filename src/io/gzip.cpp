@@ -200,10 +200,9 @@ std::string_view ByteSource::read_raw() {
   }
   file_bytes_ += n;
   if (file_bytes_ > limits_.max_file_bytes) {
-    throw FormatError(path_ + ": the file is larger than " +
-                      std::to_string(limits_.max_file_bytes) + " bytes" +
-                      limit_hint("max_file_bytes", limits_.max_file_bytes,
-                                 "CCALLOC_MAX_FILE_BYTES"));
+    throw FormatError(
+        path_ + ": the file is larger than " + std::to_string(limits_.max_file_bytes) + " bytes" +
+        limit_hint("max_file_bytes", limits_.max_file_bytes, "CCALLOC_MAX_FILE_BYTES"));
   }
   return {raw_.get(), n};
 }
@@ -251,25 +250,22 @@ std::string_view ByteSource::next() {
       if (produced == 0) continue;
       chunk = {out_.get(), produced};
       const std::uint64_t out_total = offset_ + produced;
-      if (out_total > kRatioGraceBytes && out_total / std::max<std::uint64_t>(consumed_at, 1) >
-                                              limits_.max_gzip_ratio) {
-        throw FormatError(path_ + ": decompresses more than " +
-                          std::to_string(limits_.max_gzip_ratio) +
-                          " times over (" + std::to_string(out_total) + " bytes from the first " +
-                          std::to_string(consumed_at) +
-                          " compressed bytes): not a trace or snapshot" +
-                          limit_hint("max_gzip_ratio", limits_.max_gzip_ratio,
-                                     "CCALLOC_MAX_GZIP_RATIO"));
+      if (out_total > kRatioGraceBytes &&
+          out_total / std::max<std::uint64_t>(consumed_at, 1) > limits_.max_gzip_ratio) {
+        throw FormatError(
+            path_ + ": decompresses more than " + std::to_string(limits_.max_gzip_ratio) +
+            " times over (" + std::to_string(out_total) + " bytes from the first " +
+            std::to_string(consumed_at) + " compressed bytes): not a trace or snapshot" +
+            limit_hint("max_gzip_ratio", limits_.max_gzip_ratio, "CCALLOC_MAX_GZIP_RATIO"));
       }
       break;
     }
   }
   if (chunk.size() > limits_.max_data_bytes - std::min(offset_, limits_.max_data_bytes)) {
-    throw FormatError(path_ + ": data exceeds the limit of " +
-                      std::to_string(limits_.max_data_bytes) + " bytes at byte offset " +
-                      std::to_string(limits_.max_data_bytes) +
-                      limit_hint("max_data_bytes", limits_.max_data_bytes,
-                                 "CCALLOC_MAX_DATA_BYTES"));
+    throw FormatError(
+        path_ + ": data exceeds the limit of " + std::to_string(limits_.max_data_bytes) +
+        " bytes at byte offset " + std::to_string(limits_.max_data_bytes) +
+        limit_hint("max_data_bytes", limits_.max_data_bytes, "CCALLOC_MAX_DATA_BYTES"));
   }
   offset_ += chunk.size();
   return chunk;

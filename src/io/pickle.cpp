@@ -230,7 +230,8 @@ class Reader {
   }
   void count_value() {
     if (++created_ > limits_.max_items) {
-      fail("more than " + std::to_string(limits_.max_items) + " values (limit); raise it with the environment variable "
+      fail("more than " + std::to_string(limits_.max_items) +
+           " values (limit); raise it with the environment variable "
            "CCALLOC_MAX_PICKLE_VALUES");
     }
   }
@@ -390,8 +391,9 @@ class Reader {
       slot = &sparse_memo_.try_emplace(index, Entry{Value(), kUnsetMeta}).first->second;
     }
     if (slot->meta == kUnsetMeta && ++memo_count_ > limits_.max_memo) {
-      fail("more than " + std::to_string(limits_.max_memo) + " memo entries (limit); raise it with the environment "
-                                                       "variable CCALLOC_MAX_PICKLE_MEMO");
+      fail("more than " + std::to_string(limits_.max_memo) +
+           " memo entries (limit); raise it with the environment "
+           "variable CCALLOC_MAX_PICKLE_MEMO");
     }
     if (top.v.is_string()) count_string(top.v.as_string().size());
     *slot = top;
@@ -478,8 +480,9 @@ class Reader {
       }
       case kMark:
         if (marks_.size() >= limits_.max_depth) {
-          fail("more than " + std::to_string(limits_.max_depth) + " nested MARKs (limit); raise it with the environment "
-                                                   "variable CCALLOC_MAX_NESTING");
+          fail("more than " + std::to_string(limits_.max_depth) +
+               " nested MARKs (limit); raise it with the environment "
+               "variable CCALLOC_MAX_NESTING");
         }
         marks_.push_back(stack_.size());
         return;

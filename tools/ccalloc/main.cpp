@@ -202,9 +202,9 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
     options.conf = configs[i];
     try {
       ccalloc::io::TraceReader reader(trace_path, 0, limits);
-      results.push_back(ccalloc::replay::run(
-          [&reader](ccalloc::io::TraceRecord& r) { return reader.next(r); }, options, segments,
-          i == 0 ? &recorded : nullptr));
+      results.push_back(
+          ccalloc::replay::run([&reader](ccalloc::io::TraceRecord& r) { return reader.next(r); },
+                               options, segments, i == 0 ? &recorded : nullptr));
       rows = reader.count();
     } catch (const ccalloc::FormatError& e) {
       // The reader's errors name the file already; the replay's name only the line.
