@@ -9,13 +9,16 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/trace.hpp"
+#include "io/gzip.hpp"
 #include "io/trace_csv.hpp"
+#include "io/trace_file.hpp"
 #include "test_support.hpp"
 
 #ifndef CCALLOC_TRACES_DIR
@@ -244,6 +247,51 @@ TEST(ReplayOom, FailedAllocIsCountedAndItsFreesAreSkipped) {
   EXPECT_EQ(ccalloc::replay::recorded_figures(trace).ooms, 0);
 }
 
+// A request PyTorch refuses before its OOM ladder (more than 1 EB) replays as an OOM with
+// PyTorch's message, and its frees are skipped like those of any failed alloc.
+TEST(ReplayOom, AllocAboveOneExabyteIsAnOomWithPyTorchsMessage) {
+  std::string csv = "action,addr,size,stream,time_us\n";
+  csv += line_of("alloc", kSeg, std::numeric_limits<std::size_t>::max(), 1);
+  csv += line_of("free_requested", kSeg, std::numeric_limits<std::size_t>::max(), 2);
+  csv += line_of("free_completed", kSeg, std::numeric_limits<std::size_t>::max(), 2);
+  csv += line_of("alloc", kSeg + 2 * kMiB, std::size_t{1} << 60, 3);  // exactly 1 EiB
+  const ccalloc::replay::Result result = ccalloc::replay::run(parse(csv), {});
+  EXPECT_EQ(result.ooms, 2);
+  EXPECT_EQ(result.first_oom_message,
+            "CUDA out of memory. Tried to allocate more than 1EB memory.");
+  EXPECT_EQ(result.stats.allocation[ccalloc::kAggregate].allocated, 0);
+}
+
+// A trace pulled one record at a time replays exactly as the same trace held in memory,
+// and the recorded figures gathered on the way equal recorded_figures().
+TEST(ReplayStream, PulledTraceMatchesTheTraceInMemory) {
+  const auto trace = ccalloc::io::read_trace_csv(kResnet);
+  ccalloc::replay::Options options;
+  options.conf = "pytorch";
+  options.address_oracle = true;
+  const ccalloc::replay::Result whole = ccalloc::replay::run(trace, options);
+
+  ccalloc::io::TraceReader reader(kResnet);
+  std::vector<ccalloc::sim::OracleEntry> oracle;
+  for (const TraceRecord& r : trace) {
+    if (r.entry.action == TraceAction::kSegmentAlloc)
+      oracle.push_back({r.entry.addr, r.entry.size});
+  }
+  ccalloc::replay::Recorded recorded;
+  const ccalloc::replay::Result pulled = ccalloc::replay::run(
+      [&reader](TraceRecord& r) { return reader.next(r); }, options, oracle, &recorded);
+  EXPECT_EQ(reader.count(), trace.size());
+  EXPECT_EQ(pulled.peak_reserved_bytes, whole.peak_reserved_bytes);
+  EXPECT_EQ(pulled.peak_allocated_bytes, whole.peak_allocated_bytes);
+  EXPECT_EQ(pulled.device_allocs, whole.device_allocs);
+  EXPECT_EQ(pulled.oracle_hits, whole.oracle_hits);
+  EXPECT_EQ(pulled.stats.to_map(), whole.stats.to_map());
+  const ccalloc::replay::Recorded expected = ccalloc::replay::recorded_figures(trace);
+  EXPECT_EQ(recorded.peak_reserved_bytes, expected.peak_reserved_bytes);
+  EXPECT_EQ(recorded.peak_requested_bytes, expected.peak_requested_bytes);
+  EXPECT_EQ(recorded.device_allocs, expected.device_allocs);
+}
+
 // A free of an address whose alloc failed, once that address is freed for good, is an
 // error again: the skip applies to the failed alloc's own frees only.
 TEST(ReplayOom, SkipEndsWithTheFailedAllocsFreeCompleted) {
@@ -425,6 +473,43 @@ TEST_F(ReplayCli, InconsistentTraceFailsNamingFileAndLine) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(contains(r.all(), "line 5")) << r.all();
   EXPECT_TRUE(contains(r.all(), path)) << r.all();
+}
+
+TEST_F(ReplayCli, ImpossibleRequestCountsInTheOomColumn) {
+  const std::string path = dir_.file("huge.csv");
+  write_text(path, "action,addr,size,stream,time_us\nalloc,4096,18446744073709551615,0,1\n");
+  const CliResult r = run_cli("replay '" + path + "' --json", dir_);
+  ASSERT_EQ(r.exit_code, 0) << r.all();
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j[0]["ooms"], 1);
+  EXPECT_EQ(j[0]["first_oom_message"],
+            "CUDA out of memory. Tried to allocate more than 1EB memory.");
+}
+
+TEST_F(ReplayCli, MaxEntriesFailsNamingTheLimitAndTheLine) {
+  const std::string path = dir_.file("three.csv");
+  write_text(path,
+             "action,addr,size,stream,time_us\n"
+             "alloc,4096,512,0,1\nfree_requested,4096,512,0,2\nfree_completed,4096,512,0,2\n");
+  const CliResult r = run_cli("replay '" + path + "' --max-entries 2", dir_);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(r.err, "ccalloc: error: " + path +
+                       ":4: more than 2 trace entries (limit max_entries = 2; raise it with the "
+                       "environment variable CCALLOC_MAX_ENTRIES or `ccalloc replay "
+                       "--max-entries`)\n");
+}
+
+TEST_F(ReplayCli, FileWithoutLineEndsFailsAtTheLineLimit) {
+  // A header, then 2 MiB of zeros: the row fails once it passes the line limit.
+  const std::string path = dir_.file("zeros.csv.gz");
+  ccalloc::io::write_file(path, "action,addr,size,stream,time_us\n" + std::string(2 * kMiB, '\0'));
+  const CliResult r = run_cli("replay '" + path + "'", dir_);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(r.err, "ccalloc: error: " + path +
+                       ":2: the line starting at byte offset 32 is longer than 65536 bytes (rows "
+                       "of traces and RMM logs are far shorter: is this the right file?) (limit "
+                       "max_line_bytes = 65536; raise it with the environment variable "
+                       "CCALLOC_MAX_LINE_BYTES)\n");
 }
 
 TEST_F(ReplayCli, MissingFileFails) {

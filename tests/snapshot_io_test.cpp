@@ -764,7 +764,8 @@ TEST(Json, Errors) {
   EXPECT_EQ(message_of<FormatError>([] { json("[\"a\nb\"]"); }),
             "test.json: byte 3: control character in a string (it must be escaped)");
   EXPECT_EQ(message_of<FormatError>([] { json(std::string(100000, '[')); }),
-            "test.json: byte 256: arrays and objects nested deeper than 256 levels (limit)");
+            "test.json: byte 256: arrays and objects nested deeper than 256 levels (limit); raise it "
+            "with the environment variable CCALLOC_MAX_NESTING");
   EXPECT_NO_THROW(json(std::string(256, '[') + std::string(256, ']')));
   EXPECT_EQ(message_of<FormatError>([] { json(std::string(300, '{')); }),
             "test.json: byte 1: unexpected character '{' (expected a string key)");

@@ -16,7 +16,9 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/trace.hpp"
+#include "io/csv_text.hpp"
 #include "io/gzip.hpp"
+#include "io/trace_file.hpp"
 #include "test_support.hpp"
 
 #ifndef CCALLOC_TRACES_DIR
@@ -299,6 +301,145 @@ TEST(Gzip, MaxBytesLimitOnDecompressedOutput) {
   EXPECT_NE(msg.find("exceeds the limit of " + std::to_string(text.size() - 1) + " bytes"),
             std::string::npos)
       << msg;
+}
+
+// Every chunk in order: the whole decompressed data.
+std::string drain(ByteSource& source) {
+  std::string out;
+  for (std::string_view c = source.next(); !c.empty(); c = source.next())
+    out.append(c);
+  return out;
+}
+
+TEST(ByteSource, ChunksOfAGzipFileAddUpToItsData) {
+  ByteSource source(kResnet, ReadLimits{});
+  EXPECT_TRUE(source.compressed());
+  const std::string data = drain(source);
+  EXPECT_EQ(data, read_file(kResnet));
+  EXPECT_EQ(source.offset(), data.size());
+}
+
+TEST(ByteSource, ConcatenatedMembersReadAsOne) {
+  TempDir dir;
+  const std::string path = dir.file("two.gz");
+  write_raw(path, gzip_of(dir, "abc\n") + gzip_of(dir, "def\n"));
+  ByteSource source(path, ReadLimits{});
+  EXPECT_EQ(drain(source), "abc\ndef\n");
+}
+
+TEST(ByteSource, TruncatedStreamNamesTheCompressedSize) {
+  TempDir dir;
+  const std::string path = dir.file("cut.gz");
+  const std::string gz = gzip_of(dir, sample_text());
+  write_raw(path, gz.substr(0, gz.size() / 2));
+  ByteSource source(path, ReadLimits{});
+  EXPECT_EQ(message_of([&] { drain(source); }),
+            path + ": truncated gzip stream: the compressed data ends at byte " +
+                std::to_string(gz.size() / 2) + " before the end of the stream");
+}
+
+TEST(ByteSource, DataLimitNamesTheVariable) {
+  TempDir dir;
+  const std::string path = dir.file("big.csv.gz");
+  write_file(path, sample_text());
+  ReadLimits limits;
+  limits.max_data_bytes = 1000;
+  ByteSource source(path, limits);
+  EXPECT_EQ(message_of([&] { drain(source); }),
+            path +
+                ": data exceeds the limit of 1000 bytes at byte offset 1000 (limit "
+                "max_data_bytes = 1000; raise it with the environment variable "
+                "CCALLOC_MAX_DATA_BYTES)");
+}
+
+TEST(ByteSource, FileLimitNamesTheVariable) {
+  TempDir dir;
+  const std::string path = dir.file("plain.csv");
+  write_file(path, sample_text());
+  ReadLimits limits;
+  limits.max_file_bytes = 100;
+  EXPECT_EQ(message_of([&] { ByteSource source(path, limits); }),
+            path +
+                ": the file is larger than 100 bytes (limit max_file_bytes = 100; raise it "
+                "with the environment variable CCALLOC_MAX_FILE_BYTES)");
+}
+
+// Zeros compress about 1000 to 1: past the grace amount such a ratio fails before the
+// output grows further.
+TEST(ByteSource, AbsurdCompressionRatioFailsEarly) {
+  TempDir dir;
+  const std::string path = dir.file("zeros.gz");
+  write_file(path, std::string(kRatioGraceBytes + (std::uint64_t{8} << 20), '\0'));
+  ByteSource source(path, ReadLimits{});
+  const std::string msg = message_of([&] {
+    while (!source.next().empty()) {
+    }
+  });
+  EXPECT_NE(msg.find(path + ": decompresses more than 500 times over"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("raise it with the environment variable CCALLOC_MAX_GZIP_RATIO"),
+            std::string::npos)
+      << msg;
+  EXPECT_LE(source.offset(), kRatioGraceBytes + (std::uint64_t{64} << 10));
+}
+
+TEST(LineReaderLimit, LongLineFailsWithItsNumberAndOffset) {
+  const std::string text = "ab\ncd\n" + std::string(50, 'x') + "\n";
+  LineReader lines(text, "t.csv", 49);
+  std::string_view line;
+  ASSERT_TRUE(lines.next(line));
+  ASSERT_TRUE(lines.next(line));
+  EXPECT_EQ(lines.line_offset(), 3u);
+  EXPECT_EQ(message_of([&] { lines.next(line); }),
+            "t.csv:3: the line starting at byte offset 6 is longer than 49 bytes (rows of traces "
+            "and RMM logs are far shorter: is this the right file?) (limit max_line_bytes = 49; "
+            "raise it with the environment variable CCALLOC_MAX_LINE_BYTES)");
+}
+
+// Lines that cross chunk boundaries come out whole and in order from a streamed file.
+TEST(LineReaderLimit, StreamedLinesEqualTheLinesInMemory) {
+  const std::string text = read_file(kResnet);
+  ByteSource source(kResnet, ReadLimits{});
+  LineReader streamed(source, source.next(), 128);
+  LineReader whole(text, kResnet);
+  std::string_view a;
+  std::string_view b;
+  std::size_t n = 0;
+  while (whole.next(a)) {
+    ASSERT_TRUE(streamed.next(b)) << n;
+    ASSERT_EQ(a, b) << n;
+    ASSERT_EQ(streamed.line_offset(), whole.line_offset()) << n;
+    ++n;
+  }
+  EXPECT_FALSE(streamed.next(b));
+  EXPECT_GT(n, 1000u);
+}
+
+TEST(TraceReaderStream, YieldsTheRecordsOfTheWholeFileParse) {
+  const std::vector<TraceRecord> expected = parse_trace_csv(read_file(kResnet), kResnet);
+  TraceReader reader(kResnet);
+  EXPECT_EQ(reader.kind(), FileKind::kTraceCsv);
+  TraceRecord r;
+  std::size_t i = 0;
+  while (reader.next(r)) {
+    ASSERT_LT(i, expected.size());
+    ASSERT_EQ(r.line, expected[i].line);
+    ASSERT_EQ(r.entry.addr, expected[i].entry.addr);
+    ASSERT_EQ(r.entry.size, expected[i].entry.size);
+    ASSERT_EQ(r.entry.action, expected[i].entry.action);
+    ++i;
+  }
+  EXPECT_EQ(i, expected.size());
+}
+
+TEST(TraceReaderStream, FileOfZerosFailsAtDetection) {
+  TempDir dir;
+  const std::string path = dir.file("zeros.gz");
+  write_file(path, std::string(std::size_t{4} << 20, '\0'));
+  EXPECT_EQ(message_of([&] { TraceReader reader(path); }),
+            path +
+                ": not a snapshot (pickle or JSON), a trace CSV (header "
+                "action,addr,size,stream,time_us) or an RMM log (header "
+                "Thread,Time,Action,Pointer,Size,Stream)");
 }
 
 TEST(Gzip, MaxBytesLimitOnPlainFile) {

@@ -1,6 +1,7 @@
 #include "io/csv_text.hpp"
 
 #include "ccalloc/errors.hpp"
+#include "io/limits.hpp"
 
 namespace ccalloc::io {
 
@@ -41,16 +42,67 @@ bool iequals(std::string_view a, std::string_view b) {
   return true;
 }
 
-LineReader::LineReader(std::string_view text, const std::string& name) : text_(text), name_(name) {
-  if (text_.starts_with("\xef\xbb\xbf")) text_.remove_prefix(3);
+LineReader::LineReader(std::string_view text, const std::string& name, std::size_t max_line_bytes)
+    : chunk_(text), name_(name), max_line_bytes_(max_line_bytes) {
+  if (chunk_.starts_with("\xef\xbb\xbf")) {
+    chunk_.remove_prefix(3);
+    offset_ = 3;
+  }
+}
+
+LineReader::LineReader(ByteSource& source, std::string_view first, std::size_t max_line_bytes)
+    : source_(&source), chunk_(first), name_(source.name()), max_line_bytes_(max_line_bytes) {
+  if (chunk_.starts_with("\xef\xbb\xbf")) {
+    chunk_.remove_prefix(3);
+    offset_ = 3;
+  }
+}
+
+bool LineReader::refill() {
+  if (source_ == nullptr) return false;
+  chunk_ = source_->next();
+  return !chunk_.empty();
 }
 
 bool LineReader::next(std::string_view& line) {
-  if (pos_ >= text_.size()) return false;
-  const std::size_t nl = text_.find('\n', pos_);
-  const std::size_t end = nl == std::string_view::npos ? text_.size() : nl;
-  line = text_.substr(pos_, end - pos_);
-  pos_ = nl == std::string_view::npos ? text_.size() : nl + 1;
+  const auto too_long = [&] {
+    line_offset_ = offset_ - carry_.size();
+    ++line_no_;
+    fail("the line starting at byte offset " + std::to_string(line_offset_) + " is longer than " +
+         std::to_string(max_line_bytes_) +
+         " bytes (rows of traces and RMM logs are far shorter: is this the right file?)" +
+         limit_hint("max_line_bytes", max_line_bytes_, "CCALLOC_MAX_LINE_BYTES"));
+  };
+  carry_.clear();
+  bool spans = false;  // the line is in carry_
+  std::size_t consumed = 0;
+  for (;;) {
+    if (chunk_.empty() && !refill()) {
+      if (!spans) return false;
+      line = carry_;
+      break;
+    }
+    const std::size_t nl = chunk_.find('\n');
+    const std::size_t take = nl == std::string_view::npos ? chunk_.size() : nl;
+    if (carry_.size() + take > max_line_bytes_) too_long();
+    if (nl != std::string_view::npos && !spans) {
+      line = chunk_.substr(0, nl);
+    } else {
+      carry_.append(chunk_.substr(0, take));
+      spans = true;
+      line = carry_;
+    }
+    chunk_.remove_prefix(take);
+    offset_ += take;
+    consumed += take;
+    if (nl != std::string_view::npos) {
+      chunk_.remove_prefix(1);
+      ++offset_;
+      ++consumed;
+      break;
+    }
+  }
+  line_offset_ = offset_ - consumed;
   ++line_no_;
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
   return true;

@@ -5,9 +5,12 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "io/gzip.hpp"
 
 namespace ccalloc::io {
 
@@ -19,21 +22,35 @@ std::string_view trim(std::string_view s);
 // Equal ignoring ASCII case.
 bool iequals(std::string_view a, std::string_view b);
 
-// The lines of a text, numbered from 1, without the line ends (\n or \r\n) and without a
-// leading UTF-8 byte order mark (spreadsheet programs write one).
+// The lines of a text held in memory or pulled from a ByteSource, numbered from 1, without
+// the line ends (\n or \r\n) and without a leading UTF-8 byte order mark (spreadsheet
+// programs write one). A line longer than `max_line_bytes` fails as soon as that many bytes
+// have come without a line end, so a file without line ends cannot fill memory.
 class LineReader {
  public:
-  LineReader(std::string_view text, const std::string& name);
+  LineReader(std::string_view text, const std::string& name,
+             std::size_t max_line_bytes = static_cast<std::size_t>(-1));
+  // Reads from `source`, starting with `first`, a chunk already taken from it.
+  LineReader(ByteSource& source, std::string_view first, std::size_t max_line_bytes);
   bool next(std::string_view& line);
   std::size_t line_no() const { return line_no_; }
+  // Byte offset (after decompression) where the current line starts.
+  std::uint64_t line_offset() const { return line_offset_; }
+  const std::string& name() const { return name_; }
   // Throws FormatError "NAME:LINE: what" for the current line.
   [[noreturn]] void fail(const std::string& what) const;
 
  private:
-  std::string_view text_;
-  const std::string& name_;
-  std::size_t pos_ = 0;
+  bool refill();
+
+  ByteSource* source_ = nullptr;
+  std::string_view chunk_;  // not yet returned
+  std::string carry_;       // a line that spans chunks
+  std::string name_;
+  std::size_t max_line_bytes_;
   std::size_t line_no_ = 0;
+  std::uint64_t line_offset_ = 0;
+  std::uint64_t offset_ = 0;  // of chunk_'s first byte
 };
 
 // A header name the reader understands; `Column` is the reader's own enum, whose

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <string>
 
 #include "ccalloc/errors.hpp"
 
@@ -15,6 +16,8 @@ namespace ccalloc::io {
 namespace {
 
 constexpr std::size_t kChunk = std::size_t{256} << 10;
+// ByteSource's reads from disk and its decompressed chunks.
+constexpr std::size_t kStreamChunk = std::size_t{64} << 10;
 // zlib counts in uInt; larger inputs are fed in slices of this size.
 constexpr std::size_t kMaxZlibSlice = std::size_t{1} << 30;
 
@@ -153,6 +156,121 @@ std::string gunzip(std::string_view data, const std::string& name, std::size_t m
   }
 }
 
+struct ByteSource::Inflater {
+  z_stream zs{};
+  bool started = false;
+  ~Inflater() {
+    if (started) inflateEnd(&zs);
+  }
+};
+
+ByteSource::ByteSource(const std::string& path, const ReadLimits& limits)
+    : path_(path),
+      limits_(limits),
+      file_(std::fopen(path.c_str(), "rb"), &std::fclose),
+      raw_(std::make_unique_for_overwrite<char[]>(kStreamChunk)) {
+  if (!file_) throw Error("cannot open '" + path + "': " + system_error_text(errno));
+  const std::string_view head = read_raw();
+  raw_left_ = head;
+  if (!has_gzip_magic(head)) return;
+  inflater_ = std::make_unique<Inflater>();
+  const int rc = inflateInit2(&inflater_->zs, 15 + 16);
+  if (rc == Z_MEM_ERROR) throw std::bad_alloc();
+  if (rc != Z_OK) {
+    throw Error(path_ + ": cannot start decompression: " + zlib_message(inflater_->zs, rc));
+  }
+  inflater_->started = true;
+  out_ = std::make_unique_for_overwrite<char[]>(kStreamChunk);
+}
+
+ByteSource::~ByteSource() = default;
+
+bool ByteSource::compressed() const {
+  return inflater_ != nullptr;
+}
+
+std::string_view ByteSource::read_raw() {
+  if (raw_eof_) return {};
+  const std::size_t n = std::fread(raw_.get(), 1, kStreamChunk, file_.get());
+  if (n < kStreamChunk) {
+    if (std::ferror(file_.get())) {
+      throw Error("cannot read '" + path_ + "': " + system_error_text(errno));
+    }
+    raw_eof_ = true;
+  }
+  file_bytes_ += n;
+  if (file_bytes_ > limits_.max_file_bytes) {
+    throw FormatError(
+        path_ + ": the file is larger than " + std::to_string(limits_.max_file_bytes) + " bytes" +
+        limit_hint("max_file_bytes", limits_.max_file_bytes, "CCALLOC_MAX_FILE_BYTES"));
+  }
+  return {raw_.get(), n};
+}
+
+std::string_view ByteSource::next() {
+  std::string_view chunk;
+  if (!inflater_) {
+    chunk = raw_left_.empty() ? read_raw() : raw_left_;
+    raw_left_ = {};
+  } else {
+    z_stream& zs = inflater_->zs;
+    for (;;) {
+      if (raw_left_.empty()) raw_left_ = read_raw();
+      // A clean end: the file ends where a member ended (inflateReset zeroes the totals).
+      if (raw_left_.empty() && zs.total_in == 0 && zs.total_out == 0) return {};
+      zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(raw_left_.data()));
+      zs.avail_in = static_cast<uInt>(raw_left_.size());
+      zs.next_out = reinterpret_cast<Bytef*>(out_.get());
+      zs.avail_out = static_cast<uInt>(kStreamChunk);
+      const int rc = inflate(&zs, Z_NO_FLUSH);
+      const std::uint64_t consumed_at = file_bytes_ - (raw_left_.size() - zs.avail_in);
+      raw_left_.remove_prefix(raw_left_.size() - zs.avail_in);
+      const std::size_t produced = kStreamChunk - zs.avail_out;
+      switch (rc) {
+        case Z_OK:
+          break;
+        case Z_BUF_ERROR:
+          // No progress with output space free: more input is needed, and there is none.
+          if (raw_left_.empty() && raw_eof_) {
+            throw FormatError(path_ + ": truncated gzip stream: the compressed data ends at byte " +
+                              std::to_string(file_bytes_) + " before the end of the stream");
+          }
+          break;
+        case Z_STREAM_END:
+          // Another member may follow (`cat a.gz b.gz`); anything else after the member
+          // fails its header check as corrupt.
+          if (inflateReset(&zs) != Z_OK) throw Error(path_ + ": cannot continue decompression");
+          break;
+        case Z_MEM_ERROR:
+          throw std::bad_alloc();
+        default:
+          throw FormatError(path_ + ": corrupt gzip stream at compressed byte offset " +
+                            std::to_string(consumed_at) + ": " + zlib_message(zs, rc));
+      }
+      if (produced == 0) continue;
+      chunk = {out_.get(), produced};
+      const std::uint64_t out_total = offset_ + produced;
+      if (out_total > kRatioGraceBytes &&
+          out_total / std::max<std::uint64_t>(consumed_at, 1) > limits_.max_gzip_ratio) {
+        throw FormatError(
+            path_ + ": decompresses more than " + std::to_string(limits_.max_gzip_ratio) +
+            " times over (" + std::to_string(out_total) + " bytes from the first " +
+            std::to_string(consumed_at) + " compressed bytes): not a trace or snapshot" +
+            limit_hint("max_gzip_ratio", limits_.max_gzip_ratio, "CCALLOC_MAX_GZIP_RATIO"));
+      }
+      break;
+    }
+  }
+  if (chunk.size() > limits_.max_data_bytes - std::min(offset_, limits_.max_data_bytes)) {
+    throw FormatError(
+        path_ + ": data exceeds the limit of " + std::to_string(limits_.max_data_bytes) +
+        " bytes at byte offset " + std::to_string(limits_.max_data_bytes) +
+        limit_hint("max_data_bytes", limits_.max_data_bytes, "CCALLOC_MAX_DATA_BYTES"));
+  }
+  offset_ += chunk.size();
+  return chunk;
+}
+
 std::string read_file(const std::string& path, std::size_t max_bytes) {
   FilePtr f(std::fopen(path.c_str(), "rb"));
   if (!f) throw Error("cannot open '" + path + "': " + system_error_text(errno));
@@ -174,6 +292,14 @@ std::string read_file(const std::string& path, std::size_t max_bytes) {
   if (has_gzip_magic(raw)) return gunzip(raw, path, max_bytes);
   if (raw.size() > max_bytes) throw FormatError(exceeds_limit(path, max_bytes));
   return raw;
+}
+
+std::string read_file(const std::string& path, const ReadLimits& limits) {
+  ByteSource source(path, limits);
+  std::string out;
+  for (std::string_view chunk = source.next(); !chunk.empty(); chunk = source.next())
+    out.append(chunk);
+  return out;
 }
 
 void write_file(const std::string& path, std::string_view data) {

@@ -81,7 +81,7 @@ class Parser {
   void check_depth(std::size_t depth) const {
     if (depth > max_depth_) {
       fail("arrays and objects nested deeper than " + std::to_string(max_depth_) +
-           " levels (limit)");
+           " levels (limit); raise it with the environment variable CCALLOC_MAX_NESTING");
     }
   }
 

@@ -230,7 +230,9 @@ class Reader {
   }
   void count_value() {
     if (++created_ > limits_.max_items) {
-      fail("more than " + std::to_string(limits_.max_items) + " values (limit)");
+      fail("more than " + std::to_string(limits_.max_items) +
+           " values (limit); raise it with the environment variable "
+           "CCALLOC_MAX_PICKLE_VALUES");
     }
   }
   void count_string(std::size_t bytes) {
@@ -279,12 +281,13 @@ class Reader {
     p.height = std::max(p.height, c.height + 1);
     if (p.height > limits_.max_depth) {
       fail("containers nested deeper than " + std::to_string(limits_.max_depth) +
-           " levels (limit)");
+           " levels (limit); raise it with the environment variable CCALLOC_MAX_NESTING");
     }
     p.size += c.size;
     if (p.size > limits_.max_items) {
       fail("the data holds more than " + std::to_string(limits_.max_items) +
-           " values, counting each reference to a shared container (limit)");
+           " values, counting each reference to a shared container (limit); raise it with the "
+           "environment variable CCALLOC_MAX_PICKLE_VALUES");
     }
   }
   // The container an APPEND/SETITEM-style opcode adds to.
@@ -372,7 +375,8 @@ class Reader {
     require(1);
     if (index >= limits_.max_memo) {
       fail("memo index " + std::to_string(index) + " exceeds the limit of " +
-           std::to_string(limits_.max_memo) + " entries");
+           std::to_string(limits_.max_memo) +
+           " entries; raise it with the environment variable CCALLOC_MAX_PICKLE_MEMO");
     }
     const Entry& top = stack_.back();
     Entry* slot = nullptr;
@@ -387,7 +391,9 @@ class Reader {
       slot = &sparse_memo_.try_emplace(index, Entry{Value(), kUnsetMeta}).first->second;
     }
     if (slot->meta == kUnsetMeta && ++memo_count_ > limits_.max_memo) {
-      fail("more than " + std::to_string(limits_.max_memo) + " memo entries (limit)");
+      fail("more than " + std::to_string(limits_.max_memo) +
+           " memo entries (limit); raise it with the environment "
+           "variable CCALLOC_MAX_PICKLE_MEMO");
     }
     if (top.v.is_string()) count_string(top.v.as_string().size());
     *slot = top;
@@ -474,7 +480,9 @@ class Reader {
       }
       case kMark:
         if (marks_.size() >= limits_.max_depth) {
-          fail("more than " + std::to_string(limits_.max_depth) + " nested MARKs (limit)");
+          fail("more than " + std::to_string(limits_.max_depth) +
+               " nested MARKs (limit); raise it with the environment "
+               "variable CCALLOC_MAX_NESTING");
         }
         marks_.push_back(stack_.size());
         return;

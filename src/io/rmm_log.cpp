@@ -31,29 +31,37 @@ constexpr std::array<KnownColumn<Column>, 6> kKnownColumns = {{
 
 enum class Action : std::uint8_t { kAllocate, kFree, kFailure };
 
-class Parser {
+class Parser final : public RecordReader {
  public:
-  Parser(std::string_view text, const std::string& name) : lines_(text, name), name_(name) {}
+  explicit Parser(LineReader& lines) : lines_(lines) {}
 
-  std::vector<TraceRecord> parse() {
+  bool next(TraceRecord& out) override {
+    if (pending_ < queued_.size()) {
+      out = queued_[pending_++];
+      return true;
+    }
+    queued_.clear();
+    pending_ = 0;
     std::string_view line;
-    bool have_header = false;
+    if (!have_header_) {
+      while (lines_.next(line)) {
+        if (trim(line).empty()) continue;
+        parse_header(line);
+        have_header_ = true;
+        break;
+      }
+      if (!have_header_) {
+        throw FormatError(lines_.name() + ": empty RMM log (expected the header line '" +
+                          std::string(kHeader) + "')");
+      }
+    }
     while (lines_.next(line)) {
       if (trim(line).empty()) continue;
-      parse_header(line);
-      have_header = true;
-      break;
+      parse_row(line, queued_);
+      out = queued_[pending_++];
+      return true;
     }
-    if (!have_header) {
-      throw FormatError(name_ + ": empty RMM log (expected the header line '" +
-                        std::string(kHeader) + "')");
-    }
-    std::vector<TraceRecord> records;
-    while (lines_.next(line)) {
-      if (trim(line).empty()) continue;
-      parse_row(line, records);
-    }
-    return records;
+    return false;
   }
 
  private:
@@ -245,8 +253,11 @@ class Parser {
     }
   }
 
-  LineReader lines_;
-  const std::string& name_;
+  LineReader& lines_;
+  bool have_header_ = false;
+  // The records of the last row (a free is two), handed out from pending_ on.
+  std::vector<TraceRecord> queued_;
+  std::size_t pending_ = 0;
   std::vector<Column> columns_;
   std::int64_t day_offset_ = 0;
   std::int64_t last_clock_ = 0;
@@ -284,12 +295,22 @@ void append_seconds(std::string& out, std::int64_t us) {
 
 }  // namespace
 
+std::unique_ptr<RecordReader> rmm_log_reader(LineReader& lines) {
+  return std::make_unique<Parser>(lines);
+}
+
 std::vector<TraceRecord> parse_rmm_log(std::string_view text, const std::string& name) {
-  return Parser(text, name).parse();
+  LineReader lines(text, name);
+  Parser parser(lines);
+  return read_all(parser);
 }
 
 std::vector<TraceRecord> read_rmm_log(const std::string& path) {
-  return parse_rmm_log(read_file(path), path);
+  const ReadLimits limits = ReadLimits::from_environment();
+  ByteSource source(path, limits);
+  LineReader lines(source, source.next(), limits.max_line_bytes);
+  Parser parser(lines);
+  return read_all(parser);
 }
 
 std::string format_rmm_log(const std::vector<TraceEntry>& entries) {

@@ -8,6 +8,7 @@
 // and written from a trace.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,6 +17,8 @@
 
 namespace ccalloc::io {
 
+// Reads RMM log rows from `lines`, which must outlive the reader.
+std::unique_ptr<RecordReader> rmm_log_reader(LineReader& lines);
 // Throws FormatError naming the line and the column.
 std::vector<TraceRecord> parse_rmm_log(std::string_view text, const std::string& name);
 std::vector<TraceRecord> read_rmm_log(const std::string& path);

@@ -511,7 +511,8 @@ SnapshotFormat format_for_path(const std::string& path) {
 }
 
 Value read_value_file(const std::string& path) {
-  const std::string data = read_file(path);
+  const ReadLimits limits = ReadLimits::from_environment();
+  const std::string data = read_file(path, limits);
   std::size_t i = 0;
   if (std::string_view(data).starts_with("\xef\xbb\xbf")) i = 3;
   while (i < data.size() &&
@@ -519,8 +520,14 @@ Value read_value_file(const std::string& path) {
     ++i;
   if (i == data.size()) throw FormatError(path + ": empty file (expected a pickle or JSON)");
   const auto first = static_cast<unsigned char>(data[i]);
-  if (first == '{' || first == '[') return parse_json(data, path);
-  if (first == 0x80) return parse_pickle(data, path);
+  if (first == '{' || first == '[') return parse_json(data, path, limits.max_nesting);
+  if (first == 0x80) {
+    PickleLimits pickle;
+    pickle.max_depth = limits.max_nesting;
+    pickle.max_memo = limits.max_pickle_memo;
+    pickle.max_items = limits.max_pickle_values;
+    return parse_pickle(data, path, pickle);
+  }
   static constexpr char kHex[] = "0123456789abcdef";
   throw FormatError(path + ": byte " + std::to_string(i) +
                     ": neither a pickle (byte 0x80) nor JSON ('{' or '['): got 0x" +

@@ -39,29 +39,30 @@ std::string valid_actions() {
   return out;
 }
 
-class Parser {
+class Parser final : public RecordReader {
  public:
-  Parser(std::string_view text, const std::string& name) : lines_(text, name), name_(name) {}
+  explicit Parser(LineReader& lines) : lines_(lines) {}
 
-  std::vector<TraceRecord> parse() {
+  bool next(TraceRecord& out) override {
     std::string_view line;
-    bool have_header = false;
+    if (!have_header_) {
+      while (lines_.next(line)) {
+        if (line.empty()) continue;
+        parse_header(line);
+        have_header_ = true;
+        break;
+      }
+      if (!have_header_) {
+        throw FormatError(lines_.name() + ": empty trace CSV (expected the header line '" +
+                          std::string(kHeader) + "')");
+      }
+    }
     while (lines_.next(line)) {
       if (line.empty()) continue;
-      parse_header(line);
-      have_header = true;
-      break;
+      out = {parse_row(line), lines_.line_no()};
+      return true;
     }
-    if (!have_header) {
-      throw FormatError(name_ + ": empty trace CSV (expected the header line '" +
-                        std::string(kHeader) + "')");
-    }
-    std::vector<TraceRecord> records;
-    while (lines_.next(line)) {
-      if (line.empty()) continue;
-      records.push_back({parse_row(line), lines_.line_no()});
-    }
-    return records;
+    return false;
   }
 
  private:
@@ -156,8 +157,8 @@ class Parser {
     return std::string(io::column_name(kKnownColumns, column));
   }
 
-  LineReader lines_;
-  const std::string& name_;
+  LineReader& lines_;
+  bool have_header_ = false;
   std::vector<Column> columns_;  // the role of each field, in file order
 };
 
@@ -181,12 +182,30 @@ std::size_t format_row(char* buf, const TraceEntry& e) {
 
 }  // namespace
 
+std::unique_ptr<RecordReader> trace_csv_reader(LineReader& lines) {
+  return std::make_unique<Parser>(lines);
+}
+
+std::vector<TraceRecord> read_all(RecordReader& reader) {
+  std::vector<TraceRecord> records;
+  TraceRecord r;
+  while (reader.next(r))
+    records.push_back(r);
+  return records;
+}
+
 std::vector<TraceRecord> parse_trace_csv(std::string_view text, const std::string& name) {
-  return Parser(text, name).parse();
+  LineReader lines(text, name);
+  Parser parser(lines);
+  return read_all(parser);
 }
 
 std::vector<TraceRecord> read_trace_csv(const std::string& path) {
-  return parse_trace_csv(read_file(path), path);
+  const ReadLimits limits = ReadLimits::from_environment();
+  ByteSource source(path, limits);
+  LineReader lines(source, source.next(), limits.max_line_bytes);
+  Parser parser(lines);
+  return read_all(parser);
 }
 
 void write_trace_csv_header(std::ostream& out) {

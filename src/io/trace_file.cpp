@@ -1,9 +1,11 @@
 #include "io/trace_file.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <string_view>
 
 #include "ccalloc/errors.hpp"
+#include "io/csv_text.hpp"
 #include "io/gzip.hpp"
 #include "io/rmm_log.hpp"
 #include "io/snapshot_io.hpp"
@@ -34,10 +36,22 @@ FileKind kind_of(std::string_view data, const std::string& path) {
                     "Thread,Time,Action,Pointer,Size,Stream)");
 }
 
+// The first chunk of `source`, which decides the kind: it must hold more than blanks.
+std::string_view first_chunk(ByteSource& source) {
+  const std::string_view first = source.next();
+  if (!first.empty() && first.find_first_not_of(" \t\r\n\f\v") == std::string_view::npos) {
+    throw FormatError(source.name() + ": the file is empty or its first " +
+                      std::to_string(first.size()) +
+                      " bytes are blank (expected a snapshot, a trace CSV or an RMM log)");
+  }
+  return first;
+}
+
 }  // namespace
 
 FileKind detect_kind(const std::string& path) {
-  return kind_of(read_file(path), path);
+  ByteSource source(path, ReadLimits::from_environment());
+  return kind_of(first_chunk(source), path);
 }
 
 const char* to_string(FileKind kind) {
@@ -54,18 +68,59 @@ const char* to_string(FileKind kind) {
   return "unknown";
 }
 
-std::vector<TraceRecord> read_any_trace(const std::string& path, int device) {
-  const std::string data = read_file(path);
-  switch (kind_of(data, path)) {
+TraceReader::TraceReader(const std::string& path, int device, const ReadLimits& limits)
+    : path_(path), limits_(limits), source_(std::make_unique<ByteSource>(path, limits)) {
+  const std::string_view first = first_chunk(*source_);
+  kind_ = kind_of(first, path);
+  switch (kind_) {
     case FileKind::kTraceCsv:
-      return parse_trace_csv(data, path);
     case FileKind::kRmmLog:
-      return parse_rmm_log(data, path);
+      lines_ = std::make_unique<LineReader>(*source_, first, limits.max_line_bytes);
+      rows_ = kind_ == FileKind::kTraceCsv ? trace_csv_reader(*lines_) : rmm_log_reader(*lines_);
+      return;
     case FileKind::kSnapshotPickle:
     case FileKind::kSnapshotJson:
       break;
   }
-  return trace_records(read_snapshot(path), device);
+  source_.reset();  // read_snapshot opens the file again
+  snapshot_records_ = trace_records(read_snapshot(path), device);
+  std::reverse(snapshot_records_.begin(), snapshot_records_.end());  // handed out from the back
+}
+
+TraceReader::~TraceReader() = default;
+
+bool TraceReader::next(TraceRecord& out) {
+  if (rows_) {
+    if (!rows_->next(out)) return false;
+  } else {
+    if (snapshot_records_.empty()) return false;
+    out = snapshot_records_.back();
+    snapshot_records_.pop_back();
+  }
+  if (++count_ > limits_.max_entries) {
+    throw FormatError(path_ + ":" + std::to_string(out.line) + ": more than " +
+                      std::to_string(limits_.max_entries) + " trace entries" +
+                      limit_hint("max_entries", limits_.max_entries,
+                                 "CCALLOC_MAX_ENTRIES or `ccalloc replay --max-entries`"));
+  }
+  return true;
+}
+
+void for_each_entry(const std::string& path, int device,
+                    const std::function<void(const TraceRecord&)>& fn) {
+  TraceReader reader(path, device);
+  TraceRecord r;
+  while (reader.next(r))
+    fn(r);
+}
+
+std::vector<TraceRecord> read_any_trace(const std::string& path, int device) {
+  TraceReader reader(path, device);
+  std::vector<TraceRecord> records;
+  TraceRecord r;
+  while (reader.next(r))
+    records.push_back(r);
+  return records;
 }
 
 }  // namespace ccalloc::io

@@ -2,22 +2,58 @@
 // snapshot (pickle or JSON, PyTorch's or ccalloc's), a trace CSV, or an RMM replay log.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "ccalloc/snapshot.hpp"
+#include "io/limits.hpp"
 #include "io/trace_csv.hpp"
 
 namespace ccalloc::io {
 
 enum class FileKind { kSnapshotPickle, kSnapshotJson, kTraceCsv, kRmmLog };
 
-// What a file holds. Throws FormatError for something else.
+// What a file holds, from its first bytes. Throws FormatError for something else.
 FileKind detect_kind(const std::string& path);
 const char* to_string(FileKind kind);
 
-// The trace entries of a file: a snapshot's device trace (`device`), a trace CSV or an
-// RMM log. Throws FormatError with the file name and the line or byte offset.
+// The trace entries of a file, one at a time: a trace CSV or RMM log is streamed (memory
+// stays at a few chunks and one line, whatever the file's length); a snapshot is a tree,
+// read whole under the limits, and its device trace (`device`) handed out. Throws
+// FormatError with the file name and the line or byte offset, or the limit that was hit.
+class TraceReader {
+ public:
+  explicit TraceReader(const std::string& path, int device = 0,
+                       const ReadLimits& limits = ReadLimits::from_environment());
+  ~TraceReader();
+  TraceReader(const TraceReader&) = delete;
+  TraceReader& operator=(const TraceReader&) = delete;
+
+  FileKind kind() const { return kind_; }
+  // The next record, or false at the end. Fails past limits.max_entries.
+  bool next(TraceRecord& out);
+  // Records handed out so far.
+  std::uint64_t count() const { return count_; }
+
+ private:
+  std::string path_;
+  ReadLimits limits_;
+  FileKind kind_;
+  std::unique_ptr<class ByteSource> source_;
+  std::unique_ptr<class LineReader> lines_;
+  std::unique_ptr<RecordReader> rows_;
+  std::vector<TraceRecord> snapshot_records_;  // for a snapshot
+  std::uint64_t count_ = 0;
+};
+
+// Calls `fn` with every record of the file, in order.
+void for_each_entry(const std::string& path, int device,
+                    const std::function<void(const TraceRecord&)>& fn);
+
+// All of the file's records in memory (for callers that need random access).
 std::vector<TraceRecord> read_any_trace(const std::string& path, int device = 0);
 
 }  // namespace ccalloc::io

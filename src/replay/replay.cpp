@@ -28,61 +28,74 @@ std::string hex(DevicePtr p) {
 
 }  // namespace
 
-Recorded recorded_figures(const std::vector<io::TraceRecord>& trace) {
-  Recorded r;
-  std::int64_t reserved = 0;
-  std::int64_t requested = 0;
-  std::unordered_map<DevicePtr, std::int64_t> live;  // address -> requested size
-  for (const io::TraceRecord& rec : trace) {
-    const TraceEntry& e = rec.entry;
-    const auto size = static_cast<std::int64_t>(e.size);
-    switch (e.action) {
-      case TraceAction::kSegmentAlloc:
-      case TraceAction::kSegmentMap:
-        reserved += size;
-        ++r.device_allocs;
-        r.peak_reserved_bytes = std::max(r.peak_reserved_bytes, reserved);
-        break;
-      case TraceAction::kSegmentFree:
-      case TraceAction::kSegmentUnmap:
-        reserved -= size;
-        ++r.device_frees;
-        break;
-      case TraceAction::kAlloc:
-        live[e.addr] = size;
-        requested += size;
-        r.peak_requested_bytes = std::max(r.peak_requested_bytes, requested);
-        break;
-      case TraceAction::kFreeCompleted:
-        if (const auto it = live.find(e.addr); it != live.end()) {
-          requested -= it->second;
-          live.erase(it);
-        }
-        break;
-      case TraceAction::kOom:
-        ++r.ooms;
-        break;
-      default:
-        break;
-    }
+void RecordedCounter::add(const TraceEntry& e) {
+  // Sizes beyond int64 (an impossible request) count at the largest figure.
+  const auto size = static_cast<std::int64_t>(
+      std::min<std::uint64_t>(e.size, std::numeric_limits<std::int64_t>::max() / 4));
+  switch (e.action) {
+    case TraceAction::kSegmentAlloc:
+    case TraceAction::kSegmentMap:
+      reserved_ += size;
+      ++r_.device_allocs;
+      r_.peak_reserved_bytes = std::max(r_.peak_reserved_bytes, reserved_);
+      break;
+    case TraceAction::kSegmentFree:
+    case TraceAction::kSegmentUnmap:
+      reserved_ -= size;
+      ++r_.device_frees;
+      break;
+    case TraceAction::kAlloc:
+      live_[e.addr] = size;
+      requested_ += size;
+      r_.peak_requested_bytes = std::max(r_.peak_requested_bytes, requested_);
+      break;
+    case TraceAction::kFreeCompleted:
+      if (const auto it = live_.find(e.addr); it != live_.end()) {
+        requested_ -= it->second;
+        live_.erase(it);
+      }
+      break;
+    case TraceAction::kOom:
+      ++r_.ooms;
+      break;
+    default:
+      break;
   }
-  return r;
+}
+
+Recorded recorded_figures(const std::vector<io::TraceRecord>& trace) {
+  RecordedCounter counter;
+  for (const io::TraceRecord& rec : trace)
+    counter.add(rec.entry);
+  return counter.figures();
 }
 
 Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
-  sim::Options sim_options;
-  sim_options.capacity = options.capacity;
-  sim_options.cost = options.cost;
-  sim::SimDriver gpu(sim_options);
+  std::vector<sim::OracleEntry> oracle;
   if (options.address_oracle) {
-    std::vector<sim::OracleEntry> oracle;
     for (const io::TraceRecord& rec : trace) {
       if (rec.entry.action == TraceAction::kSegmentAlloc) {
         oracle.push_back({rec.entry.addr, rec.entry.size});
       }
     }
-    gpu.set_address_oracle(std::move(oracle));
   }
+  std::size_t i = 0;
+  return run(
+      [&](io::TraceRecord& out) {
+        if (i == trace.size()) return false;
+        out = trace[i++];
+        return true;
+      },
+      options, std::move(oracle));
+}
+
+Result run(const TraceSource& source, const Options& options, std::vector<sim::OracleEntry> oracle,
+           Recorded* recorded) {
+  sim::Options sim_options;
+  sim_options.capacity = options.capacity;
+  sim_options.cost = options.cost;
+  sim::SimDriver gpu(sim_options);
+  if (options.address_oracle) gpu.set_address_oracle(std::move(oracle));
 
   Result result;
   result.conf = options.conf;
@@ -103,11 +116,21 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
   std::unordered_map<DevicePtr, StreamId> pending;    // recorded address -> side stream
   std::unordered_map<DevicePtr, std::size_t> failed;  // allocs that hit OOM here
   StreamId next_side_stream = kSideStreamBase;
-  std::optional<DevicePtr> completed_with_request;  // its free_completed row is consumed
+  // The address whose free_completed row is already consumed (freed with its request).
+  bool completed_pending = false;
+  DevicePtr completed_with_request = 0;
 
-  for (std::size_t i = 0; i < trace.size(); ++i) {
-    const io::TraceRecord& rec = trace[i];
+  RecordedCounter counter;
+  // One record of lookahead: a free_requested directly followed by its free_completed frees
+  // at once.
+  io::TraceRecord rec;
+  io::TraceRecord ahead;
+  bool have_ahead = source(ahead);
+  while (have_ahead) {
+    rec = ahead;
+    have_ahead = source(ahead);
     const TraceEntry& e = rec.entry;
+    if (recorded != nullptr) counter.add(e);
     gpu.set_time_us(e.time_us);
     switch (e.action) {
       case TraceAction::kAlloc: {
@@ -115,8 +138,11 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
         try {
           live.emplace(e.addr, allocator.malloc(e.size, e.stream));
           failed.erase(e.addr);
-        } catch (const OutOfMemoryError&) {
-          ++failed[e.addr];  // its frees are skipped
+        } catch (const OutOfMemoryError& oom) {
+          // Refused as the recorded run's allocator would refuse it: counted as an OOM, and
+          // its frees are skipped.
+          if (result.ooms++ == 0) result.first_oom_message = oom.what();
+          ++failed[e.addr];
         }
         break;
       }
@@ -128,12 +154,13 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
         }
         const DevicePtr ours = it->second;
         live.erase(it);
-        const bool completes_now = i + 1 < trace.size() &&
-                                   trace[i + 1].entry.action == TraceAction::kFreeCompleted &&
-                                   trace[i + 1].entry.addr == e.addr;
+        const bool completes_now = have_ahead &&
+                                   ahead.entry.action == TraceAction::kFreeCompleted &&
+                                   ahead.entry.addr == e.addr;
         if (completes_now) {
           allocator.free(ours);
           completed_with_request = e.addr;
+          completed_pending = true;
         } else {
           const StreamId side = next_side_stream++;
           allocator.record_stream(ours, side);
@@ -143,8 +170,8 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
         break;
       }
       case TraceAction::kFreeCompleted: {
-        if (completed_with_request == e.addr) {
-          completed_with_request.reset();
+        if (completed_pending && completed_with_request == e.addr) {
+          completed_pending = false;
           break;
         }
         const auto it = pending.find(e.addr);
@@ -161,6 +188,7 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
     }
   }
 
+  if (recorded != nullptr) *recorded = counter.figures();
   result.stats = allocator.stats();
   if (options.keep_snapshot) result.snapshot = allocator.snapshot();
   const DeviceStats& s = result.stats;
@@ -174,7 +202,6 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
   result.device_allocs = s.num_device_alloc;
   result.device_frees = s.num_device_free;
   result.alloc_retries = s.num_alloc_retries;
-  result.ooms = s.num_ooms;
   result.oracle_hits = gpu.oracle_hits();
   result.oracle_diverged = gpu.oracle_diverged();
   // Destroying the allocator returns its segments; that is not part of the workload.

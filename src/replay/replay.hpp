@@ -11,8 +11,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ccalloc/sim.hpp"
@@ -42,7 +44,11 @@ struct Result {
   std::int64_t device_allocs = 0;
   std::int64_t device_frees = 0;
   std::int64_t alloc_retries = 0;
+  // Every request the allocator refused with OutOfMemoryError: the OOM ladder's (num_ooms)
+  // and those refused before it, such as PyTorch's guard against more than 1 EB.
   std::int64_t ooms = 0;
+  // The allocator's message for the first of them.
+  std::string first_oom_message;
   double simulated_driver_us = 0.0;
   std::size_t oracle_hits = 0;
   bool oracle_diverged = false;
@@ -61,6 +67,29 @@ struct Recorded {
 };
 
 Recorded recorded_figures(const std::vector<io::TraceRecord>& trace);
+
+// recorded_figures() one record at a time, for a trace that is streamed.
+class RecordedCounter {
+ public:
+  void add(const TraceEntry& e);
+  const Recorded& figures() const { return r_; }
+
+ private:
+  Recorded r_;
+  std::int64_t reserved_ = 0;
+  std::int64_t requested_ = 0;
+  std::unordered_map<DevicePtr, std::int64_t> live_;  // address -> requested size
+};
+
+// Pulls the next record of a trace into its argument; false at the end.
+using TraceSource = std::function<bool(io::TraceRecord&)>;
+
+// Replays the records `source` yields, holding only the allocator's live state (and one
+// record of lookahead), whatever the trace's length. With options.address_oracle the
+// segment addresses come from `oracle` (the trace's segment_alloc rows in order; collect
+// them in a first pass). `recorded`, if given, receives the trace's recorded figures.
+Result run(const TraceSource& source, const Options& options,
+           std::vector<sim::OracleEntry> oracle = {}, Recorded* recorded = nullptr);
 
 // Replays `trace` (rows in order) under `options`. Throws FormatError naming the row's line
 // for a trace that is inconsistent (a free of an address that is not live, an alloc at a

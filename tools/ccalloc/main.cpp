@@ -1,7 +1,7 @@
 // The ccalloc command-line tool.
 //
 //   ccalloc replay FILE [--conf STRING]... [--capacity SIZE] [--address-oracle]
-//                       [--emit-trace FILE] [--snapshot-out FILE] [--json]
+//                       [--emit-trace FILE] [--snapshot-out FILE] [--json] [--max-entries N]
 //   ccalloc summary FILE [--device N]
 //   ccalloc stats FILE [--device N]
 //   ccalloc convert IN OUT [--device N]
@@ -145,6 +145,11 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
     for (const std::string& line : legend)
       std::cout << line << "\n";
   }
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    if (results[i].ooms == 0) continue;
+    std::cout << "\nfirst OOM under " << header[i + 2] << ": " << results[i].first_oom_message
+              << "\n";
+  }
   std::cout << "\nrecorded: what the recorded allocator did (from the trace's own segment rows).\n";
 }
 
@@ -158,6 +163,7 @@ nlohmann::json to_json(const Result& r) {
   j["device_frees"] = r.device_frees;
   j["alloc_retries"] = r.alloc_retries;
   j["ooms"] = r.ooms;
+  if (r.ooms != 0) j["first_oom_message"] = r.first_oom_message;
   j["simulated_driver_us"] = r.simulated_driver_us;
   j["oracle_hits"] = r.oracle_hits;
   j["oracle_diverged"] = r.oracle_diverged;
@@ -165,24 +171,46 @@ nlohmann::json to_json(const Result& r) {
   return j;
 }
 
+// The trace is streamed once per config, so memory follows the allocator's live state,
+// not the file's length.
 int run_replay(const std::string& trace_path, const std::vector<std::string>& confs,
                const std::string& capacity_text, bool oracle, const std::string& emit_path,
-               const std::string& snapshot_path, bool json) {
-  const auto trace = ccalloc::io::read_any_trace(trace_path);
+               const std::string& snapshot_path, bool json, std::uint64_t max_entries) {
+  ccalloc::io::ReadLimits limits = ccalloc::io::ReadLimits::from_environment();
+  if (max_entries != 0) limits.max_entries = max_entries;
   ccalloc::replay::Options options;
   options.capacity = ccalloc::replay::parse_size(capacity_text);
   options.address_oracle = oracle;
   options.keep_trace = !emit_path.empty();
   options.keep_snapshot = !snapshot_path.empty();
 
+  std::vector<ccalloc::sim::OracleEntry> segments;
+  if (oracle) {
+    ccalloc::io::TraceReader reader(trace_path, 0, limits);
+    ccalloc::io::TraceRecord r;
+    while (reader.next(r)) {
+      if (r.entry.action == ccalloc::TraceAction::kSegmentAlloc) {
+        segments.push_back({r.entry.addr, r.entry.size});
+      }
+    }
+  }
+  Recorded recorded;
+  std::uint64_t rows = 0;
   std::vector<Result> results;
   const std::vector<std::string> configs = confs.empty() ? std::vector<std::string>{""} : confs;
   for (std::size_t i = 0; i < configs.size(); ++i) {
     options.conf = configs[i];
     try {
-      results.push_back(ccalloc::replay::run(trace, options));
+      ccalloc::io::TraceReader reader(trace_path, 0, limits);
+      results.push_back(
+          ccalloc::replay::run([&reader](ccalloc::io::TraceRecord& r) { return reader.next(r); },
+                               options, segments, i == 0 ? &recorded : nullptr));
+      rows = reader.count();
     } catch (const ccalloc::FormatError& e) {
-      throw ccalloc::FormatError(trace_path + ": " + e.what());
+      // The reader's errors name the file already; the replay's name only the line.
+      const std::string what = e.what();
+      if (what.starts_with(trace_path + ":")) throw;
+      throw ccalloc::FormatError(trace_path + ": " + what);
     }
     if (options.keep_trace) {
       ccalloc::io::write_file(numbered_path(emit_path, i, configs.size()),
@@ -201,8 +229,7 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
       out.push_back(to_json(r));
     std::cout << out.dump(2) << "\n";
   } else {
-    print_table(trace_path, trace.size(), options.capacity,
-                ccalloc::replay::recorded_figures(trace), results);
+    print_table(trace_path, rows, options.capacity, recorded, results);
   }
   return 0;
 }
@@ -427,6 +454,10 @@ int main(int argc, char** argv) {
                      "Write the replay's final snapshot with its history (.pickle or .json, "
                      "optionally .gz; numbered per config if several)");
   replay->add_flag("--json", json, "Print a JSON array, one object per config");
+  std::uint64_t max_entries = 0;
+  replay->add_option("--max-entries", max_entries,
+                     "Fail on a trace with more entries than this (default: CCALLOC_MAX_ENTRIES "
+                     "or 2^32)");
 
   std::string file;
   int device = 0;
@@ -454,7 +485,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (replay->parsed()) {
-      return run_replay(trace_path, confs, capacity, oracle, emit_path, snapshot_path, json);
+      return run_replay(trace_path, confs, capacity, oracle, emit_path, snapshot_path, json,
+                        max_entries);
     }
     if (summary->parsed()) return run_summary(file, device);
     if (stats->parsed()) return run_stats(file, device);
