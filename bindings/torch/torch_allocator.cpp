@@ -95,9 +95,14 @@ auto translated(const char* method, Fn&& fn) -> decltype(fn()) {
 // A fixed-capacity ring of trace entries, oldest first (PyTorch's RingBuffer).
 class TraceRing {
  public:
+  // Keeps the newest `n` entries.
   void set_max_entries(std::size_t n) {
-    max_ = std::max<std::size_t>(n, 1);
-    clear();
+    n = std::max<std::size_t>(n, 1);
+    std::vector<TraceEntry> kept = entries();
+    if (kept.size() > n) kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(n));
+    entries_ = std::move(kept);
+    next_ = 0;
+    max_ = n;
   }
   void clear() {
     entries_.clear();
@@ -230,8 +235,8 @@ class History {
     skip_ = std::move(skip);
     max_entries_ = max_entries;
     for (TraceRing& ring : rings_) {
-      // PyTorch resizes the ring (dropping its entries) only when asked to clear.
-      if (!enabled || clear) ring.set_max_entries(max_entries);
+      ring.set_max_entries(max_entries);
+      if (!enabled || clear) ring.clear();
     }
     if (!enabled || clear) annotations_.clear();
     if (!enabled) {
@@ -262,9 +267,17 @@ class History {
     const auto when = static_cast<RecordContext>(when_.load(std::memory_order_relaxed));
     // Keep the contexts of live blocks and segments (RecordContext::STATE and up).
     switch (e.action) {
-      case A::kAlloc:
+      case A::kAlloc: {
         if (context) block_contexts_[e.addr] = context;
+        // PyTorch keeps a segment's context on the segment's original block, which moves
+        // off the head when an allocation at the head splits it: from then on the segment
+        // reports no context. The split is PyTorch's rule for 512-byte rounding.
+        auto seg = segment_contexts_.find(e.addr);
+        if (seg != segment_contexts_.end() && splits(e.size, seg->second.size)) {
+          segment_contexts_.erase(seg);
+        }
         break;
+      }
       case A::kFreeRequested:
       case A::kFreeCompleted: {
         auto it = block_contexts_.find(e.addr);
@@ -274,12 +287,12 @@ class History {
       }
       case A::kSegmentAlloc:
       case A::kSegmentMap:
-        if (context) segment_contexts_.emplace(e.addr, context);
+        if (context) segment_contexts_.emplace(e.addr, SegmentContext{context, e.size});
         break;
       case A::kSegmentFree:
       case A::kSegmentUnmap: {
         auto it = segment_contexts_.find(e.addr);
-        if (!context && it != segment_contexts_.end()) context = it->second;
+        if (!context && it != segment_contexts_.end()) context = it->second.context;
         if (e.action == A::kSegmentFree && it != segment_contexts_.end()) segment_contexts_.erase(it);
         break;
       }
@@ -322,7 +335,7 @@ class History {
   std::shared_ptr<c10::GatheredContext> segment_context(ccalloc::DevicePtr addr) {
     std::lock_guard lock(mutex_);
     auto it = segment_contexts_.find(addr);
-    return it == segment_contexts_.end() ? nullptr : it->second;
+    return it == segment_contexts_.end() ? nullptr : it->second.context;
   }
 
   void annotate(const std::vector<std::pair<std::string, std::string>>& md) {
@@ -351,6 +364,21 @@ class History {
   static std::string user_metadata() { return t_user_metadata; }
 
  private:
+  struct SegmentContext {
+    std::shared_ptr<c10::GatheredContext> context;
+    std::size_t size = 0;
+  };
+
+  // Whether PyTorch splits a free block of `block` bytes for a request of `requested`
+  // bytes: small requests (<= 1 MiB) leave at least 512 bytes, large ones more than 1 MiB.
+  static bool splits(std::size_t requested, std::size_t block) {
+    constexpr std::size_t kSmall = 1 << 20;
+    const std::size_t rounded = requested < 512 ? 512 : (requested + 511) / 512 * 512;
+    if (rounded >= block) return false;
+    const std::size_t remaining = block - rounded;
+    return requested <= kSmall ? remaining >= 512 : remaining > kSmall;
+  }
+
   TraceRing& ring(int device) {
     TraceRing& r = rings_[static_cast<std::size_t>(device)];
     return r;
@@ -371,7 +399,7 @@ class History {
   std::vector<AnnotationEntry> annotations_;
   std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>> trackers_;
   std::unordered_map<ccalloc::DevicePtr, std::shared_ptr<c10::GatheredContext>> block_contexts_;
-  std::unordered_map<ccalloc::DevicePtr, std::shared_ptr<c10::GatheredContext>> segment_contexts_;
+  std::unordered_map<ccalloc::DevicePtr, SegmentContext> segment_contexts_;
 };
 
 thread_local std::shared_ptr<c10::GatheredContext> History::t_context;
