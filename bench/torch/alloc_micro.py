@@ -72,6 +72,9 @@ def main():
     workers = {name: start(name) for name in ("pytorch", "ccalloc")}
     results = {}
     try:
+        for size in SIZES.values():  # untimed: first-call costs of each size and code path
+            for proc, _ in workers.values():
+                sample(proc, size, args.iters)
         for label, size in SIZES.items():
             samples = {name: [] for name in workers}
             for r in range(args.rounds):

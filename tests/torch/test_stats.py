@@ -164,3 +164,19 @@ emit(error=error, seen=seen, num_ooms=torch.cuda.memory_stats()["num_ooms"])
         assert "Tried to allocate 1048576.00 GiB" in run["error"]["message"], run["error"]["message"]
         assert run["num_ooms"] == 1
     assert_same(pytorch["seen"], ccalloc["seen"], "OOM observer calls (device, bytes)")
+
+
+def test_allocator_settings_set_at_run_time_reach_the_allocator():
+    pytorch, ccalloc = both("""
+torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+x = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+y = torch.empty(300, dtype=torch.uint8, device="cuda")
+segments = torch.cuda.memory._snapshot()["segments"]
+emit(expandable=sorted(s["is_expandable"] for s in segments),
+     settings=torch.cuda.memory._snapshot()["allocator_settings"]["expandable_segments"],
+     stats=dict(torch.cuda.memory_stats()))
+""")
+    assert pytorch["expandable"] and all(pytorch["expandable"])
+    assert_same(pytorch["expandable"], ccalloc["expandable"], "is_expandable of the segments")
+    assert_same(pytorch["settings"], ccalloc["settings"], "allocator_settings.expandable_segments")
+    assert_same(pytorch["stats"], ccalloc["stats"], "memory_stats() with expandable segments")
