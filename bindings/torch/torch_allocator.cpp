@@ -255,20 +255,35 @@ class History {
     has_trackers_ = true;
   }
 
-  // Called by the engine for each trace entry of `device`, under its lock.
+  // Called by the engine for each trace entry of `device`, under its lock. Trackers are
+  // called after this table's lock is released (still under the engine's, as PyTorch's).
   void on_entry(int device, const ccalloc::TraceEntry& e) {
     const bool recording = recording_.load(std::memory_order_acquire);
     if (!recording && !has_trackers_) return;
+    std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>> trackers;
+    const TraceEntry te = record(device, e, recording, trackers);
+    if (trackers) {
+      for (const auto& tracker : *trackers)
+        tracker(te);
+    }
+  }
+
+  // Keeps the contexts of live blocks and segments (RecordContext::STATE and up) and the
+  // history; returns the entry in PyTorch's form and the trackers to call.
+  TraceEntry record(int device, const ccalloc::TraceEntry& e, bool recording,
+                    std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>>& trackers) {
     using A = ccalloc::TraceAction;
     std::shared_ptr<c10::GatheredContext> context = t_context;
-    std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>> trackers;
     std::lock_guard lock(mutex_);
     trackers = trackers_;
     const auto when = static_cast<RecordContext>(when_.load(std::memory_order_relaxed));
-    // Keep the contexts of live blocks and segments (RecordContext::STATE and up).
     switch (e.action) {
       case A::kAlloc: {
-        if (context) block_contexts_[e.addr] = context;
+        if (context) {
+          block_contexts_[e.addr] = context;
+        } else {
+          block_contexts_.erase(e.addr);
+        }
         // PyTorch keeps a segment's context on the segment's original block, which moves
         // off the head when an allocation at the head splits it: from then on the segment
         // reports no context. The split is PyTorch's rule for 512-byte rounding.
@@ -305,11 +320,8 @@ class History {
                   when >= RecordContext::ALLOC ? std::move(context) : nullptr,
                   t_compile_context.empty() ? "N/A" : t_compile_context.back(), t_user_metadata);
     te.time_.t_ = static_cast<time_t>(e.time_us);
-    if (trackers) {
-      for (const auto& tracker : *trackers)
-        tracker(te);
-    }
     if (recording && skip_.count(static_cast<int>(te.action_)) == 0) ring(device).push(te);
+    return te;
   }
 
   // PyTorch's snapshot entry: recorded when a snapshot is taken, with the active bytes.
