@@ -44,7 +44,7 @@ checks = {
         1024 * 4096 + 4096 * 10) * 3,
     "the summary reports it": "Allocated memory" in ccalloc_torch.memory_summary(),
 }
-if how == "hooks":
+if how in ("native", "hooks"):
     # Tensor.record_stream reaches ccalloc: the block waits for the side stream.
     side = torch.cuda.Stream()
     t = torch.empty(1 << 20, device="cuda")

@@ -3,17 +3,24 @@
     import ccalloc_torch
     ccalloc_torch.install()          # before the first CUDA allocation
     ...                              # unchanged model code
-    print(ccalloc_torch.memory_summary())
+    print(torch.cuda.memory_summary())
+
+install() tries, in order:
+  "native":    libccalloc_torch.so, built against this torch, implements PyTorch's
+               CUDAAllocator itself: torch.cuda.memory_stats(), memory_summary(),
+               _record_memory_history()/_snapshot() (with Python frames), empty_cache(),
+               set_per_process_memory_fraction(), caching_allocator_alloc(), torch.accelerator's
+               memory functions and torch.multiprocessing's CUDA IPC all reach ccalloc.
+  "hooks":     libccalloc_torch_hooks.so: torch's CUDAPluggableAllocator with the hooks its
+               Python constructor cannot set (record_stream, empty_cache, memory fraction,
+               OutOfMemoryError).
+  "pluggable": CUDAPluggableAllocator over libccalloc.so's C entry points alone.
+With the last two, torch.cuda.memory_stats() and friends do not work: use this module's
+stats(), memory_summary(), record_history() and dump_snapshot() instead.
 
 The configuration comes from CCALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF, else
-PYTORCH_ALLOC_CONF), in PyTorch's grammar. torch.cuda.memory_stats() and friends do not
-work with a pluggable allocator: use this module's stats(), memory_summary(),
-max_memory_reserved(), record_history() and dump_snapshot() instead. torch.cuda.empty_cache()
-and torch.cuda.set_per_process_memory_fraction() reach ccalloc when libccalloc_torch.so was
-built (it is whenever the build found torch).
-
-Libraries are looked up in CCALLOC_LIBRARY_DIR, then in the build folders of the
-repository this module lives in.
+PYTORCH_ALLOC_CONF), in PyTorch's grammar. Libraries are looked up in CCALLOC_LIBRARY_DIR,
+then in the build folders of the repository this module lives in.
 """
 
 import ctypes
@@ -29,7 +36,7 @@ __all__ = [
 ]
 
 _lib = None
-_installed = None  # "hooks" or "pluggable" once installed
+_installed = None  # "native", "hooks" or "pluggable" once installed
 _pluggable = None  # keeps torch's allocator object alive in the fallback path
 
 
@@ -72,19 +79,41 @@ def _check(status):
 
 
 def installed():
-    """How ccalloc was installed: "hooks", "pluggable", or None."""
+    """How ccalloc was installed: "native", "hooks", "pluggable", or None."""
     return _installed
 
 
-def install():
-    """Makes ccalloc PyTorch's CUDA allocator. Call it before the first CUDA allocation."""
+def _native_library():
+    """libccalloc_torch.so, loaded, or None where it was not built."""
+    path = os.path.join(library_dir(), "libccalloc_torch.so")
+    if not os.path.exists(path):
+        return None
+    lib = ctypes.CDLL(path)
+    lib.ccalloc_torch_native_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.ccalloc_torch_native_installed.restype = ctypes.c_int
+    return lib
+
+
+def install(native=True):
+    """Makes ccalloc PyTorch's CUDA allocator. Call it before the first CUDA allocation.
+
+    native=False skips libccalloc_torch.so and installs through CUDAPluggableAllocator.
+    Returns how it was installed (see installed())."""
     global _installed, _pluggable
     if _installed:
         return _installed
-    import torch  # noqa: F401  (the hooks library needs torch's libraries loaded)
+    import torch  # noqa: F401  (the libraries below need torch's libraries loaded)
 
-    lib = _library()
-    hooks = os.path.join(library_dir(), "libccalloc_torch.so")
+    if native:
+        lib = _native_library()
+        if lib is not None:
+            error = ctypes.create_string_buffer(4096)
+            if lib.ccalloc_torch_native_install(error, len(error)) != 0:
+                raise RuntimeError("ccalloc_torch.install: " + error.value.decode(errors="replace"))
+            _installed = "native"
+            return _installed
+    plain = _library()
+    hooks = os.path.join(library_dir(), "libccalloc_torch_hooks.so")
     if os.path.exists(hooks):
         hooks_lib = ctypes.CDLL(hooks)
         hooks_lib.ccalloc_torch_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
@@ -93,15 +122,22 @@ def install():
             raise RuntimeError("ccalloc_torch.install: " + error.value.decode(errors="replace"))
         _installed = "hooks"
         return _installed
-    warnings.warn("ccalloc_torch: libccalloc_torch.so was not built; installing through "
-                  "CUDAPluggableAllocator alone: record_stream, empty_cache and memory "
-                  "fractions set through torch do not reach ccalloc, and a failed allocation "
-                  "returns a null pointer instead of raising OutOfMemoryError")
+    warnings.warn("ccalloc_torch: neither libccalloc_torch.so nor libccalloc_torch_hooks.so was "
+                  "built; installing through CUDAPluggableAllocator alone: record_stream, "
+                  "empty_cache and memory fractions set through torch do not reach ccalloc, and "
+                  "a failed allocation returns a null pointer instead of raising "
+                  "OutOfMemoryError")
     _pluggable = torch.cuda.memory.CUDAPluggableAllocator(
-        lib._name, "ccalloc_torch_alloc", "ccalloc_torch_free")
+        plain._name, "ccalloc_torch_alloc", "ccalloc_torch_free")
     torch.cuda.memory.change_current_allocator(_pluggable)
     _installed = "pluggable"
     return _installed
+
+
+def _torch_device(device):
+    import torch
+    return torch.device("cuda", torch.cuda.current_device() if _device(device) == -1
+                        else _device(device))
 
 
 def _device(device):
@@ -112,8 +148,17 @@ def _device(device):
     return int(device)
 
 
+def _native():
+    """True when torch.cuda's own memory functions reach ccalloc (the helpers below then go
+    through them: libccalloc.so's C API would reach another, idle instance)."""
+    return _installed == "native"
+
+
 def stats(device=None):
     """memory_stats() of a device (PyTorch's keys), as a dict."""
+    if _native():
+        import torch
+        return dict(torch.cuda.memory_stats(_torch_device(device)))
     lib = _library()
     n = ctypes.c_size_t(0)
     _check(lib.ccalloc_memory_stats_json(_device(device), None, 0, ctypes.byref(n)))
@@ -123,6 +168,9 @@ def stats(device=None):
 
 
 def memory_summary(device=None, abbreviated=False):
+    if _native():
+        import torch
+        return torch.cuda.memory_summary(_torch_device(device), abbreviated)
     lib = _library()
     n = ctypes.c_size_t(0)
     _check(lib.ccalloc_memory_summary(_device(device), int(abbreviated), None, 0, ctypes.byref(n)))
@@ -149,20 +197,43 @@ def max_memory_allocated(device=None):
 
 
 def reset_peak_memory_stats(device=None):
+    if _native():
+        import torch
+        torch.cuda.reset_peak_memory_stats(_torch_device(device))
+        return
     _check(_library().ccalloc_reset_peak_stats(_device(device)))
 
 
 def empty_cache():
     """Returns every device's cached, wholly free memory to the device."""
+    if _native():
+        import torch
+        torch.cuda.empty_cache()
+        return
     _check(_library().ccalloc_empty_cache(-2))
 
 
 def set_memory_fraction(fraction, device=None):
+    if _native():
+        import torch
+        torch.cuda.set_per_process_memory_fraction(float(fraction), _torch_device(device))
+        return
     _check(_library().ccalloc_set_memory_fraction(float(fraction), _device(device)))
 
 
 def record_history(enabled="all", context="all", stacks="cpp", max_entries=1_000_000):
-    """Starts (or, with enabled=None, stops) recording allocation history on every device."""
+    """Starts (or, with enabled=None, stops) recording allocation history on every device.
+
+    Installed natively this is torch.cuda.memory._record_memory_history, whose stacks are
+    Python frames ("python") or Python and C++ frames ("all"; "cpp" means the same here)."""
+    if _native():
+        import torch
+        torch.cuda.memory._record_memory_history(
+            enabled=None if enabled in (None, "none") else enabled,
+            context=None if context in (None, "none") else context,
+            stacks="python" if stacks in (None, "none", "python") else "all",
+            max_entries=int(max_entries))
+        return
     _check(_library().ccalloc_record_history((enabled or "none").encode(),
                                              (context or "none").encode(),
                                              (stacks or "none").encode(), int(max_entries)))
@@ -171,9 +242,41 @@ def record_history(enabled="all", context="all", stacks="cpp", max_entries=1_000
 def dump_snapshot(path):
     """Writes every device's segments and history: a pickle (or JSON for *.json; gzip for
     *.gz) that torch.cuda._memory_viz and pytorch.org/memory_viz read."""
+    if _native():
+        import gzip
+        import pickle
+        import torch
+        path = os.fspath(path)
+        snapshot = torch.cuda.memory._snapshot()
+        opener = gzip.open if path.endswith(".gz") else open
+        stem = path[:-3] if path.endswith(".gz") else path
+        with opener(path, "wt" if stem.endswith(".json") else "wb") as f:
+            if stem.endswith(".json"):
+                json.dump(snapshot, f)
+            else:
+                pickle.dump(snapshot, f)
+        return
     _check(_library().ccalloc_dump_snapshot(os.fspath(path).encode()))
 
 
+_open_annotations = {}
+
+
 def annotate(name, start=True, device=None):
-    """Marks the start or end of a named region in the history."""
+    """Marks the start or end of a named region in the history.
+
+    Installed natively, regions are torch.profiler.record_function ranges, which PyTorch
+    records as the snapshot's external_annotations while history is recorded."""
+    if _native():
+        import torch
+        if start:
+            region = torch.profiler.record_function(name)
+            region.__enter__()
+            _open_annotations.setdefault(name, []).append(region)
+        else:
+            opened = _open_annotations.get(name)
+            if not opened:
+                raise RuntimeError(f"ccalloc_torch.annotate: no open region named {name!r}")
+            opened.pop().__exit__(None, None, None)
+        return
     _check(_library().ccalloc_annotate(_device(device), name.encode(), int(start)))

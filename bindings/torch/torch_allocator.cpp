@@ -1,0 +1,1177 @@
+// ccalloc as PyTorch's CUDA allocator: c10::cuda::CUDACachingAllocator::CUDAAllocator
+// implemented over one ccalloc::Allocator per device, installed in place of PyTorch's own
+// (the `allocator` atomic every torch.cuda memory API reads, and c10's device allocator
+// table that torch.accelerator and c10::GetAllocator read).
+//
+// Built against the headers of the torch it is loaded into: the interface changes between
+// minor versions, so a library built for another torch must not be loaded (install() checks
+// nothing it cannot see; the build does).
+//
+// History: PyTorch's _record_memory_history passes a function that gathers Python and C++
+// frames into a GatheredContext. The adapter keeps those objects (not copies) on its own
+// trace entries and on live blocks and segments, so torch.cuda.memory._snapshot() shows
+// Python frames exactly as with PyTorch's allocator. Trace entries come from the engine's
+// trace observer; the adapter keeps the ring buffer and a table of contexts by address,
+// because the engine's history records only its own C++ stacks.
+#include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
+#include <c10/core/impl/GPUTrace.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "ccalloc/allocator.hpp"
+#include "ccalloc/config.hpp"
+#include "ccalloc/cuda.hpp"
+#include "ccalloc/errors.hpp"
+#include "ccalloc/snapshot.hpp"
+#include "ccalloc/stats.hpp"
+#include "ccalloc/trace.hpp"
+#include "pool_bridge.hpp"
+
+namespace {
+
+namespace c10a = c10::cuda::CUDACachingAllocator;
+namespace bridge = ccalloc::torch_bridge;
+using c10::CachingDeviceAllocator::AnnotationEntry;
+using c10::CachingDeviceAllocator::RecordContext;
+using c10::CachingDeviceAllocator::TraceEntry;
+using c10::MempoolId_t;
+
+constexpr int kMaxDevices = 64;
+// PyTorch's handle format for Storage._share_cuda_: version byte, type byte, payload.
+constexpr char kShareableHandleVersion = 2;
+constexpr char kShareableCudaMalloc = 'c';
+constexpr char kShareableExpandableSegment = 'e';
+
+void local_raw_delete(void* ptr);
+
+std::int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+bridge::PoolId pool_id(const MempoolId_t& id) {
+  return {id.first, id.second};
+}
+
+// Runs `fn`, turning the engine's errors into PyTorch's: OutOfMemoryError for an
+// out-of-memory, "not supported yet" naming the CUDAAllocator method for a missing engine
+// feature, c10::Error otherwise.
+template <typename Fn>
+auto translated(const char* method, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const ccalloc::OutOfMemoryError& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+  } catch (const bridge::NotSupported& e) {
+    TORCH_CHECK(false, "ccalloc does not yet support ", method, ": ", e.what());
+  } catch (const ccalloc::InvalidPointerError& e) {
+    TORCH_CHECK(false, e.what());
+  } catch (const ccalloc::Error& e) {
+    TORCH_CHECK(false, method, ": ", e.what());
+  }
+}
+
+// A fixed-capacity ring of trace entries, oldest first (PyTorch's RingBuffer).
+class TraceRing {
+ public:
+  // Keeps the newest `n` entries.
+  void set_max_entries(std::size_t n) {
+    n = std::max<std::size_t>(n, 1);
+    std::vector<TraceEntry> kept = entries();
+    if (kept.size() > n) kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(n));
+    entries_ = std::move(kept);
+    next_ = 0;
+    max_ = n;
+  }
+  void clear() {
+    entries_.clear();
+    next_ = 0;
+  }
+  void push(const TraceEntry& e) {
+    if (entries_.size() < max_) {
+      entries_.push_back(e);
+    } else {
+      entries_[next_] = e;
+      next_ = (next_ + 1) % max_;
+    }
+  }
+  std::vector<TraceEntry> entries() const {
+    std::vector<TraceEntry> out;
+    out.reserve(entries_.size());
+    for (std::size_t i = 0; i < entries_.size(); ++i)
+      out.push_back(entries_[(next_ + i) % entries_.size()]);
+    return out;
+  }
+
+ private:
+  std::size_t max_ = 1;
+  std::size_t next_ = 0;  // the oldest entry once full
+  std::vector<TraceEntry> entries_;
+};
+
+TraceEntry::Action to_c10(ccalloc::TraceAction a) {
+  using A = ccalloc::TraceAction;
+  switch (a) {
+    case A::kAlloc:
+      return TraceEntry::ALLOC;
+    case A::kFreeRequested:
+      return TraceEntry::FREE_REQUESTED;
+    case A::kFreeCompleted:
+      return TraceEntry::FREE_COMPLETED;
+    case A::kSegmentAlloc:
+      return TraceEntry::SEGMENT_ALLOC;
+    case A::kSegmentFree:
+      return TraceEntry::SEGMENT_FREE;
+    case A::kSegmentMap:
+      return TraceEntry::SEGMENT_MAP;
+    case A::kSegmentUnmap:
+      return TraceEntry::SEGMENT_UNMAP;
+    case A::kSnapshot:
+      return TraceEntry::SNAPSHOT;
+    case A::kOom:
+      return TraceEntry::OOM;
+  }
+  return TraceEntry::ALLOC;
+}
+
+void copy_stat(const ccalloc::Stat& from, c10::CachingAllocator::Stat& to) {
+  to.current = from.current;
+  to.peak = from.peak;
+  to.allocated = from.allocated;
+  to.freed = from.freed;
+}
+
+void copy_stats(const ccalloc::StatArray& from, c10::CachingAllocator::StatArray& to) {
+  for (std::size_t i = 0; i < from.size(); ++i)
+    copy_stat(from[i], to[i]);
+}
+
+c10a::DeviceStats to_c10(const ccalloc::DeviceStats& s) {
+  c10a::DeviceStats out;
+  copy_stats(s.allocation, out.allocation);
+  copy_stats(s.segment, out.segment);
+  copy_stats(s.active, out.active);
+  copy_stats(s.inactive_split, out.inactive_split);
+  copy_stats(s.allocated_bytes, out.allocated_bytes);
+  copy_stats(s.reserved_bytes, out.reserved_bytes);
+  copy_stats(s.active_bytes, out.active_bytes);
+  copy_stats(s.inactive_split_bytes, out.inactive_split_bytes);
+  copy_stats(s.requested_bytes, out.requested_bytes);
+  out.num_alloc_retries = s.num_alloc_retries;
+  out.num_ooms = s.num_ooms;
+  copy_stat(s.oversize_allocations, out.oversize_allocations);
+  copy_stat(s.oversize_segments, out.oversize_segments);
+  out.num_sync_all_streams = s.num_sync_all_streams;
+  out.num_device_alloc = s.num_device_alloc;
+  out.num_device_free = s.num_device_free;
+  out.max_split_size = s.max_split_size;
+  return out;
+}
+
+std::int64_t reported_max_split(const ccalloc::Config& c) {
+  return c.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(c.max_split_size);
+}
+
+// Recorded history and the GatheredContexts that go with it, plus the trace trackers
+// (NCCL's segment registration), which see every entry whether or not history is recorded.
+class History {
+ public:
+  // The context of the operation the calling thread is in (allocation, free), gathered
+  // before the engine is entered: PyTorch's recorder may take the GIL, which must never be
+  // waited for under an allocator lock.
+  class Scope {
+   public:
+    Scope(History& h, RecordContext needed) {
+      const auto when = static_cast<RecordContext>(h.when_.load(std::memory_order_relaxed));
+      if (when < needed) return;
+      const c10a::CreateContextFn recorder = h.recorder_.load(std::memory_order_acquire);
+      if (recorder == nullptr) return;
+      t_context = recorder();
+      active_ = true;
+    }
+    ~Scope() {
+      if (active_) t_context.reset();
+    }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    bool active_ = false;
+  };
+
+  bool observed() const { return recording_.load(std::memory_order_acquire) || has_trackers_; }
+  bool recording() const { return recording_.load(std::memory_order_acquire); }
+
+  void record_history(bool enabled, c10a::CreateContextFn recorder, std::size_t max_entries,
+                      RecordContext when, bool clear,
+                      const std::vector<std::string>& skip_actions) {
+    std::unordered_set<int> skip;
+    for (const std::string& name : skip_actions)
+      skip.insert(static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(name)));
+    std::lock_guard lock(mutex_);
+    recorder_.store(enabled ? recorder : nullptr, std::memory_order_release);
+    when_.store(static_cast<int>(enabled ? when : RecordContext::NEVER), std::memory_order_relaxed);
+    skip_ = std::move(skip);
+    max_entries_ = max_entries;
+    for (TraceRing& ring : rings_) {
+      ring.set_max_entries(max_entries);
+      if (!enabled || clear) ring.clear();
+    }
+    if (!enabled || clear) annotations_.clear();
+    if (!enabled) {
+      block_contexts_.clear();
+      segment_contexts_.clear();
+    }
+    recording_.store(enabled, std::memory_order_release);
+  }
+
+  void attach_tracker(c10a::AllocatorTraceTracker tracker) {
+    std::lock_guard lock(mutex_);
+    auto next = std::make_shared<std::vector<c10a::AllocatorTraceTracker>>(
+        trackers_ ? *trackers_ : std::vector<c10a::AllocatorTraceTracker>{});
+    next->push_back(std::move(tracker));
+    trackers_ = std::move(next);
+    has_trackers_ = true;
+  }
+
+  // Called by the engine for each trace entry of `device`, under its lock. Trackers are
+  // called after this table's lock is released (still under the engine's, as PyTorch's).
+  void on_entry(int device, const ccalloc::TraceEntry& e) {
+    const bool recording = recording_.load(std::memory_order_acquire);
+    if (!recording && !has_trackers_) return;
+    std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>> trackers;
+    const TraceEntry te = record(device, e, recording, trackers);
+    if (trackers) {
+      for (const auto& tracker : *trackers)
+        tracker(te);
+    }
+  }
+
+  // Keeps the contexts of live blocks and segments (RecordContext::STATE and up) and the
+  // history; returns the entry in PyTorch's form and the trackers to call.
+  TraceEntry record(int device, const ccalloc::TraceEntry& e, bool recording,
+                    std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>>& trackers) {
+    using A = ccalloc::TraceAction;
+    std::shared_ptr<c10::GatheredContext> context = t_context;
+    std::lock_guard lock(mutex_);
+    trackers = trackers_;
+    const auto when = static_cast<RecordContext>(when_.load(std::memory_order_relaxed));
+    switch (e.action) {
+      case A::kAlloc: {
+        if (context) {
+          block_contexts_[e.addr] = context;
+        } else {
+          block_contexts_.erase(e.addr);
+        }
+        // PyTorch keeps a segment's context on the segment's original block, which moves
+        // off the head when an allocation at the head splits it: from then on the segment
+        // reports no context. The split is PyTorch's rule for 512-byte rounding.
+        auto seg = segment_contexts_.find(e.addr);
+        if (seg != segment_contexts_.end() && splits(e.size, seg->second.size)) {
+          segment_contexts_.erase(seg);
+        }
+        break;
+      }
+      case A::kFreeRequested:
+      case A::kFreeCompleted: {
+        auto it = block_contexts_.find(e.addr);
+        if (!context && it != block_contexts_.end()) context = it->second;
+        if (e.action == A::kFreeCompleted && it != block_contexts_.end()) block_contexts_.erase(it);
+        break;
+      }
+      case A::kSegmentAlloc:
+      case A::kSegmentMap:
+        if (context) segment_contexts_.emplace(e.addr, SegmentContext{context, e.size});
+        break;
+      case A::kSegmentFree:
+      case A::kSegmentUnmap: {
+        auto it = segment_contexts_.find(e.addr);
+        if (!context && it != segment_contexts_.end()) context = it->second.context;
+        if (e.action == A::kSegmentFree && it != segment_contexts_.end()) segment_contexts_.erase(it);
+        break;
+      }
+      case A::kSnapshot:
+      case A::kOom:
+        break;
+    }
+    TraceEntry te(to_c10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
+                  reinterpret_cast<void*>(e.stream), MempoolId_t{0, 0}, 0,
+                  when >= RecordContext::ALLOC ? std::move(context) : nullptr,
+                  t_compile_context.empty() ? "N/A" : t_compile_context.back(), t_user_metadata);
+    te.time_.t_ = static_cast<time_t>(e.time_us);
+    if (recording && skip_.count(static_cast<int>(te.action_)) == 0) ring(device).push(te);
+    return te;
+  }
+
+  // PyTorch's snapshot entry: recorded when a snapshot is taken, with the active bytes.
+  void record_snapshot(int device, std::size_t active_bytes) {
+    if (!recording()) return;
+    std::lock_guard lock(mutex_);
+    TraceEntry te(TraceEntry::SNAPSHOT, static_cast<c10::DeviceIndex>(device), 0, active_bytes,
+                  nullptr, MempoolId_t{0, 0}, 0);
+    te.time_.t_ = static_cast<time_t>(now_us());
+    if (skip_.count(static_cast<int>(te.action_)) == 0) ring(device).push(te);
+  }
+
+  std::vector<TraceEntry> trace(int device) {
+    std::lock_guard lock(mutex_);
+    return ring(device).entries();
+  }
+
+  std::shared_ptr<c10::GatheredContext> block_context(ccalloc::DevicePtr addr) {
+    std::lock_guard lock(mutex_);
+    auto it = block_contexts_.find(addr);
+    return it == block_contexts_.end() ? nullptr : it->second;
+  }
+  std::shared_ptr<c10::GatheredContext> segment_context(ccalloc::DevicePtr addr) {
+    std::lock_guard lock(mutex_);
+    auto it = segment_contexts_.find(addr);
+    return it == segment_contexts_.end() ? nullptr : it->second.context;
+  }
+
+  void annotate(const std::vector<std::pair<std::string, std::string>>& md) {
+    if (!recording()) return;
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    AnnotationEntry ae(device, 0);
+    ae.time_.t_ = static_cast<time_t>(now_us());
+    for (const auto& [name, value] : md)
+      ae.recordUserMetadata(name, value);
+    std::lock_guard lock(mutex_);
+    annotations_.push_back(std::move(ae));
+    if (annotations_.size() > std::max<std::size_t>(max_entries_, 1))
+      annotations_.erase(annotations_.begin());
+  }
+  std::vector<AnnotationEntry> annotations() {
+    std::lock_guard lock(mutex_);
+    return annotations_;
+  }
+
+  static void push_compile_context(const std::string& md) { t_compile_context.push_back(md); }
+  static void pop_compile_context() {
+    if (!t_compile_context.empty()) t_compile_context.pop_back();
+  }
+  static void set_user_metadata(const std::string& md) { t_user_metadata = md; }
+  static std::string user_metadata() { return t_user_metadata; }
+
+ private:
+  struct SegmentContext {
+    std::shared_ptr<c10::GatheredContext> context;
+    std::size_t size = 0;
+  };
+
+  // Whether PyTorch splits a free block of `block` bytes for a request of `requested`
+  // bytes: small requests (<= 1 MiB) leave at least 512 bytes, large ones more than 1 MiB.
+  static bool splits(std::size_t requested, std::size_t block) {
+    constexpr std::size_t kSmall = 1 << 20;
+    const std::size_t rounded = requested < 512 ? 512 : (requested + 511) / 512 * 512;
+    if (rounded >= block) return false;
+    const std::size_t remaining = block - rounded;
+    return requested <= kSmall ? remaining >= 512 : remaining > kSmall;
+  }
+
+  TraceRing& ring(int device) {
+    TraceRing& r = rings_[static_cast<std::size_t>(device)];
+    return r;
+  }
+
+  static thread_local std::shared_ptr<c10::GatheredContext> t_context;
+  static thread_local std::vector<std::string> t_compile_context;
+  static thread_local std::string t_user_metadata;
+
+  std::atomic<bool> recording_{false};
+  std::atomic<bool> has_trackers_{false};
+  std::atomic<int> when_{static_cast<int>(RecordContext::NEVER)};
+  std::atomic<c10a::CreateContextFn> recorder_{nullptr};
+  std::mutex mutex_;  // guards everything below; a leaf lock (taken under engine locks)
+  std::unordered_set<int> skip_;
+  std::size_t max_entries_ = 1;
+  std::array<TraceRing, kMaxDevices> rings_;
+  std::vector<AnnotationEntry> annotations_;
+  std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>> trackers_;
+  std::unordered_map<ccalloc::DevicePtr, std::shared_ptr<c10::GatheredContext>> block_contexts_;
+  std::unordered_map<ccalloc::DevicePtr, SegmentContext> segment_contexts_;
+};
+
+thread_local std::shared_ptr<c10::GatheredContext> History::t_context;
+thread_local std::vector<std::string> History::t_compile_context;
+thread_local std::string History::t_user_metadata;
+
+// One entry of the IPC cache: memory another process shared, opened once per process
+// (cudaIpcOpenMemHandle refuses a second open of the same handle).
+struct IpcEntry {
+  c10::DeviceIndex device = 0;
+  void* cuda_ipc_ptr = nullptr;        // a 'c' handle
+  std::shared_ptr<void> expandable;    // an 'e' handle, mapped by the engine
+  std::weak_ptr<void> handed_out;
+  void* ptr() const { return cuda_ipc_ptr != nullptr ? cuda_ipc_ptr : expandable.get(); }
+};
+
+class TorchAllocator final : public c10a::CUDAAllocator {
+ public:
+  explicit TorchAllocator(ccalloc::Config config) : config_(std::move(config)) {}
+
+  // --- c10::Allocator ---
+
+  c10::DataPtr allocate(size_t size) override {
+    constexpr size_t kOneExaByte = 1152921504606846976ULL;
+    TORCH_CHECK_WITH(OutOfMemoryError, size < kOneExaByte,
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    const c10::Device where(c10::DeviceType::CUDA, device);
+    if (!enabled_.load(std::memory_order_relaxed)) {
+      void* ptr = uncached_allocate(size);
+      return {ptr, ptr, &uncached_delete, where};
+    }
+    void* ptr = nullptr;
+    if (size != 0) ptr = malloc(device, size, c10::cuda::getCurrentCUDAStream(device).stream());
+    return {ptr, ptr, &local_raw_delete, where};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return enabled_.load(std::memory_order_relaxed) ? &local_raw_delete : &uncached_delete;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // --- c10::DeviceAllocator ---
+
+  bool initialized() override { return device_count_.load(std::memory_order_acquire) > 0; }
+
+  void emptyCache(MempoolId_t mempool_id) override {
+    translated("emptyCache", [&] {
+      for (int d = 0; d < kMaxDevices; ++d) {
+        ccalloc::Allocator* a = existing(d);
+        if (a == nullptr) continue;
+        if (mempool_id == MempoolId_t{0, 0}) {
+          a->empty_cache();
+        } else {
+          bridge::empty_pool_cache(*a, pool_id(mempool_id));
+        }
+      }
+    });
+  }
+
+  c10a::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    check_device(device);
+    if (ccalloc::Allocator* a = existing(device)) return to_c10(a->stats());
+    c10a::DeviceStats out;
+    std::lock_guard lock(create_mutex_);
+    out.max_split_size = reported_max_split(config_);
+    return out;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check_device(device);
+    if (ccalloc::Allocator* a = existing(device)) a->reset_accumulated_stats();
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check_device(device);
+    if (ccalloc::Allocator* a = existing(device)) a->reset_peak_stats();
+  }
+
+  // --- CUDAAllocator ---
+
+  void* raw_alloc(size_t nbytes) override {
+    if (nbytes == 0) return nullptr;
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    if (!enabled_.load(std::memory_order_relaxed)) return uncached_allocate(nbytes);
+    return malloc(device, nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    if (nbytes == 0) return nullptr;
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    if (!enabled_.load(std::memory_order_relaxed)) return uncached_allocate(nbytes);
+    return malloc(device, nbytes, stream);
+  }
+
+  void raw_delete(void* ptr) override {
+    if (!enabled_.load(std::memory_order_relaxed)) {
+      uncached_delete(ptr);
+    } else {
+      free(ptr);
+    }
+  }
+
+  void init(int device_count) override {
+    TORCH_CHECK(device_count <= kMaxDevices, "ccalloc serves at most ", kMaxDevices,
+                " devices; this process sees ", device_count);
+    int expected = device_count_.load();
+    while (expected < device_count && !device_count_.compare_exchange_weak(expected, device_count)) {
+    }
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    check_device(device);
+    if (ccalloc::Allocator* a = existing(device)) return a->memory_fraction();
+    std::lock_guard lock(create_mutex_);
+    return config_.per_process_memory_fraction;
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    check_device(device);
+    TORCH_CHECK(0 <= fraction && fraction <= 1, "invalid fraction:", fraction,
+                ". Please set within [0, 1].");
+    translated("setMemoryFraction", [&] { allocator(device).set_memory_fraction(fraction); });
+  }
+
+  std::vector<c10a::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex device) override {
+    check_device(device);
+    std::vector<c10a::StreamSegmentSize> out;
+    if (ccalloc::Allocator* a = existing(device)) {
+      for (const ccalloc::SegmentInfo& s : a->segments()) {
+        if (s.is_expandable) {
+          out.emplace_back(reinterpret_cast<cudaStream_t>(s.stream), s.is_small, s.total_size);
+        }
+      }
+    }
+    return out;
+  }
+
+  void enable(bool value) override { enabled_.store(value, std::memory_order_relaxed); }
+  bool isEnabled() const override { return enabled_.load(std::memory_order_relaxed); }
+
+  // The largest cached free block of the device, as cuDNN sizes its workspace with: with
+  // *largestBlock 0 on entry, the device's free memory is the first guess (as PyTorch).
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    check_device(device);
+    translated("cacheInfo", [&] {
+      ccalloc::Allocator& a = allocator(device);
+      if (*largestBlock == 0) *largestBlock = a.mem_get_info().free_bytes;
+      for (const ccalloc::SegmentInfo& s : a.segments()) {
+        for (const ccalloc::BlockInfo& b : s.blocks) {
+          if (b.state == ccalloc::BlockState::kInactive) *largestBlock = std::max(*largestBlock, b.size);
+        }
+      }
+    });
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    const Located found = locate(ptr);
+    TORCH_CHECK(!found.segment.is_expandable,
+                "Tensors allocated with expandable_segments:True cannot be shared between "
+                "processes. Consider using expandable_segments:False in data loading workers via "
+                "torch.cuda.memory._set_allocator_settings('expandable_segments:False')");
+    if (size != nullptr) *size = found.segment.total_size;
+    return reinterpret_cast<void*>(found.segment.address);
+  }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    // Empty tensors have no block; storages shared by another process have another
+    // deleter and are kept alive by torch.multiprocessing's reference counting instead.
+    if (ptr.get() == nullptr || ptr.get_deleter() != &local_raw_delete) return;
+    translated("recordStream", [&] {
+      owner(ptr.get()).record_stream(reinterpret_cast<ccalloc::DevicePtr>(ptr.get()),
+                                     reinterpret_cast<ccalloc::StreamId>(stream.stream()));
+    });
+  }
+
+  c10a::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
+    return translated("snapshot", [&] {
+      c10a::SnapshotInfo result;
+      result.external_annotations = history_.annotations();
+      const int devices = device_count();
+      for (int d = 0; d < devices; ++d) {
+        result.device_traces.push_back(include_traces ? history_.trace(d)
+                                                      : std::vector<TraceEntry>{});
+        ccalloc::Allocator* a = existing(d);
+        if (a == nullptr) continue;
+        const std::vector<ccalloc::SegmentInfo> segments =
+            mempool_id == MempoolId_t{0, 0} ? a->segments()
+                                            : bridge::pool_segments(*a, pool_id(mempool_id));
+        std::size_t active = 0;
+        for (const ccalloc::SegmentInfo& s : segments) {
+          result.segments.push_back(segment_to_c10(*a, s));
+          active += s.active_size;
+        }
+        history_.record_snapshot(d, active);
+      }
+      fill_config_metadata(result.config_metadata);
+      return result;
+    });
+  }
+
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    check_device(device);
+    translated("beginAllocateToPool", [&] {
+      bridge::begin_allocate_to_pool(
+          allocator(device), pool_id(mempool_id),
+          [filter = std::move(filter)](ccalloc::StreamId s) {
+            return filter(reinterpret_cast<cudaStream_t>(s));
+          });
+    });
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    check_device(device);
+    translated("endAllocateToPool",
+               [&] { bridge::end_allocate_to_pool(allocator(device), pool_id(mempool_id)); });
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    check_device(device);
+    translated("releasePool", [&] { bridge::release_pool(allocator(device), pool_id(mempool_id)); });
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    check_device(device);
+    return translated("getPoolUseCount",
+                      [&] { return bridge::pool_use_count(allocator(device), pool_id(mempool_id)); });
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                          std::shared_ptr<c10a::CUDAAllocator> pool_allocator) override {
+    check_device(device);
+    std::optional<bridge::SegmentSource> source;
+    if (pool_allocator) {
+      // The pool's segments come from the other allocator's raw_alloc/raw_delete, on the
+      // device current when they are requested (the engine makes the pool's device current).
+      source = bridge::SegmentSource{
+          [pool_allocator](std::size_t bytes) {
+            return reinterpret_cast<ccalloc::DevicePtr>(pool_allocator->raw_alloc(bytes));
+          },
+          [pool_allocator](ccalloc::DevicePtr ptr) {
+            pool_allocator->raw_delete(reinterpret_cast<void*>(ptr));
+          }};
+    }
+    translated("createOrIncrefPool", [&] {
+      bridge::create_or_incref_pool(allocator(device), pool_id(mempool_id), std::move(source));
+    });
+  }
+
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
+    check_device(device);
+    translated("setUseOnOOM", [&] {
+      bridge::set_use_on_oom(allocator(device), pool_id(mempool_id), use_on_oom);
+    });
+  }
+
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    check_device(device);
+    translated("setNoSplit", [&] { bridge::set_no_split(allocator(device), pool_id(mempool_id)); });
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected_live_allocations) override {
+    check_device(device);
+    std::vector<ccalloc::DevicePtr> expected;
+    expected.reserve(expected_live_allocations.size());
+    for (void* p : expected_live_allocations)
+      expected.push_back(reinterpret_cast<ccalloc::DevicePtr>(p));
+    return translated("checkPoolLiveAllocations", [&] {
+      return bridge::pool_live_allocations_are(allocator(device), pool_id(mempool_id), expected);
+    });
+  }
+
+  // PyTorch's format: [version 2]['c'][cudaIpcMemHandle_t of the segment base], with the
+  // offset of `ptr` in that segment; the receiver opens the whole segment once.
+  c10a::ShareableHandle shareIpcHandle(void* ptr) override {
+    const Located found = locate(ptr);
+    std::ostringstream ss;
+    ss.put(kShareableHandleVersion);
+    if (!found.segment.is_expandable) {
+      ss.put(kShareableCudaMalloc);
+      cudaIpcMemHandle_t handle;
+      C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(found.segment.address)));
+      ss.write(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
+      return {static_cast<ptrdiff_t>(found.block.address - found.segment.address), ss.str()};
+    }
+    ss.put(kShareableExpandableSegment);
+    const bridge::SharedRange range = translated("shareIpcHandle", [&] {
+      return bridge::share_expandable(*found.allocator, found.block.address, found.block.size);
+    });
+    ss.write(range.payload.data(), static_cast<std::streamsize>(range.payload.size()));
+    return {static_cast<ptrdiff_t>(found.block.address - range.start), ss.str()};
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard lock(ipc_mutex_);
+    auto it = ipc_cache_.find(handle);
+    if (it != ipc_cache_.end()) {
+      std::shared_ptr<void> ptr = it->second.handed_out.lock();
+      TORCH_INTERNAL_ASSERT(ptr, "ccalloc: IPC cache entry without a live pointer");
+      return ptr;
+    }
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    IpcEntry entry;
+    entry.device = device;
+    char type = kShareableCudaMalloc;
+    std::size_t payload = 0;
+    // A 64-byte string is a raw cudaIpcMemHandle_t from a PyTorch before handle versions.
+    if (handle.size() != CUDA_IPC_HANDLE_SIZE) {
+      TORCH_CHECK(handle.size() >= 2, "ccalloc: IPC handle of ", handle.size(),
+                  " bytes is too short to be a PyTorch shareable handle");
+      TORCH_CHECK(handle[0] <= kShareableHandleVersion,
+                  "received sharable handle from a future version of torch that this version "
+                  "does not know how to handle");
+      type = handle[1];
+      payload = 2;
+    }
+    if (type == kShareableCudaMalloc) {
+      TORCH_CHECK(handle.size() - payload == CUDA_IPC_HANDLE_SIZE, "ccalloc: IPC handle of type 'c' has ",
+                  handle.size() - payload, " payload bytes, expected ", CUDA_IPC_HANDLE_SIZE);
+      cudaIpcMemHandle_t cuda_handle;
+      std::memcpy(&cuda_handle, handle.data() + payload, CUDA_IPC_HANDLE_SIZE);
+      C10_CUDA_CHECK(
+          cudaIpcOpenMemHandle(&entry.cuda_ipc_ptr, cuda_handle, cudaIpcMemLazyEnablePeerAccess));
+    } else if (type == kShareableExpandableSegment) {
+      entry.expandable = translated("getIpcDevPtr", [&] {
+        return bridge::open_expandable(device, std::string_view(handle).substr(payload));
+      });
+    } else {
+      TORCH_CHECK(false, "ccalloc: unexpected or ill-formed shareable handle type ",
+                  static_cast<int>(type));
+    }
+    auto inserted = ipc_cache_.emplace(handle, std::move(entry)).first;
+    std::shared_ptr<void> sp(inserted->second.ptr(), [this, handle](void*) {
+      std::unique_lock deleter_lock(ipc_mutex_);
+      auto found = ipc_cache_.find(handle);
+      TORCH_INTERNAL_ASSERT(found != ipc_cache_.end());
+      IpcEntry closing = std::move(found->second);
+      ipc_cache_.erase(found);
+      deleter_lock.unlock();
+      if (closing.cuda_ipc_ptr != nullptr) {
+        c10::cuda::CUDAGuard guard(closing.device);
+        C10_CUDA_CHECK(cudaIpcCloseMemHandle(closing.cuda_ipc_ptr));
+      }
+    });
+    inserted->second.handed_out = sp;
+    return sp;
+  }
+
+  bool isHistoryEnabled() override { return history_.recording(); }
+
+  void recordHistory(bool enabled, c10a::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, RecordContext when, bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override {
+    history_.record_history(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory,
+                            skip_actions);
+    if (enabled) observe_all();
+  }
+
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    history_.annotate(md);
+  }
+  void pushCompileContext(std::string& md) override {
+    if (history_.recording()) History::push_compile_context(md);
+  }
+  void popCompileContext() override {
+    if (history_.recording()) History::pop_compile_context();
+  }
+  void setUserMetadata(const std::string& metadata) override { History::set_user_metadata(metadata); }
+  std::string getUserMetadata() override { return History::user_metadata(); }
+
+  void attachOutOfMemoryObserver(c10a::OutOfMemoryObserver observer) override {
+    std::lock_guard lock(create_mutex_);
+    oom_observers_.push_back(observer);
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (ccalloc::Allocator* a = existing(d)) add_oom_observer(*a, observer);
+    }
+  }
+
+  void attachAllocatorTraceTracker(c10a::AllocatorTraceTracker tracker) override {
+    history_.attach_tracker(std::move(tracker));
+    observe_all();
+  }
+
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard device_guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();  // already enabled: clear the sticky error
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+
+  // Memory that is not from cudaMalloc (expandable segments, the stream-ordered pool) can
+  // be copied between devices without peer access only by cudaMemcpyPeerAsync.
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || srcDevice == dstDevice ||
+        (!may_hold_mapped_memory(dstDevice) && !may_hold_mapped_memory(srcDevice))) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  std::shared_ptr<c10a::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                           MempoolId_t id) override {
+    check_device(device);
+    auto checkpoint = translated(
+        "getCheckpointState", [&] { return bridge::checkpoint_pool(allocator(device), pool_id(id)); });
+    return std::make_shared<CheckpointState>(std::move(checkpoint));
+  }
+
+  c10a::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                               std::shared_ptr<c10a::AllocatorState> pps) override {
+    check_device(device);
+    auto state = std::dynamic_pointer_cast<CheckpointState>(pps);
+    TORCH_CHECK(state && state->checkpoint, "ccalloc: setCheckpointPoolState expects a state from "
+                                            "ccalloc's getCheckpointState");
+    const bridge::PoolRestore restored = translated(
+        "setCheckpointPoolState", [&] { return bridge::restore_pool(allocator(device), *state->checkpoint); });
+    c10a::CheckpointDelta delta;
+    for (ccalloc::DevicePtr p : restored.freed)
+      delta.ptrs_freed.push_back(reinterpret_cast<void*>(p));
+    for (ccalloc::DevicePtr p : restored.allocated) {
+      void* v = reinterpret_cast<void*>(p);
+      delta.dataptrs_allocd.emplace_back(v, v, &local_raw_delete,
+                                         c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
+  }
+
+  std::string name() override { return "ccalloc"; }
+
+  // --- Used by the deleter and the install entry point. ---
+
+  void free(void* ptr) {
+    if (ptr == nullptr) return;
+    trace_gpu_free(ptr);
+    History::Scope context(history_, RecordContext::ALL);
+    translated("free", [&] { owner(ptr).free(reinterpret_cast<ccalloc::DevicePtr>(ptr)); });
+  }
+
+  // torch.cuda.memory._set_allocator_settings(): PyTorch has parsed `settings` into its
+  // config singletons; ccalloc merges the keys over its own config. Devices first used
+  // afterwards get the merged config; live allocators take the memory fraction at once
+  // and the rest through the engine's live reconfiguration.
+  void apply_settings(const std::string& settings) {
+    std::lock_guard lock(create_mutex_);
+    ccalloc::Config merged;
+    try {
+      merged = ccalloc::Config::parse(config_.to_string() + "," + settings);
+    } catch (const ccalloc::ConfigError& e) {
+      TORCH_WARN("ccalloc ignores allocator settings \"", settings, "\": ", e.what());
+      return;
+    }
+    const bool fraction_changed =
+        merged.per_process_memory_fraction != config_.per_process_memory_fraction;
+    ccalloc::Config others = merged;
+    others.per_process_memory_fraction = config_.per_process_memory_fraction;
+    others.source = config_.source;
+    const bool others_changed = !(others == config_);
+    config_ = merged;
+    std::string kept;
+    for (int d = 0; d < kMaxDevices; ++d) {
+      ccalloc::Allocator* a = existing(d);
+      if (a == nullptr) continue;
+      if (fraction_changed) a->set_memory_fraction(merged.per_process_memory_fraction);
+      if (!others_changed) continue;
+      try {
+        bridge::reconfigure(*a, merged);
+      } catch (const bridge::NotSupported&) {
+        kept += (kept.empty() ? "" : ", ") + std::to_string(d);
+      }
+    }
+    if (!kept.empty()) {
+      TORCH_WARN("ccalloc: allocator settings \"", settings,
+                 "\" apply to devices first used from now on; device(s) ", kept,
+                 " keep the settings they started with (the engine cannot change them live yet)");
+    }
+  }
+
+ private:
+  struct Slot {
+    std::unique_ptr<ccalloc::Driver> driver;
+    std::unique_ptr<ccalloc::Allocator> allocator;
+    bool observed = false;  // the History observer is attached (under create_mutex_)
+  };
+
+  struct Located {
+    ccalloc::Allocator* allocator = nullptr;
+    ccalloc::SegmentInfo segment;
+    ccalloc::BlockInfo block;
+  };
+
+  struct CheckpointState final : c10a::AllocatorState {
+    explicit CheckpointState(std::shared_ptr<bridge::PoolCheckpoint> c) : checkpoint(std::move(c)) {}
+    std::shared_ptr<bridge::PoolCheckpoint> checkpoint;
+  };
+
+  static void* uncached_allocate(size_t size) {
+    void* ptr = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&ptr, size));
+    trace_gpu_alloc(ptr);
+    return ptr;
+  }
+
+  static void uncached_delete(void* ptr) {
+    trace_gpu_free(ptr);
+    C10_CUDA_CHECK(cudaFree(ptr));
+  }
+
+  // torch.cuda's sanitizer hooks (CUDA_SANITIZER=1), as PyTorch's allocator calls them.
+  static void trace_gpu_alloc(void* ptr) {
+    const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+    if (C10_UNLIKELY(interp)) {
+      (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+    }
+  }
+  static void trace_gpu_free(void* ptr) {
+    const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+    if (C10_UNLIKELY(interp)) {
+      (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+    }
+  }
+
+  void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream) {
+    ccalloc::Allocator& a = allocator(device);
+    History::Scope context(history_, RecordContext::STATE);
+    void* ptr = translated("malloc", [&] {
+      return reinterpret_cast<void*>(a.malloc(size, reinterpret_cast<ccalloc::StreamId>(stream)));
+    });
+    trace_gpu_alloc(ptr);
+    return ptr;
+  }
+
+  int device_count() const {
+    const int n = device_count_.load(std::memory_order_acquire);
+    return n > 0 ? n : std::min(ccalloc::cuda::device_count(), kMaxDevices);
+  }
+
+  void check_device(c10::DeviceIndex device) const {
+    TORCH_CHECK(0 <= device && device < device_count(), "Invalid device argument ",
+                static_cast<int>(device), ": did you call init?");
+  }
+
+  ccalloc::Allocator* existing(int device) const {
+    return allocators_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+  }
+
+  ccalloc::Allocator& allocator(int device) {
+    if (ccalloc::Allocator* a = existing(device)) return *a;
+    check_device(static_cast<c10::DeviceIndex>(device));
+    std::lock_guard lock(create_mutex_);
+    if (ccalloc::Allocator* a = existing(device)) return *a;
+    Slot& slot = slots_[static_cast<std::size_t>(device)];
+    translated("init", [&] {
+      slot.driver = std::make_unique<ccalloc::cuda::CudaDriver>(device);
+      slot.allocator = std::make_unique<ccalloc::Allocator>(*slot.driver, config_);
+    });
+    for (const auto& observer : oom_observers_)
+      add_oom_observer(*slot.allocator, observer);
+    if (history_.observed()) observe(device, slot);
+    allocators_[static_cast<std::size_t>(device)].store(slot.allocator.get(),
+                                                        std::memory_order_release);
+    const int sole = sole_device_.load();
+    sole_device_.store(sole == -1 ? device : -2, std::memory_order_release);
+    return *slot.allocator;
+  }
+
+  // The allocator holding `ptr` live. While one device has an allocator (the common case)
+  // that is the one; else the current device is tried first.
+  ccalloc::Allocator& owner(void* ptr) {
+    const int sole = sole_device_.load(std::memory_order_acquire);
+    if (sole >= 0) return *existing(sole);
+    const auto p = reinterpret_cast<ccalloc::DevicePtr>(ptr);
+    c10::DeviceIndex current = 0;
+    if (c10::cuda::GetDevice(&current) == cudaSuccess) {
+      ccalloc::Allocator* a = existing(current);
+      if (a != nullptr && a->allocation_size(p) != 0) return *a;
+    }
+    for (int d = 0; d < kMaxDevices; ++d) {
+      ccalloc::Allocator* a = existing(d);
+      if (a != nullptr && d != current && a->allocation_size(p) != 0) return *a;
+    }
+    TORCH_CHECK(false, "invalid device pointer: ", ptr);
+  }
+
+  // The live allocation at `ptr` (exactly its start, as PyTorch requires) with its segment.
+  Located locate(void* ptr) {
+    const auto p = reinterpret_cast<ccalloc::DevicePtr>(ptr);
+    Located found;
+    found.allocator = &owner(ptr);
+    for (const ccalloc::SegmentInfo& s : found.allocator->segments()) {
+      if (p < s.address || p >= s.address + s.total_size) continue;
+      for (const ccalloc::BlockInfo& b : s.blocks) {
+        if (b.address == p && b.state == ccalloc::BlockState::kActiveAllocated) {
+          found.segment = s;
+          found.block = b;
+          return found;
+        }
+      }
+    }
+    TORCH_CHECK(false, "invalid device pointer: ", ptr);
+  }
+
+  static void add_oom_observer(ccalloc::Allocator& a, const c10a::OutOfMemoryObserver& observer) {
+    a.add_oom_observer([observer](int device, std::size_t requested, std::size_t limit,
+                                  std::size_t device_free) {
+      observer(device, requested, limit, device_free);
+    });
+  }
+
+  void observe(int device, Slot& slot) {
+    if (slot.observed) return;
+    slot.allocator->add_trace_observer(
+        [this, device](const ccalloc::TraceEntry& e) { history_.on_entry(device, e); });
+    slot.observed = true;
+  }
+
+  void observe_all() {
+    std::lock_guard lock(create_mutex_);
+    for (int d = 0; d < kMaxDevices; ++d) {
+      Slot& slot = slots_[static_cast<std::size_t>(d)];
+      if (slot.allocator) observe(d, slot);
+    }
+  }
+
+  bool may_hold_mapped_memory(int device) const {
+    if (device < 0 || device >= kMaxDevices) return false;
+    const ccalloc::Allocator* a = existing(device);
+    if (a == nullptr) return false;
+    const ccalloc::Config& c = a->config();
+    return c.expandable_segments || c.backend == ccalloc::BackendKind::kCudaMallocAsync;
+  }
+
+  c10a::SegmentInfo segment_to_c10(ccalloc::Allocator& a, const ccalloc::SegmentInfo& s) {
+    c10a::SegmentInfo out;
+    out.device = static_cast<c10::DeviceIndex>(s.device);
+    out.address = s.address;
+    out.total_size = s.total_size;
+    out.requested_size = s.requested_size;
+    out.allocated_size = s.allocated_size;
+    out.active_size = s.active_size;
+    out.stream = reinterpret_cast<void*>(s.stream);
+    out.is_large = !s.is_small;
+    out.is_expandable = s.is_expandable;
+    const bridge::PoolId owner_pool = bridge::segment_pool(a, s.address);
+    out.owner_private_pool_id = {owner_pool.first, owner_pool.second};
+    out.context_when_allocated = history_.segment_context(s.address);
+    out.blocks.reserve(s.blocks.size());
+    for (const ccalloc::BlockInfo& b : s.blocks) {
+      c10a::BlockInfo block;
+      block.size = b.size;
+      block.requested_size = b.requested_size;
+      block.allocated = b.state == ccalloc::BlockState::kActiveAllocated;
+      block.active = b.state != ccalloc::BlockState::kInactive;
+      if (block.active) block.context_when_allocated = history_.block_context(b.address);
+      out.blocks.push_back(std::move(block));
+    }
+    return out;
+  }
+
+  void fill_config_metadata(c10a::AllocatorConfigInfo& md) {
+    std::lock_guard lock(create_mutex_);
+    md.garbage_collection_threshold = config_.garbage_collection_threshold;
+    md.max_split_size = config_.max_split_size;
+    md.pinned_num_register_threads = config_.pinned_num_register_threads;
+    md.expandable_segments = config_.expandable_segments;
+    md.release_lock_on_malloc = config_.release_lock_on_cudamalloc;
+    md.pinned_use_host_register = config_.pinned_use_cuda_host_register;
+    md.graph_capture_record_stream_reuse = config_.graph_capture_record_stream_reuse;
+    md.last_allocator_settings = c10::CachingAllocator::getAllocatorSettings();
+    if (md.last_allocator_settings.empty()) md.last_allocator_settings = config_.source;
+    md.roundup_power2_divisions.assign(config_.roundup_power2_divisions.begin(),
+                                       config_.roundup_power2_divisions.end());
+  }
+
+  std::atomic<bool> enabled_{true};
+  std::atomic<int> device_count_{0};
+  std::mutex create_mutex_;
+  ccalloc::Config config_;  // for devices created from now on; guarded by create_mutex_
+  std::vector<c10a::OutOfMemoryObserver> oom_observers_;  // guarded by create_mutex_
+  std::array<Slot, kMaxDevices> slots_;
+  std::array<std::atomic<ccalloc::Allocator*>, kMaxDevices> allocators_{};
+  // The one device with an allocator while there is exactly one; -1 before the first, -2
+  // once there are several.
+  std::atomic<int> sole_device_{-1};
+  History history_;
+  std::mutex ipc_mutex_;
+  std::unordered_map<std::string, IpcEntry> ipc_cache_;
+};
+
+// Deliberately never destroyed: tensors freed by static destructors and at interpreter exit
+// still reach it, possibly after CUDA has shut down.
+TorchAllocator* g_allocator = nullptr;
+
+void local_raw_delete(void* ptr) {
+  g_allocator->free(ptr);
+}
+
+void copy_error(const char* message, char* error, size_t capacity) {
+  if (error != nullptr && capacity > 0) {
+    std::strncpy(error, message, capacity - 1);
+    error[capacity - 1] = '\0';
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Makes ccalloc PyTorch's CUDA allocator: the allocator behind every torch.cuda memory API
+// (c10::cuda::CUDACachingAllocator::get()) and c10's CUDA device allocator
+// (c10::GetAllocator, torch.accelerator). Must run after torch's libraries are loaded and
+// before CUDA is initialised by torch. Returns 0 on success (also when already installed);
+// else writes the reason into `error` (NUL-terminated, at most `capacity` bytes) and
+// returns 1.
+__attribute__((visibility("default"))) int ccalloc_torch_native_install(char* error,
+                                                                         size_t capacity) {
+  try {
+    static std::once_flag created;
+    std::call_once(created, [] { g_allocator = new TorchAllocator(ccalloc::Config::from_environment()); });
+    c10a::CUDAAllocator* current = c10a::allocator.load();
+    if (current == g_allocator) return 0;
+    TORCH_CHECK(current == nullptr || !current->initialized(), "PyTorch's CUDA allocator (",
+                current ? current->name() : std::string("none"),
+                ") is already initialized: install ccalloc before anything initialises CUDA in "
+                "torch (the first CUDA tensor, torch.cuda.init(), torch.cuda.memory_stats()...)");
+    c10a::allocator.store(g_allocator);
+    c10::SetAllocator(c10::DeviceType::CUDA, g_allocator, /*priority=*/0);
+    // _set_allocator_settings() reaches allocators through c10's device config hook; chain
+    // ccalloc after the hook CUDA registered so both configs see every change.
+    auto& hook = c10::CachingAllocator::AcceleratorAllocatorConfig::getConfigParserHook();
+    hook = [previous = hook](const std::string& settings) {
+      if (previous) previous(settings);
+      g_allocator->apply_settings(settings);
+    };
+    return 0;
+  } catch (const ccalloc::Error& e) {
+    copy_error(e.what(), error, capacity);
+  } catch (const c10::Error& e) {
+    copy_error(e.what_without_backtrace(), error, capacity);
+  } catch (const std::exception& e) {
+    copy_error(e.what(), error, capacity);
+  }
+  return 1;
+}
+
+// 1 when ccalloc is the allocator torch.cuda uses, else 0.
+__attribute__((visibility("default"))) int ccalloc_torch_native_installed(void) {
+  return g_allocator != nullptr && c10a::allocator.load() == g_allocator ? 1 : 0;
+}
+
+}  // extern "C"

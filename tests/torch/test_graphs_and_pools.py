@@ -1,0 +1,92 @@
+"""CUDA graph capture, torch.compile(mode="reduce-overhead") and torch.cuda.MemPool on ccalloc:
+the same outputs as on PyTorch's allocator, and pools that keep their memory apart. These go
+through the allocator's private pools (beginAllocateToPool, createOrIncrefPool,
+checkPoolLiveAllocations, checkpoints)."""
+
+from torch_compare import assert_same, both, skip_without_gpu
+
+skip_without_gpu()
+
+MLP = """
+torch.manual_seed(0)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 10)).cuda()
+inputs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)).cuda() for i in range(4)]
+with torch.no_grad():
+    eager = [model(x).cpu() for x in inputs]
+"""
+
+
+def max_difference(a, b):
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def test_cuda_graph_of_a_small_mlp_replays_like_eager():
+    pytorch, ccalloc = both(MLP + """
+static_in = inputs[0].clone()
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side), torch.no_grad():
+    for _ in range(3):
+        model(static_in)
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.no_grad(), torch.cuda.graph(graph):
+    static_out = model(static_in)
+replayed = []
+for x in inputs:
+    static_in.copy_(x)
+    graph.replay()
+    replayed.append(static_out.cpu())
+torch.cuda.synchronize()
+emit(equal_to_eager=all(torch.equal(r, e) for r, e in zip(replayed, eager)),
+     first=replayed[0][0].tolist(), pool_reserved=torch.cuda.memory_reserved() > 0)
+graph.reset()
+""")
+    assert pytorch["equal_to_eager"] and ccalloc["equal_to_eager"]
+    assert max(abs(a - b) for a, b in zip(pytorch["first"], ccalloc["first"])) < 1e-5
+    assert_same(pytorch["pool_reserved"], ccalloc["pool_reserved"], "memory reserved with a live graph")
+
+
+def test_torch_compile_reduce_overhead_gives_the_same_outputs():
+    pytorch, ccalloc = both(MLP + """
+compiled = torch.compile(model, mode="reduce-overhead")
+outs = []
+with torch.no_grad():
+    for _ in range(3):  # warm-up, recording, replays
+        outs = [compiled(x).clone().cpu() for x in inputs]
+emit(close_to_eager=all(torch.allclose(o, e, atol=1e-5, rtol=1e-5) for o, e in zip(outs, eager)),
+     first=outs[0][0].tolist())
+""", timeout=900)
+    assert pytorch["close_to_eager"] and ccalloc["close_to_eager"]
+    assert max(abs(a - b) for a, b in zip(pytorch["first"], ccalloc["first"])) < 1e-5
+
+
+def test_mempool_keeps_its_allocations_apart_from_the_default_pool():
+    pytorch, ccalloc = both("""
+MiB = 1 << 20
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    inside = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+outside = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+def in_pool(ptr):
+    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool.snapshot())
+inside_ptr = inside.data_ptr()
+result = dict(inside_in_pool=in_pool(inside_ptr), outside_in_pool=in_pool(outside.data_ptr()),
+              use_count=pool.use_count())
+del inside
+torch.cuda.synchronize()
+after = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+result["default_pool_reused_pool_memory"] = after.data_ptr() == inside_ptr
+with torch.cuda.use_mem_pool(pool):
+    again = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+result["pool_reused_its_block"] = again.data_ptr() == inside_ptr
+emit(**result)
+""")
+    assert {k: v for k, v in pytorch.items() if k != "use_count"} == {
+        "inside_in_pool": True, "outside_in_pool": False,
+        "default_pool_reused_pool_memory": False, "pool_reused_its_block": True}
+    assert_same(pytorch, ccalloc, "MemPool isolation")

@@ -1,0 +1,103 @@
+"""torch.cuda.memory._record_memory_history / _snapshot / _dump_snapshot on ccalloc: the same
+trace and segments as PyTorch's allocator records, Python frames that name the function
+that allocated, and snapshots that torch.cuda._memory_viz renders."""
+
+from torch_compare import assert_same, both, skip_without_gpu
+
+skip_without_gpu()
+
+RECORD = """
+import pickle, tempfile
+from torch.cuda import _memory_viz
+
+def allocate_in_named_function():
+    MiB = 1 << 20
+    return [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (1000, 3 * MiB, 30 * MiB)]
+
+def frames_name(frames, name):
+    return any(f.get("name") == name for f in frames or [])
+
+torch.cuda.memory._record_memory_history(max_entries=100000)
+held = allocate_in_named_function()
+scratch = torch.empty(5000, dtype=torch.uint8, device="cuda")
+del scratch
+del held[0]
+torch.cuda.synchronize()
+snapshot = torch.cuda.memory._snapshot()
+"""
+
+
+def test_trace_records_the_same_actions_and_sizes():
+    pytorch, ccalloc = both(RECORD + """
+trace = snapshot["device_traces"][0]
+emit(actions=[[e["action"], e["size"]] for e in trace])
+""")
+    assert [a for a, _ in pytorch["actions"]].count("alloc") == 4
+    assert_same(pytorch["actions"], ccalloc["actions"], "device_traces[0] (action, size)")
+
+
+def test_trace_entries_carry_the_python_frames_of_the_allocating_function():
+    pytorch, ccalloc = both(RECORD + """
+trace = snapshot["device_traces"][0]
+allocs = [e for e in trace if e["action"] == "alloc"]
+emit(named=[frames_name(e.get("frames"), "allocate_in_named_function") for e in allocs],
+     frees_have_frames=all(e.get("frames") for e in trace if e["action"] == "free_requested"))
+""")
+    assert pytorch == {"named": [True, True, True, False], "frees_have_frames": True}
+    assert_same(pytorch, ccalloc, "frames on trace entries")
+
+
+def test_live_blocks_and_segments_carry_their_allocation_frames():
+    pytorch, ccalloc = both(RECORD + """
+blocks = [b for s in snapshot["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+emit(live=sorted([b["size"], frames_name(b.get("frames"), "allocate_in_named_function")] for b in blocks),
+     segments_named=sorted(frames_name(s.get("frames"), "allocate_in_named_function")
+                           for s in snapshot["segments"]))
+""")
+    assert [named for _, named in pytorch["live"]] == [True, True]
+    assert_same(pytorch, ccalloc, "frames on live blocks and segments")
+
+
+def test_snapshot_segments_have_the_same_layout():
+    pytorch, ccalloc = both(RECORD + """
+def layout(s):
+    return [s["total_size"], s["allocated_size"], s["active_size"], s["requested_size"],
+            s["segment_type"], s["is_expandable"],
+            [[b["size"], b["requested_size"] if b["state"] != "inactive" else 0, b["state"]]
+             for b in s["blocks"]]]
+emit(segments=sorted(layout(s) for s in snapshot["segments"]))
+""")
+    assert len(pytorch["segments"]) >= 2
+    assert_same(pytorch["segments"], ccalloc["segments"], "snapshot segments")
+
+
+def test_dumped_snapshot_renders_in_memory_viz_with_the_function_name():
+    pytorch, ccalloc = both(RECORD + """
+path = tempfile.mktemp(suffix=".pickle")
+torch.cuda.memory._dump_snapshot(path)
+with open(path, "rb") as f:
+    dumped = pickle.load(f)
+trace_html = _memory_viz.trace_plot(dumped)
+segment_html = _memory_viz.segment_plot(dumped)
+named = any(frames_name(e.get("frames"), "allocate_in_named_function")
+            for e in dumped["device_traces"][0])
+emit(named=named, trace_html=len(trace_html) > 1000 and "<html" in trace_html.lower(),
+     segment_html=len(segment_html) > 1000 and "<html" in segment_html.lower(),
+     keys=sorted(dumped))
+""")
+    assert pytorch["named"] and pytorch["trace_html"] and pytorch["segment_html"]
+    assert_same(pytorch, ccalloc, "dumped snapshot rendered by _memory_viz")
+
+
+def test_history_can_be_stopped_and_cleared():
+    pytorch, ccalloc = both("""
+torch.cuda.memory._record_memory_history(max_entries=1000)
+x = torch.empty(4096, device="cuda")
+enabled = torch._C._cuda_isHistoryEnabled()
+torch.cuda.memory._record_memory_history(enabled=None)
+stopped = torch._C._cuda_isHistoryEnabled()
+y = torch.empty(4096, device="cuda")
+emit(enabled=enabled, stopped=stopped, entries=len(torch.cuda.memory._snapshot()["device_traces"][0]))
+""")
+    assert pytorch == {"enabled": True, "stopped": False, "entries": 0}
+    assert_same(pytorch, ccalloc, "history switched off")

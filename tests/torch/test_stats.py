@@ -1,0 +1,182 @@
+"""What torch.cuda's and torch.accelerator's memory functions report is the same on ccalloc as
+on PyTorch's allocator after the same deterministic sequence of allocations."""
+
+from torch_compare import assert_same, both, skip_without_gpu
+
+skip_without_gpu()
+
+# Small (<= 1 MiB), large (1-10 MiB) and huge (> 10 MiB) requests, frees that split and
+# merge blocks, a tensor used on a second stream with record_stream, and allocations on that
+# stream. Every cross-stream free is waited for before the next allocation looks at it, so
+# both allocators see completed events at the same points.
+SEQUENCE = """
+def sequence():
+    MiB = 1 << 20
+    keep = []
+    t = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in
+         (512, 1000, 4096, 300_000, MiB, MiB + 1, 3 * MiB, 9 * MiB, 12 * MiB, 25 * MiB + 7)]
+    keep += t[::2]
+    del t
+    side = torch.cuda.Stream()
+    shared = torch.ones(2 * MiB, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        on_side = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (700, 5 * MiB)]
+        shared.mul_(3)
+    shared.record_stream(side)
+    del shared
+    torch.cuda.synchronize()
+    again = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")  # after the side stream's work
+    with torch.cuda.stream(side):
+        del on_side[0]
+        more = torch.empty(600, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    for n in (64, 128 * 1024, 8 * MiB):
+        x = torch.empty(n, dtype=torch.uint8, device="cuda")
+        del x
+    return keep, again, on_side, more
+"""
+
+
+def test_memory_stats_are_equal_key_by_key_after_two_streams_with_record_stream():
+    pytorch, ccalloc = both(SEQUENCE + """
+held = sequence()
+torch.cuda.synchronize()
+emit(stats=dict(torch.cuda.memory_stats()))
+""")
+    assert pytorch["stats"]["allocation.all.allocated"] > 0
+    assert_same(pytorch["stats"], ccalloc["stats"], "torch.cuda.memory_stats()")
+
+
+def test_memory_stats_are_equal_after_empty_cache():
+    pytorch, ccalloc = both(SEQUENCE + """
+held = sequence()
+del held
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+emit(stats=dict(torch.cuda.memory_stats()))
+""")
+    assert pytorch["stats"]["reserved_bytes.all.current"] == 0
+    assert_same(pytorch["stats"], ccalloc["stats"], "torch.cuda.memory_stats() after empty_cache()")
+
+
+def test_allocated_reserved_and_peaks_follow_reset_peak_memory_stats():
+    pytorch, ccalloc = both(SEQUENCE + """
+held = sequence()
+before = dict(allocated=torch.cuda.memory_allocated(), max_allocated=torch.cuda.max_memory_allocated(),
+              reserved=torch.cuda.memory_reserved(), max_reserved=torch.cuda.max_memory_reserved())
+del held
+torch.cuda.reset_peak_memory_stats()
+after = dict(allocated=torch.cuda.memory_allocated(), max_allocated=torch.cuda.max_memory_allocated(),
+             reserved=torch.cuda.memory_reserved(), max_reserved=torch.cuda.max_memory_reserved())
+torch.cuda.reset_accumulated_memory_stats()
+emit(before=before, after=after, accumulated=torch.cuda.memory_stats()["allocation.all.allocated"])
+""")
+    assert pytorch["before"]["max_allocated"] > pytorch["after"]["max_allocated"]
+    assert pytorch["after"]["max_allocated"] == pytorch["after"]["allocated"]
+    assert_same(pytorch, ccalloc, "memory_allocated/max_memory_allocated/memory_reserved")
+
+
+def test_memory_summary_is_identical():
+    pytorch, ccalloc = both(SEQUENCE + """
+held = sequence()
+emit(summary=torch.cuda.memory_summary(), abbreviated=torch.cuda.memory_summary(abbreviated=True))
+""")
+    assert "Allocated memory" in pytorch["summary"]
+    assert_same(pytorch["summary"], ccalloc["summary"], "memory_summary()")
+    assert_same(pytorch["abbreviated"], ccalloc["abbreviated"], "memory_summary(abbreviated=True)")
+
+
+def test_torch_accelerator_memory_functions_reach_the_installed_allocator():
+    pytorch, ccalloc = both(SEQUENCE + """
+held = sequence()
+acc = torch.accelerator
+values = dict(allocated=acc.memory_allocated(), max_allocated=acc.max_memory_allocated(),
+              reserved=acc.memory_reserved(), max_reserved=acc.max_memory_reserved(),
+              stats=dict(acc.memory_stats()))
+cuda_allocated = torch.cuda.memory_allocated()
+del held
+torch.cuda.synchronize()
+acc.empty_cache()
+acc.reset_peak_memory_stats()
+emit(values=values, cuda_allocated=cuda_allocated, reserved_after_empty=torch.cuda.memory_reserved(),
+     max_allocated_after_reset=acc.max_memory_allocated())
+""")
+    # On ccalloc, torch.accelerator must see ccalloc's numbers, not an idle native allocator's.
+    assert ccalloc["values"]["allocated"] == ccalloc["cuda_allocated"] > 0
+    assert ccalloc["reserved_after_empty"] == pytorch["reserved_after_empty"]
+    assert_same(pytorch["values"]["stats"], ccalloc["values"]["stats"], "torch.accelerator.memory_stats()")
+    del pytorch["values"]["stats"], ccalloc["values"]["stats"]
+    assert_same(pytorch, ccalloc, "torch.accelerator memory functions")
+
+
+def test_caching_allocator_alloc_and_delete_are_served_by_the_allocator():
+    pytorch, ccalloc = both("""
+stream = torch.cuda.Stream()
+p = torch.cuda.caching_allocator_alloc(3 << 20)
+q = torch.cuda.caching_allocator_alloc(1000, device=0, stream=stream)
+during = dict(torch.cuda.memory_stats())
+torch.cuda.caching_allocator_delete(p)
+torch.cuda.caching_allocator_delete(q)
+emit(during=during, after=dict(torch.cuda.memory_stats()))
+""")
+    assert pytorch["during"]["allocation.all.current"] == 2
+    assert pytorch["after"]["allocation.all.current"] == 0
+    assert_same(pytorch["during"], ccalloc["during"], "memory_stats() while held")
+    assert_same(pytorch["after"], ccalloc["after"], "memory_stats() after caching_allocator_delete")
+
+
+def test_per_process_memory_fraction_is_set_read_back_and_enforced():
+    pytorch, ccalloc = both("""
+total = torch.cuda.get_device_properties(0).total_memory
+default = torch.cuda.get_per_process_memory_fraction()
+torch.cuda.set_per_process_memory_fraction(0.25)
+fraction = torch.cuda.get_per_process_memory_fraction()
+small = torch.empty(int(total * 0.1), dtype=torch.uint8, device="cuda")
+try:
+    big = torch.empty(int(total * 0.3), dtype=torch.uint8, device="cuda")
+    refused = None
+except torch.OutOfMemoryError as e:
+    refused = type(e).__name__
+emit(default=default, fraction=fraction, refused=refused)
+""")
+    assert pytorch == {"default": 1.0, "fraction": 0.25, "refused": "OutOfMemoryError"}
+    assert_same(pytorch, ccalloc, "memory fraction")
+
+
+def test_out_of_memory_raises_torch_out_of_memory_error_and_calls_observers():
+    pytorch, ccalloc = both("""
+seen = []
+torch._C._cuda_attach_out_of_memory_observer(
+    lambda device, alloc, device_total, device_free: seen.append([device, alloc]))
+torch.empty(1, device="cuda")
+request = 1 << 50  # 1 PiB: more than any device
+try:
+    torch.empty(request, dtype=torch.uint8, device="cuda")
+    error = None
+except torch.OutOfMemoryError as e:
+    error = dict(type=type(e).__name__, is_runtime_error=isinstance(e, RuntimeError), message=str(e))
+emit(error=error, seen=seen, num_ooms=torch.cuda.memory_stats()["num_ooms"])
+""")
+    for run in (pytorch, ccalloc):
+        assert run["error"]["type"] == "OutOfMemoryError"
+        assert run["error"]["is_runtime_error"]
+        assert run["error"]["message"].startswith("CUDA out of memory")
+        assert "Tried to allocate 1048576.00 GiB" in run["error"]["message"], run["error"]["message"]
+        assert run["num_ooms"] == 1
+    assert_same(pytorch["seen"], ccalloc["seen"], "OOM observer calls (device, bytes)")
+
+
+def test_allocator_settings_set_at_run_time_reach_the_allocator():
+    pytorch, ccalloc = both("""
+torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+x = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+y = torch.empty(300, dtype=torch.uint8, device="cuda")
+segments = torch.cuda.memory._snapshot()["segments"]
+emit(expandable=sorted(s["is_expandable"] for s in segments),
+     settings=torch.cuda.memory._snapshot()["allocator_settings"]["expandable_segments"],
+     stats=dict(torch.cuda.memory_stats()))
+""")
+    assert pytorch["expandable"] and all(pytorch["expandable"])
+    assert_same(pytorch["expandable"], ccalloc["expandable"], "is_expandable of the segments")
+    assert_same(pytorch["settings"], ccalloc["settings"], "allocator_settings.expandable_segments")
+    assert_same(pytorch["stats"], ccalloc["stats"], "memory_stats() with expandable segments")

@@ -1,0 +1,92 @@
+"""Runs one script twice, in fresh processes: once on PyTorch's own CUDA allocator and once on
+ccalloc installed natively (libccalloc_torch.so), and returns what each run reported, so that
+a test can require PyTorch to observe the same thing on both.
+
+A script is Python source run after this prelude:
+    ALLOCATOR        "pytorch" or "ccalloc"
+    torch            imported; ccalloc is already installed in the ccalloc run
+    emit(**values)   reports JSON-serialisable values (the last call wins per key)
+Both runs get the same allocator configuration: PyTorch's defaults (CCALLOC_CONF=pytorch for
+ccalloc; no PYTORCH_CUDA_ALLOC_CONF for either) unless the test passes `conf`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+BINDINGS = os.path.join(REPO, "bindings", "torch")
+
+PRELUDE = f"""
+import json, os, sys
+sys.path.insert(0, {BINDINGS!r})
+sys.path.insert(0, {HERE!r})
+ALLOCATOR = sys.argv[1]
+if ALLOCATOR == "ccalloc":
+    import ccalloc_torch
+    _how = ccalloc_torch.install()
+    assert _how == "native", "ccalloc was installed as " + repr(_how) + ", not natively: build libccalloc_torch.so"
+import torch
+if ALLOCATOR == "ccalloc":
+    assert torch.cuda.get_allocator_backend() == "ccalloc", torch.cuda.get_allocator_backend()
+_results = {{}}
+def emit(**values):
+    _results.update(values)
+    print("CCALLOC_RESULT " + json.dumps(_results), flush=True)
+"""
+
+ALLOCATORS = ("pytorch", "ccalloc")
+
+
+def skip_without_gpu():
+    """Skips the calling test module where torch or a CUDA device is missing."""
+    import pytest
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device", allow_module_level=True)
+
+
+def environment(allocator, conf=None):
+    env = dict(os.environ)
+    for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env.pop(key, None)
+    if conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    if allocator == "ccalloc":
+        env["CCALLOC_CONF"] = "pytorch" + ("," + conf if conf else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run(allocator, script, conf=None, timeout=600, expect_failure=False):
+    """Runs `script` on `allocator` in a fresh interpreter; returns its emitted values."""
+    source = PRELUDE + "\n" + textwrap.dedent(script)
+    proc = subprocess.run([sys.executable, "-c", source, allocator], env=environment(allocator, conf),
+                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CCALLOC_RESULT ")]
+    if proc.returncode != 0 and not expect_failure:
+        raise AssertionError(f"the script failed on {allocator} (exit {proc.returncode}):\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    if not lines:
+        raise AssertionError(f"the script reported nothing on {allocator}:\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
+    return json.loads(lines[-1][len("CCALLOC_RESULT "):])
+
+
+def both(script, conf=None, timeout=600):
+    """Runs `script` on PyTorch's allocator, then on ccalloc; returns (pytorch, ccalloc)."""
+    return tuple(run(a, script, conf=conf, timeout=timeout) for a in ALLOCATORS)
+
+
+def assert_same(pytorch, ccalloc, what):
+    """Asserts two reported values are equal, naming each differing key of a dict."""
+    if isinstance(pytorch, dict) and isinstance(ccalloc, dict):
+        keys = sorted(set(pytorch) | set(ccalloc))
+        diffs = [f"  {k}: pytorch {pytorch.get(k, '<missing>')!r}, ccalloc {ccalloc.get(k, '<missing>')!r}"
+                 for k in keys if pytorch.get(k, "<missing>") != ccalloc.get(k, "<missing>")]
+        assert not diffs, f"{what} differs in {len(diffs)} key(s):\n" + "\n".join(diffs)
+    else:
+        assert pytorch == ccalloc, f"{what}: pytorch {pytorch!r}, ccalloc {ccalloc!r}"
