@@ -94,46 +94,50 @@ void Engine::free(DevicePtr ptr) {
   free_cached(ptr);
 }
 
+// free and record_stream look the pointer up once: the SegmentMap names the arena (no
+// lock), and one probe of the arena's live index under its lock yields the block (free
+// removes it in the same probe).
 void Engine::free_cached(DevicePtr ptr) {
-  {
-    std::unique_lock<ArenaMutex> lock;
-    Arena& arena = locked_arena_of(ptr, "free", lock);
-    release_allocation(arena, arena.live.erase(ptr));
+  if (Arena* arena = arena_of(ptr)) {
+    std::unique_lock lock(arena->mutex);
+    if (Block* block = arena->live.erase(ptr)) {
+      release_allocation(*arena, block);
+      lock.unlock();
+      after_operation();
+      return;
+    }
   }
-  after_operation();
+  throw_not_live("free", ptr);
 }
 
 void Engine::record_stream(DevicePtr ptr, StreamId stream) {
   if (config_.uncached) return;  // uncached memory is freed synchronously
-  {
-    std::unique_lock<ArenaMutex> lock;
-    Arena& arena = locked_arena_of(ptr, "record_stream", lock);
-    Block* block = arena.live.find(ptr);
-    // Uses on the block's own stream are ordered by the stream itself.
-    if (stream != arena.stream && std::find(block->stream_uses.begin(), block->stream_uses.end(),
-                                            stream) == block->stream_uses.end()) {
-      block->stream_uses.push_back(stream);
+  if (Arena* arena = arena_of(ptr)) {
+    std::unique_lock lock(arena->mutex);
+    if (Block* block = arena->live.find(ptr)) {
+      // Uses on the block's own stream are ordered by the stream itself.
+      if (stream != arena->stream && std::find(block->stream_uses.begin(),
+                                               block->stream_uses.end(),
+                                               stream) == block->stream_uses.end()) {
+        block->stream_uses.push_back(stream);
+      }
+      lock.unlock();
+      after_operation();
+      return;
     }
   }
-  after_operation();
+  throw_not_live("record_stream", ptr);
 }
 
 std::size_t Engine::allocation_size(DevicePtr ptr) const {
-  Arena* arena = arena_by_owner(owners_.owner_of(ptr));
+  Arena* arena = arena_of(ptr);
   if (arena == nullptr) return 0;
   std::lock_guard lock(arena->mutex);
   const Block* block = arena->live.find(ptr);
   return block == nullptr ? 0 : block->size;
 }
 
-Arena& Engine::locked_arena_of(DevicePtr ptr, const char* what,
-                               std::unique_lock<ArenaMutex>& lock) {
-  Arena* arena = arena_by_owner(owners_.owner_of(ptr));
-  if (arena != nullptr) {
-    lock = std::unique_lock(arena->mutex);
-    if (arena->live.find(ptr) != nullptr) return *arena;
-    lock.unlock();
-  }
+void Engine::throw_not_live(const char* what, DevicePtr ptr) const {
   throw InvalidPointerError(pointer_error(what, ptr, device()), ptr);
 }
 

@@ -144,10 +144,12 @@ class Engine final : public Backend {
   // malloc and free once any history context is set up.
   DevicePtr malloc_cached(std::size_t size, StreamId stream);
   void free_cached(DevicePtr ptr);
-  // The arena holding `ptr` live, locked, with the block; {nullptr, nullptr} if none.
-  // `what` names the operation in the error thrown for a pointer that is not live.
-  Arena& locked_arena_of(DevicePtr ptr, const char* what, std::unique_lock<ArenaMutex>& lock);
+  // The arena whose segment holds `ptr` (read without a lock), or nullptr. Whether `ptr`
+  // is live there is for the arena's index to say, under the arena's lock.
+  Arena* arena_of(DevicePtr ptr) const { return arena_by_owner(owners_.owner_of(ptr)); }
   Arena* arena_by_owner(SegmentMap::Owner owner) const;
+  // `what` names the operation: "free of pointer 0x... which is not live".
+  [[noreturn]] void throw_not_live(const char* what, DevicePtr ptr) const;
 
   // --- hot path (arena lock held) ---
   using PoolPos = FreePool::Set::iterator;
