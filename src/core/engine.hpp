@@ -16,9 +16,22 @@
 // stream (GC, releasing the whole cache, the last steps of the OOM ladder, snapshots,
 // the invariant checker) take every arena lock through lock_all().
 //
-// Invariants (check_invariants()): blocks tile each segment; no two adjacent free blocks;
-// every free block is in exactly one pool and no allocated or pending block is; stats
-// equal a recount from the blocks; reserved <= limit; live allocations never overlap.
+// Invariants, checked by check_invariants() in this order, one named check each (the
+// error message names the check):
+//   blocks_tile_segments       the blocks of a segment are linked both ways, each a positive
+//                              multiple of 512 bytes, of one pool, and cover the segment
+//                              without gaps; segments never overlap.
+//   free_blocks_merged         no two adjacent free blocks (of the same mapped state).
+//   pool_membership            every free block is in exactly one pool and no allocated or
+//                              pending block is; every block is held in exactly one place
+//                              (live index, pool, pending-event queue).
+//   expandable_segments        an expandable segment's blocks span its reservation and its
+//                              mapped blocks add up to its mapped bytes; the unmapped lists
+//                              hold only unmapped ranges.
+//   stats_match_blocks         statistics and reserved bytes equal a recount from the blocks.
+//   reserved_within_capacity   reserved <= the device's capacity. (Not the per-process limit:
+//                              set_memory_fraction may lower it below what is reserved.)
+//   live_allocations_disjoint  live allocations never overlap.
 #pragma once
 
 #include <array>
@@ -223,6 +236,27 @@ class Engine final : public Backend {
   // As segments_of(), with each expandable segment split into its runs of mapped blocks:
   // the segments a snapshot reports.
   std::vector<std::vector<const Block*>> reported_segments(const Arena& arena) const;
+
+  // --- invariants (invariants.cpp): one check per invariant of the header's list, in its
+  // order; each throws InvariantError naming itself. Every arena lock is held. ---
+  struct InvariantWalk {
+    struct ArenaBlocks {
+      const Arena* arena;
+      std::vector<std::vector<const Block*>> segments;  // segments_of(*arena)
+    };
+    std::vector<ArenaBlocks> arenas;  // by stream
+  };
+  InvariantWalk walk_for_invariants(const AllArenasLock& all) const;
+  void check_blocks_tile_segments(const InvariantWalk& walk) const;
+  void check_free_blocks_merged(const InvariantWalk& walk) const;
+  void check_pool_membership(const InvariantWalk& walk) const;
+  void check_expandable_segments(const InvariantWalk& walk) const;
+  void check_stats_match_blocks(const InvariantWalk& walk) const;
+  void check_reserved_within_capacity() const;
+  void check_live_allocations_disjoint(const InvariantWalk& walk) const;
+
+  // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp).
+  friend struct EngineTestAccess;
 
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
 
