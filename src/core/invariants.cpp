@@ -84,6 +84,7 @@ std::vector<SegmentInfo> Engine::segments() const {
   AllArenasLock all(*this);
   std::vector<SegmentInfo> out;
   for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
     for (const auto& blocks : reported_segments(*arena)) {
       SegmentInfo seg;
       seg.device = device();
@@ -111,8 +112,10 @@ std::vector<SegmentInfo> Engine::segments() const {
 
 Engine::InvariantWalk Engine::walk_for_invariants(const AllArenasLock& all) const {
   InvariantWalk walk;
-  for (Arena* arena : all.by_stream())
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
     walk.arenas.push_back({arena, segments_of(*arena)});
+  }
   return walk;
 }
 
@@ -132,6 +135,7 @@ void Engine::check_blocks_tile_segments(const InvariantWalk& walk) const {
   constexpr const char* kName = "blocks_tile_segments";
   std::vector<std::pair<DevicePtr, std::size_t>> extents;
   for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
     for (const auto& blocks : segments) {
       const Block* head = blocks.front();
       std::size_t seg_size = 0;
@@ -176,6 +180,7 @@ void Engine::check_blocks_tile_segments(const InvariantWalk& walk) const {
 
 void Engine::check_free_blocks_merged(const InvariantWalk& walk) const {
   for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
     for (const auto& blocks : segments) {
       for (std::size_t i = 0; i + 1 < blocks.size(); ++i) {
         const Block* b = blocks[i];
@@ -199,6 +204,7 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
   std::unordered_set<const Block*> in_pool;
   std::unordered_set<const Block*> in_index;
   for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
     arena->live.for_each([&, arena = arena](DevicePtr ptr, const Block* b) {
       if (!b->allocated || b->ptr != ptr || b->pool->arena != arena) {
         violation(kName, "block 0x%" PRIxPTR " is indexed as live at 0x%" PRIxPTR
@@ -240,6 +246,7 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
 
   std::size_t reachable = 0;
   for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
     for (const auto& blocks : segments) {
       reachable += blocks.size();
       for (const Block* b : blocks) {
@@ -268,6 +275,7 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
 void Engine::check_expandable_segments(const InvariantWalk& walk) const {
   constexpr const char* kName = "expandable_segments";
   for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
     for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
       for (const Block* b : pool->unmapped) {
         if (b->mapped || b->segment == nullptr || b->allocated || b->event_count != 0 ||
@@ -307,6 +315,7 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
   std::int64_t pending_total = 0;
 
   for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
     std::int64_t pending_events = 0;
     for (const auto& [stream, queue] : arena->pending)
       pending_events += static_cast<std::int64_t>(queue.size());
@@ -397,7 +406,7 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
               static_cast<long long>(pending_total));
   }
 
-  std::lock_guard lock(device_mutex_);
+  Lock lock(device_mutex_);
   if (reserved_recount != reserved_) {
     violation(kName, "reserved is %zu bytes but segments add up to %zu", reserved_,
               reserved_recount);
@@ -421,7 +430,7 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
 }
 
 void Engine::check_reserved_within_capacity() const {
-  std::lock_guard lock(device_mutex_);
+  Lock lock(device_mutex_);
   if (reserved_ > capacity_) {
     violation("reserved_within_capacity",
               "reserved %zu bytes exceeds the device capacity of %zu bytes", reserved_, capacity_);
@@ -431,6 +440,7 @@ void Engine::check_reserved_within_capacity() const {
 void Engine::check_live_allocations_disjoint(const InvariantWalk& walk) const {
   std::vector<std::pair<DevicePtr, std::size_t>> live;
   for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
     arena->live.for_each([&live](DevicePtr ptr, const Block* b) { live.emplace_back(ptr, b->size); });
   }
   std::sort(live.begin(), live.end());
