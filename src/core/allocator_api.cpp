@@ -49,7 +49,7 @@ void Engine::record_trace_entry(TraceAction action, DevicePtr addr, std::size_t 
     history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
   }
   if (flags & kTraceObservers) {
-    std::lock_guard lock(trace_mutex_);
+    Lock lock(trace_mutex_);
     const TraceEntry entry{action, addr, size, stream, now};
     for (const TraceObserver& observer : trace_observers_)
       observer(entry);
@@ -57,18 +57,18 @@ void Engine::record_trace_entry(TraceAction action, DevicePtr addr, std::size_t 
 }
 
 void Engine::add_oom_observer(OomObserver observer) {
-  std::lock_guard lock(observers_mutex_);
+  Lock lock(observers_mutex_);
   oom_observers_.push_back(std::move(observer));
 }
 
 void Engine::add_free_memory_callback(FreeMemoryCallback callback) {
-  std::lock_guard lock(observers_mutex_);
+  Lock lock(observers_mutex_);
   free_memory_callbacks_.push_back(std::move(callback));
   has_free_memory_callbacks_.store(true, std::memory_order_release);
 }
 
 void Engine::add_trace_observer(TraceObserver observer) {
-  std::lock_guard lock(trace_mutex_);
+  Lock lock(trace_mutex_);
   trace_observers_.push_back(std::move(observer));
   trace_flags_.fetch_or(kTraceObservers, std::memory_order_release);
 }

@@ -32,7 +32,7 @@ struct alignas(64) Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
-  FreePool& pool_for(bool small) { return small ? small_pool : large_pool; }
+  FreePool& pool_for(bool small) REQUIRES(mutex) { return small ? small_pool : large_pool; }
 
   ArenaMutex mutex;
   const StreamId stream;
@@ -40,19 +40,19 @@ struct alignas(64) Arena {
   const SegmentMap::Owner owner;  // its segments' owner in the engine's SegmentMap
 
   // Everything below is guarded by `mutex`.
-  FreePool small_pool{true, this};
-  FreePool large_pool{false, this};
-  BlockRecycler blocks;
+  FreePool small_pool GUARDED_BY(mutex){true, this};
+  FreePool large_pool GUARDED_BY(mutex){false, this};
+  BlockRecycler blocks GUARDED_BY(mutex);
   // The live (allocated) blocks of this arena by address.
-  PtrMap<Block*> live;
+  PtrMap<Block*> live GUARDED_BY(mutex);
   // This stream's expandable segments (usually one per pool).
-  std::vector<std::unique_ptr<ExpandableSegment>> expandable;
+  std::vector<std::unique_ptr<ExpandableSegment>> expandable GUARDED_BY(mutex);
   // Per stream that used one of this arena's blocks: FIFO of frees waiting for its events.
   // Events on one stream complete in order, so processing stops at the first pending one.
-  std::vector<std::pair<StreamId, std::deque<PendingFree>>> pending;
+  std::vector<std::pair<StreamId, std::deque<PendingFree>>> pending GUARDED_BY(mutex);
   // Statistics of the blocks of this arena (allocation, active, inactive_split and the
   // byte counts). Segment and reserved-memory statistics are device-wide.
-  DeviceStats stats;
+  DeviceStats stats GUARDED_BY(mutex);
 
   // Number of events in `pending`; read without the lock to skip empty arenas.
   std::atomic<std::int64_t> pending_events{0};

@@ -2,6 +2,9 @@
 #pragma once
 
 #include <atomic>
+#include <cassert>
+
+#include "core/thread_annotations.hpp"
 
 namespace ccalloc::core {
 
@@ -9,19 +12,25 @@ namespace ccalloc::core {
 // and stay inline; a waiter spins briefly, then sleeps on the futex (a holder may be
 // inside a device call of tens of microseconds). States: 0 free, 1 held, 2 held with
 // sleepers.
-class ArenaMutex {
+class CAPABILITY("mutex") ArenaMutex {
  public:
-  void lock() {
+  void lock() ACQUIRE() {
     int expected = 0;
     if (state_.compare_exchange_strong(expected, 1, std::memory_order_acquire)) return;
     lock_contended();
   }
-  bool try_lock() {
+  bool try_lock() TRY_ACQUIRE(true) {
     int expected = 0;
     return state_.compare_exchange_strong(expected, 1, std::memory_order_acquire);
   }
-  void unlock() {
+  void unlock() RELEASE() {
     if (state_.exchange(0, std::memory_order_release) == 2) state_.notify_one();
+  }
+  // Tells the analysis the lock is held where it cannot see the acquisition: a lock taken
+  // through lock_all() or handed over in a std::unique_lock. Checks only that someone
+  // holds it.
+  void assert_held() const ASSERT_CAPABILITY(this) {
+    assert(state_.load(std::memory_order_relaxed) != 0);
   }
 
  private:

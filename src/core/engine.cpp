@@ -68,7 +68,8 @@ DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
   if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
   const Request req = make_request(size, stream);
   Arena& arena = arena_for(stream);
-  std::unique_lock lock(arena.mutex);
+  std::unique_lock lock(arena.mutex);  // moved into malloc_slow
+  arena.mutex.assert_held();
   const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
   if (pos == arena.pool_for(req.small).blocks.end()) {
     return malloc_slow(arena, req, std::move(lock));
@@ -94,46 +95,50 @@ void Engine::free(DevicePtr ptr) {
   free_cached(ptr);
 }
 
+// free and record_stream look the pointer up once: the SegmentMap names the arena (no
+// lock), and one probe of the arena's live index under its lock yields the block (free
+// removes it in the same probe).
 void Engine::free_cached(DevicePtr ptr) {
-  {
-    std::unique_lock<ArenaMutex> lock;
-    Arena& arena = locked_arena_of(ptr, "free", lock);
-    release_allocation(arena, arena.live.erase(ptr));
+  if (Arena* arena = arena_of(ptr)) {
+    Lock lock(arena->mutex);
+    if (Block* block = arena->live.erase(ptr)) {
+      release_allocation(*arena, block);
+      lock.unlock();
+      after_operation();
+      return;
+    }
   }
-  after_operation();
+  throw_not_live("free", ptr);
 }
 
 void Engine::record_stream(DevicePtr ptr, StreamId stream) {
   if (config_.uncached) return;  // uncached memory is freed synchronously
-  {
-    std::unique_lock<ArenaMutex> lock;
-    Arena& arena = locked_arena_of(ptr, "record_stream", lock);
-    Block* block = arena.live.find(ptr);
-    // Uses on the block's own stream are ordered by the stream itself.
-    if (stream != arena.stream && std::find(block->stream_uses.begin(), block->stream_uses.end(),
-                                            stream) == block->stream_uses.end()) {
-      block->stream_uses.push_back(stream);
+  if (Arena* arena = arena_of(ptr)) {
+    Lock lock(arena->mutex);
+    if (Block* block = arena->live.find(ptr)) {
+      // Uses on the block's own stream are ordered by the stream itself.
+      if (stream != arena->stream && std::find(block->stream_uses.begin(),
+                                               block->stream_uses.end(),
+                                               stream) == block->stream_uses.end()) {
+        block->stream_uses.push_back(stream);
+      }
+      lock.unlock();
+      after_operation();
+      return;
     }
   }
-  after_operation();
+  throw_not_live("record_stream", ptr);
 }
 
 std::size_t Engine::allocation_size(DevicePtr ptr) const {
-  Arena* arena = arena_by_owner(owners_.owner_of(ptr));
+  Arena* arena = arena_of(ptr);
   if (arena == nullptr) return 0;
-  std::lock_guard lock(arena->mutex);
+  Lock lock(arena->mutex);
   const Block* block = arena->live.find(ptr);
   return block == nullptr ? 0 : block->size;
 }
 
-Arena& Engine::locked_arena_of(DevicePtr ptr, const char* what,
-                               std::unique_lock<ArenaMutex>& lock) {
-  Arena* arena = arena_by_owner(owners_.owner_of(ptr));
-  if (arena != nullptr) {
-    lock = std::unique_lock(arena->mutex);
-    if (arena->live.find(ptr) != nullptr) return *arena;
-    lock.unlock();
-  }
+void Engine::throw_not_live(const char* what, DevicePtr ptr) const {
   throw InvalidPointerError(pointer_error(what, ptr, device()), ptr);
 }
 
@@ -368,7 +373,7 @@ Arena& Engine::arena_for(StreamId stream) {
   }
   Arena* arena;
   {
-    std::lock_guard lock(registry_mutex_);
+    Lock lock(registry_mutex_);
     auto it = arena_by_stream_.find(stream);
     if (it == arena_by_stream_.end()) {
       const std::size_t index = arenas_.size();
@@ -395,7 +400,7 @@ Arena& Engine::arena_for(StreamId stream) {
 }
 
 std::vector<Arena*> Engine::arena_list() const {
-  std::lock_guard lock(registry_mutex_);
+  Lock lock(registry_mutex_);
   std::vector<Arena*> list;
   list.reserve(arenas_.size());
   for (const auto& a : arenas_)
@@ -465,7 +470,7 @@ DevicePtr Engine::malloc_uncached(std::size_t size) {
                                format_size(info.total_bytes) + ".",
                            device(), size);
   }
-  std::lock_guard lock(uncached_mutex_);
+  Lock lock(uncached_mutex_);
   uncached_.emplace(ptr, size);
   return ptr;
 }
@@ -473,7 +478,7 @@ DevicePtr Engine::malloc_uncached(std::size_t size) {
 void Engine::free_uncached(DevicePtr ptr) {
   std::size_t size;
   {
-    std::lock_guard lock(uncached_mutex_);
+    Lock lock(uncached_mutex_);
     const auto it = uncached_.find(ptr);
     if (it == uncached_.end()) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
     size = it->second;

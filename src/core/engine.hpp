@@ -10,15 +10,32 @@
 // Locks, in the order they may nest:
 //   registry_mutex_  ->  Arena::mutex (several only via lock_all(), by creation order)
 //   ->  device_mutex_  ->  trace_mutex_ / EventPool
+// Members name the lock that guards them and private methods the lock they need
+// (core/thread_annotations.hpp); clang's -Wthread-safety checks that (scripts/test tsa).
+// Code that relies on an arena lock taken through lock_all() says so with
+// AllArenasLock::held().
 // The hot path takes one arena lock: free finds the arena of a pointer in the SegmentMap,
 // which readers consult without a lock, then the block in the arena's own index. The rare
 // paths that act on every
 // stream (GC, releasing the whole cache, the last steps of the OOM ladder, snapshots,
 // the invariant checker) take every arena lock through lock_all().
 //
-// Invariants (check_invariants()): blocks tile each segment; no two adjacent free blocks;
-// every free block is in exactly one pool and no allocated or pending block is; stats
-// equal a recount from the blocks; reserved <= limit; live allocations never overlap.
+// Invariants, checked by check_invariants() in this order, one named check each (the
+// error message names the check):
+//   blocks_tile_segments       the blocks of a segment are linked both ways, each a positive
+//                              multiple of 512 bytes, of one pool, and cover the segment
+//                              without gaps; segments never overlap.
+//   free_blocks_merged         no two adjacent free blocks (of the same mapped state).
+//   pool_membership            every free block is in exactly one pool and no allocated or
+//                              pending block is; every block is held in exactly one place
+//                              (live index, pool, pending-event queue).
+//   expandable_segments        an expandable segment's blocks span its reservation and its
+//                              mapped blocks add up to its mapped bytes; the unmapped lists
+//                              hold only unmapped ranges.
+//   stats_match_blocks         statistics and reserved bytes equal a recount from the blocks.
+//   reserved_within_capacity   reserved <= the device's capacity. (Not the per-process limit:
+//                              set_memory_fraction may lower it below what is reserved.)
+//   live_allocations_disjoint  live allocations never overlap.
 #pragma once
 
 #include <array>
@@ -36,6 +53,7 @@
 #include "core/block.hpp"
 #include "core/history.hpp"
 #include "core/segment_map.hpp"
+#include "core/thread_annotations.hpp"
 
 namespace ccalloc::core {
 
@@ -58,8 +76,8 @@ class EventPool {
 
  private:
   Driver& driver_;
-  std::mutex mutex_;
-  std::vector<EventId> free_;
+  Mutex mutex_;
+  std::vector<EventId> free_ GUARDED_BY(mutex_);
 };
 
 class Engine final : public Backend {
@@ -98,12 +116,12 @@ class Engine final : public Backend {
   std::atomic<bool> check_invariants_{false};
 
   // Observers; guarded by observers_mutex_ (copied out before calls without locks).
-  std::mutex observers_mutex_;
-  std::vector<OomObserver> oom_observers_;
-  std::vector<FreeMemoryCallback> free_memory_callbacks_;
+  Mutex observers_mutex_;
+  std::vector<OomObserver> oom_observers_ GUARDED_BY(observers_mutex_);
+  std::vector<FreeMemoryCallback> free_memory_callbacks_ GUARDED_BY(observers_mutex_);
   std::atomic<bool> has_free_memory_callbacks_{false};
-  std::mutex trace_mutex_;
-  std::vector<TraceObserver> trace_observers_;
+  Mutex trace_mutex_;
+  std::vector<TraceObserver> trace_observers_ GUARDED_BY(trace_mutex_);
 
   // What record_trace() and the hot path do, read once per operation.
   enum TraceFlags : unsigned {
@@ -124,8 +142,12 @@ class Engine final : public Backend {
   // Holds every arena lock (and the registry, so no arena appears meanwhile).
   class AllArenasLock {
    public:
-    explicit AllArenasLock(const Engine& engine);
-    ~AllArenasLock();
+    // The analysis cannot follow a lock per element of a vector: users tell it which arena
+    // they rely on through held().
+    explicit AllArenasLock(const Engine& engine) NO_THREAD_SAFETY_ANALYSIS;
+    ~AllArenasLock() NO_THREAD_SAFETY_ANALYSIS;
+    // `arena` (one of the engine's) is locked while this object lives.
+    void held(const Arena& arena) const ASSERT_CAPABILITY(arena.mutex) { arena.mutex.assert_held(); }
     AllArenasLock(const AllArenasLock&) = delete;
     AllArenasLock& operator=(const AllArenasLock&) = delete;
     // Arenas sorted by stream: PyTorch's pool order (stream, size, address).
@@ -133,7 +155,7 @@ class Engine final : public Backend {
 
    private:
     const Engine& engine_;
-    std::unique_lock<std::mutex> registry_;
+    std::unique_lock<Mutex> registry_;
     std::vector<Arena*> by_stream_;
   };
 
@@ -144,22 +166,24 @@ class Engine final : public Backend {
   // malloc and free once any history context is set up.
   DevicePtr malloc_cached(std::size_t size, StreamId stream);
   void free_cached(DevicePtr ptr);
-  // The arena holding `ptr` live, locked, with the block; {nullptr, nullptr} if none.
-  // `what` names the operation in the error thrown for a pointer that is not live.
-  Arena& locked_arena_of(DevicePtr ptr, const char* what, std::unique_lock<ArenaMutex>& lock);
+  // The arena whose segment holds `ptr` (read without a lock), or nullptr. Whether `ptr`
+  // is live there is for the arena's index to say, under the arena's lock.
+  Arena* arena_of(DevicePtr ptr) const { return arena_by_owner(owners_.owner_of(ptr)); }
   Arena* arena_by_owner(SegmentMap::Owner owner) const;
+  // `what` names the operation: "free of pointer 0x... which is not live".
+  [[noreturn]] void throw_not_live(const char* what, DevicePtr ptr) const;
 
   // --- hot path (arena lock held) ---
   using PoolPos = FreePool::Set::iterator;
   // Best fit from the arena's pool, or the pool's end(). advance_gc_clock: this search
   // counts as one tick of the age-based GC's clock (once per malloc, as in PyTorch).
-  PoolPos find_free_block(Arena& arena, const Request& req, bool advance_gc_clock);
+  PoolPos find_free_block(Arena& arena, const Request& req, bool advance_gc_clock) REQUIRES(arena.mutex);
   // Carves the request out of a free block (`pos` in its pool, or a fresh segment's block
   // with `pos` == the pool's end()), indexes and traces it; returns its address.
-  DevicePtr hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req);
-  Block* carve(Arena& arena, Block* block, PoolPos pos, const Request& req);
-  void release_allocation(Arena& arena, Block* block);
-  void free_block(Arena& arena, Block* block);
+  DevicePtr hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req) REQUIRES(arena.mutex);
+  Block* carve(Arena& arena, Block* block, PoolPos pos, const Request& req) REQUIRES(arena.mutex);
+  void release_allocation(Arena& arena, Block* block) REQUIRES(arena.mutex);
+  void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
   void insert_into_pool(FreePool& pool, Block* block);
   // Re-sorts a pooled block whose key changed in place, if its order changed: a block that
   // shrank can only have fallen below its predecessor, one that grew risen above its
@@ -171,34 +195,34 @@ class Engine final : public Backend {
   }
 
   // --- events (arena lock held) ---
-  void insert_events(Arena& arena, Block* block);
-  void process_events(Arena& arena);
-  void process_events_everywhere();  // no lock held
+  void insert_events(Arena& arena, Block* block) REQUIRES(arena.mutex);
+  void process_events(Arena& arena) REQUIRES(arena.mutex);
+  void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);  // no lock held
   void synchronize_and_free_events(const AllArenasLock& all);
 
   // --- OOM ladder (oom_ladder.cpp) ---
   // Runs the ladder for a request the arena's pool could not serve; called with the
   // arena's lock, returns with every lock released. Throws OutOfMemoryError.
   DevicePtr malloc_slow(Arena& arena, const Request& req, std::unique_lock<ArenaMutex> lock);
-  Block* allocate_segment(Arena& arena, const Request& req, bool is_retry);
-  void release_segment(Arena& arena, Block* block);
-  bool release_oversize_blocks(Arena& arena, const Request& req);
+  Block* allocate_segment(Arena& arena, const Request& req, bool is_retry) REQUIRES(arena.mutex);
+  void release_segment(Arena& arena, Block* block) REQUIRES(arena.mutex);
+  bool release_oversize_blocks(Arena& arena, const Request& req) REQUIRES(arena.mutex);
   void release_cached_segments(const AllArenasLock& all);
   void collect_garbage(const AllArenasLock& all);
   bool gc_enabled() const { return config_.garbage_collection_threshold > 0.0; }
-  std::size_t memory_limit_locked() const;  // device_mutex_ held
+  std::size_t memory_limit_locked() const REQUIRES(device_mutex_);
   [[noreturn]] void raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllArenasLock> all);
   bool run_free_memory_callbacks();
 
   // --- expandable segments (expandable.cpp) ---
   bool expandable() const { return config_.expandable_segments; }
   std::size_t expandable_reserve_bytes() const;
-  Block* find_expandable_block(Arena& arena, FreePool& pool, std::size_t size);
-  bool map_block(Arena& arena, Block* b, std::size_t size);
-  void merge_mapped_neighbours(Arena& arena, Block* b);
-  Block* allocate_expandable(Arena& arena, const Request& req);
-  Block* unmap_block(Arena& arena, Block* b);
-  void release_expandable_segment(Arena& arena, Block* b);
+  Block* find_expandable_block(Arena& arena, FreePool& pool, std::size_t size) REQUIRES(arena.mutex);
+  bool map_block(Arena& arena, Block* b, std::size_t size) REQUIRES(arena.mutex);
+  void merge_mapped_neighbours(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  Block* allocate_expandable(Arena& arena, const Request& req) REQUIRES(arena.mutex);
+  Block* unmap_block(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  void release_expandable_segment(Arena& arena, Block* b) REQUIRES(arena.mutex);
 
   // --- uncached mode ---
   DevicePtr malloc_uncached(std::size_t size);
@@ -214,25 +238,47 @@ class Engine final : public Backend {
   }
   void record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
                           const Block* block);
-  void add_segment_stats(bool small, std::size_t size, std::int64_t sign);  // device_mutex_
+  void add_segment_stats(bool small, std::size_t size, std::int64_t sign) REQUIRES(device_mutex_);
   static StatType pool_stat(bool small) { return small ? kSmallPool : kLargePool; }
   // Blocks of every segment of `arena`, grouped by segment (every arena lock held).
-  std::vector<std::vector<const Block*>> segments_of(const Arena& arena) const;
+  std::vector<std::vector<const Block*>> segments_of(const Arena& arena) const REQUIRES(arena.mutex);
   // As segments_of(), with each expandable segment split into its runs of mapped blocks:
   // the segments a snapshot reports.
-  std::vector<std::vector<const Block*>> reported_segments(const Arena& arena) const;
+  std::vector<std::vector<const Block*>> reported_segments(const Arena& arena) const
+      REQUIRES(arena.mutex);
+
+  // --- invariants (invariants.cpp): one check per invariant of the header's list, in its
+  // order; each throws InvariantError naming itself. Every arena lock is held. ---
+  struct InvariantWalk {
+    struct ArenaBlocks {
+      const Arena* arena;
+      std::vector<std::vector<const Block*>> segments;  // segments_of(*arena)
+    };
+    std::vector<ArenaBlocks> arenas;  // by stream
+  };
+  InvariantWalk walk_for_invariants(const AllArenasLock& all) const;
+  void check_blocks_tile_segments(const InvariantWalk& walk) const;
+  void check_free_blocks_merged(const InvariantWalk& walk) const;
+  void check_pool_membership(const InvariantWalk& walk) const;
+  void check_expandable_segments(const InvariantWalk& walk) const;
+  void check_stats_match_blocks(const InvariantWalk& walk) const;
+  void check_reserved_within_capacity() const;
+  void check_live_allocations_disjoint(const InvariantWalk& walk) const;
+
+  // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp).
+  friend struct EngineTestAccess;
 
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
 
-  mutable std::mutex registry_mutex_;
-  std::vector<std::unique_ptr<Arena>> arenas_;
-  std::unordered_map<StreamId, Arena*> arena_by_stream_;
+  mutable Mutex registry_mutex_ ACQUIRED_BEFORE(device_mutex_, trace_mutex_);
+  std::vector<std::unique_ptr<Arena>> arenas_ GUARDED_BY(registry_mutex_);
+  std::unordered_map<StreamId, Arena*> arena_by_stream_ GUARDED_BY(registry_mutex_);
 
   // Arenas by SegmentMap owner (creation index + 1), readable without a lock.
   static constexpr std::size_t kArenaChunk = 1024;
   using ArenaChunk = std::array<std::atomic<Arena*>, kArenaChunk>;
   std::array<std::atomic<ArenaChunk*>, (SegmentMap::kMaxOwner + 1) / kArenaChunk> arena_table_{};
-  std::vector<std::unique_ptr<ArenaChunk>> arena_chunks_;  // guarded by registry_mutex_
+  std::vector<std::unique_ptr<ArenaChunk>> arena_chunks_ GUARDED_BY(registry_mutex_);
   SegmentMap owners_;                                      // written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
@@ -241,19 +287,21 @@ class Engine final : public Backend {
   std::array<std::atomic<std::uint64_t>, 2> pool_searches_{};
 
   // Device-wide state, guarded by device_mutex_.
-  mutable std::mutex device_mutex_;
-  DeviceStats device_stats_;          // segment, reserved_bytes, oversize_segments, counters
-  std::size_t reserved_ = 0;          // bytes held from the device
+  mutable Mutex device_mutex_ ACQUIRED_BEFORE(trace_mutex_);
+  // segment, reserved_bytes, oversize_segments, counters
+  DeviceStats device_stats_ GUARDED_BY(device_mutex_);
+  std::size_t reserved_ GUARDED_BY(device_mutex_) = 0;  // bytes held from the device
   std::size_t capacity_ = 0;          // device memory, read once at construction
-  std::optional<std::size_t> limit_;  // per_process_memory_fraction x capacity
-  double fraction_ = 1.0;
+  // per_process_memory_fraction x capacity
+  std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);
+  double fraction_ GUARDED_BY(device_mutex_) = 1.0;
 
   HistoryRing history_;
-  std::mutex annotations_mutex_;
-  std::vector<Annotation> annotations_;
+  Mutex annotations_mutex_;
+  std::vector<Annotation> annotations_ GUARDED_BY(annotations_mutex_);
 
-  std::mutex uncached_mutex_;
-  std::unordered_map<DevicePtr, std::size_t> uncached_;
+  Mutex uncached_mutex_;
+  std::unordered_map<DevicePtr, std::size_t> uncached_ GUARDED_BY(uncached_mutex_);
 };
 
 }  // namespace ccalloc::core

@@ -15,7 +15,7 @@ EventPool::~EventPool() {
 
 EventId EventPool::get() {
   {
-    std::lock_guard lock(mutex_);
+    Lock lock(mutex_);
     if (!free_.empty()) {
       const EventId e = free_.back();
       free_.pop_back();
@@ -26,7 +26,7 @@ EventId EventPool::get() {
 }
 
 void EventPool::put(EventId e) {
-  std::lock_guard lock(mutex_);
+  Lock lock(mutex_);
   free_.push_back(e);
 }
 
@@ -73,17 +73,18 @@ void Engine::process_events(Arena& arena) {
 void Engine::process_events_everywhere() {
   for (Arena* arena : arena_list()) {
     if (arena->pending_events.load(std::memory_order_relaxed) == 0) continue;
-    std::lock_guard lock(arena->mutex);
+    Lock lock(arena->mutex);
     process_events(*arena);
   }
 }
 
 void Engine::synchronize_and_free_events(const AllArenasLock& all) {
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     ++device_stats_.num_sync_all_streams;
   }
   for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
     std::int64_t completed = 0;
     for (auto& [stream, queue] : arena->pending) {
       for (const PendingFree& f : queue) {

@@ -13,7 +13,7 @@ namespace {
 
 // Joins b's previous neighbour, already out of its pool, into b: b starts where it started
 // and keeps its segment stack (the stack of the mapping that began the range).
-void absorb_prev(Arena& arena, Block* b) {
+void absorb_prev(Arena& arena, Block* b) REQUIRES(arena.mutex) {
   Block* p = b->prev;
   b->ptr = p->ptr;
   b->size += p->size;
@@ -24,7 +24,7 @@ void absorb_prev(Arena& arena, Block* b) {
 }
 
 // Joins b's next neighbour, already out of its pool, into b.
-void absorb_next(Arena& arena, Block* b) {
+void absorb_next(Arena& arena, Block* b) REQUIRES(arena.mutex) {
   Block* n = b->next;
   b->size += n->size;
   b->next = n->next;
@@ -156,7 +156,7 @@ bool Engine::map_block(Arena& arena, Block* b, std::size_t size) {
     pool.unmapped.insert(remaining);
   }
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     reserved_ += r.size;
     for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
       device_stats_.reserved_bytes[t].increase(static_cast<std::int64_t>(r.size));
@@ -242,7 +242,7 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
   b->size = r.size;
   b->mapped = false;
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     reserved_ -= r.size;
     for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
       device_stats_.reserved_bytes[t].decrease(static_cast<std::int64_t>(r.size));

@@ -165,7 +165,7 @@ void Engine::record_history(const HistoryOptions& options) {
   history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
                      options.clear || !on);
   if (!on || options.clear) {
-    std::lock_guard lock(annotations_mutex_);
+    Lock lock(annotations_mutex_);
     annotations_.clear();
   }
   trace_flags_.store(flags, std::memory_order_release);
@@ -174,7 +174,7 @@ void Engine::record_history(const HistoryOptions& options) {
 void Engine::annotate(std::string_view name, bool start) {
   if ((trace_flags_.load(std::memory_order_relaxed) & kTraceHistory) == 0) return;
   Annotation a{std::string(name), start ? "START" : "END", device(), driver_.now_us()};
-  std::lock_guard lock(annotations_mutex_);
+  Lock lock(annotations_mutex_);
   annotations_.push_back(std::move(a));
 }
 
@@ -188,12 +188,14 @@ Snapshot Engine::snapshot() {
     AllArenasLock all(*this);
     std::int64_t active_bytes = 0;
     for (Arena* arena : all.by_stream()) {
+      all.held(*arena);
       active_bytes += arena->stats.active_bytes[kAggregate].current;
     }
     record_trace(TraceAction::kSnapshot, 0, static_cast<std::size_t>(active_bytes), 0, nullptr);
 
     std::vector<std::pair<SnapshotSegment, std::vector<StackTable::Id>>> built;
     for (Arena* arena : all.by_stream()) {
+      all.held(*arena);
       for (const auto& blocks : reported_segments(*arena)) {
         SnapshotSegment seg;
         seg.device = device();
@@ -266,7 +268,7 @@ Snapshot Engine::snapshot() {
   st.trace_alloc_overflowed = history_.overflowed();
   st.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
   {
-    std::lock_guard lock(annotations_mutex_);
+    Lock lock(annotations_mutex_);
     s.external_annotations = annotations_;
   }
   return s;

@@ -12,10 +12,12 @@
 namespace ccalloc::core {
 namespace {
 
-[[noreturn]] void violation(const char* fmt, auto... args) {
+// `invariant` is the name of the check (its function's name without "check_"), so a
+// message says which rule of the engine header's list broke.
+[[noreturn]] void violation(const char* invariant, const char* fmt, auto... args) {
   char buf[512];
   std::snprintf(buf, sizeof buf, fmt, args...);
-  throw InvariantError(std::string("ccalloc invariant violated: ") + buf);
+  throw InvariantError(std::string("ccalloc invariant ") + invariant + " violated: " + buf);
 }
 
 BlockState state_of(const Block* b) {
@@ -82,6 +84,7 @@ std::vector<SegmentInfo> Engine::segments() const {
   AllArenasLock all(*this);
   std::vector<SegmentInfo> out;
   for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
     for (const auto& blocks : reported_segments(*arena)) {
       SegmentInfo seg;
       seg.device = device();
@@ -107,107 +110,232 @@ std::vector<SegmentInfo> Engine::segments() const {
   return out;
 }
 
+Engine::InvariantWalk Engine::walk_for_invariants(const AllArenasLock& all) const {
+  InvariantWalk walk;
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
+    walk.arenas.push_back({arena, segments_of(*arena)});
+  }
+  return walk;
+}
+
 void Engine::check_invariants() const {
   AllArenasLock all(*this);
+  const InvariantWalk walk = walk_for_invariants(all);
+  check_blocks_tile_segments(walk);
+  check_free_blocks_merged(walk);
+  check_pool_membership(walk);
+  check_expandable_segments(walk);
+  check_stats_match_blocks(walk);
+  check_reserved_within_capacity();
+  check_live_allocations_disjoint(walk);
+}
 
-  // Where each block is held: its arena's live index, a pool, or pending-event queues.
-  std::unordered_map<const Block*, int> pending_refs;
-  std::unordered_set<const Block*> in_pool;
-  std::unordered_set<const Block*> in_index;
-  for (Arena* arena : all.by_stream()) {
-    arena->live.for_each([&](DevicePtr ptr, const Block* b) {
-      if (!b->allocated || b->ptr != ptr || b->pool->arena != arena) {
-        violation("block 0x%" PRIxPTR " is indexed as live at 0x%" PRIxPTR
-                  " but is not allocated there",
-                  b->ptr, ptr);
-      }
-      if (owners_.owner_of(ptr) != arena->owner) {
-        violation("live block 0x%" PRIxPTR " is not in a segment its stream owns", ptr);
-      }
-      in_index.insert(b);
-    });
-  }
-
-  std::size_t reserved_recount = 0;
-  DeviceStats recount;                                  // device-wide recount of the current values
-  std::vector<std::pair<DevicePtr, std::size_t>> live;  // allocated ranges
-  std::vector<std::pair<DevicePtr, std::size_t>> extents;  // segment ranges
-  std::int64_t pending_total = 0;
-
-  for (Arena* arena : all.by_stream()) {
-    std::int64_t pending_events = 0;
-    for (const auto& [stream, queue] : arena->pending) {
-      for (const PendingFree& f : queue) {
-        ++pending_refs[f.block];
-        ++pending_events;
-      }
-    }
-    if (pending_events != arena->pending_events.load()) {
-      violation("stream %" PRIu64 " counts %lld pending events but holds %lld", arena->stream,
-                static_cast<long long>(arena->pending_events.load()),
-                static_cast<long long>(pending_events));
-    }
-    pending_total += pending_events;
-    for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
-      for (const Block* b : pool->blocks) {
-        if (b->pool != pool)
-          violation("free block 0x%" PRIxPTR " is in a pool not its own", b->ptr);
-        if (b->allocated || b->event_count != 0) {
-          violation("block 0x%" PRIxPTR " is in a free pool but is allocated or pending", b->ptr);
-        }
-        if (!b->mapped) violation("unmapped block 0x%" PRIxPTR " is in a free pool", b->ptr);
-        if (!in_pool.insert(b).second) violation("block 0x%" PRIxPTR " is pooled twice", b->ptr);
-      }
-      for (const Block* b : pool->unmapped) {
-        if (b->mapped || b->segment == nullptr || b->allocated || b->event_count != 0 ||
-            b->pool != pool) {
-          violation("block 0x%" PRIxPTR " is listed as unmapped but is not an unmapped range",
-                    b->ptr);
-        }
-        if (!in_pool.insert(b).second) violation("block 0x%" PRIxPTR " is pooled twice", b->ptr);
-      }
-    }
-
-    // Recount this arena's statistics from its blocks.
-    DeviceStats mine;
-    for (const auto& blocks : segments_of(*arena)) {
-      const bool small = blocks.front()->pool->is_small;
-      const StatType kinds[2] = {kAggregate, small ? kSmallPool : kLargePool};
+void Engine::check_blocks_tile_segments(const InvariantWalk& walk) const {
+  constexpr const char* kName = "blocks_tile_segments";
+  std::vector<std::pair<DevicePtr, std::size_t>> extents;
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    for (const auto& blocks : segments) {
+      const Block* head = blocks.front();
       std::size_t seg_size = 0;
       for (std::size_t i = 0; i < blocks.size(); ++i) {
         const Block* b = blocks[i];
         seg_size += b->size;
-        if (b->pool != blocks.front()->pool) {
-          violation("segment 0x%" PRIxPTR " mixes pools", blocks.front()->ptr);
+        if (b->pool != head->pool) {
+          violation(kName, "segment 0x%" PRIxPTR " mixes pools at block 0x%" PRIxPTR, head->ptr,
+                    b->ptr);
         }
         if (b->size == 0 || b->size % kMinBlockSize != 0) {
-          violation("block 0x%" PRIxPTR " has size %zu, not a positive multiple of 512", b->ptr,
-                    b->size);
+          violation(kName,
+                    "segment 0x%" PRIxPTR ": block 0x%" PRIxPTR
+                    " has size %zu, not a positive multiple of %zu",
+                    head->ptr, b->ptr, b->size, kMinBlockSize);
         }
         if (i + 1 < blocks.size()) {
           const Block* n = blocks[i + 1];
-          if (n->prev != b) violation("block 0x%" PRIxPTR " is not linked back", n->ptr);
-          if (b->end() != n->ptr) {
-            violation("blocks 0x%" PRIxPTR " and 0x%" PRIxPTR " do not tile their segment", b->ptr,
-                      n->ptr);
+          if (n->prev != b) {
+            violation(kName, "segment 0x%" PRIxPTR ": block 0x%" PRIxPTR " is not linked back",
+                      head->ptr, n->ptr);
           }
-          if (state_of(b) == BlockState::kInactive && state_of(n) == BlockState::kInactive &&
-              b->mapped == n->mapped) {
-            violation("adjacent free blocks 0x%" PRIxPTR " and 0x%" PRIxPTR " were not merged",
-                      b->ptr, n->ptr);
+          if (b->end() != n->ptr) {
+            violation(kName,
+                      "segment 0x%" PRIxPTR ": block 0x%" PRIxPTR " (%zu bytes) ends at 0x%" PRIxPTR
+                      " but the next block starts at 0x%" PRIxPTR,
+                      head->ptr, b->ptr, b->size, b->end(), n->ptr);
           }
         }
-        const BlockState state = state_of(b);
+      }
+      extents.emplace_back(head->ptr, seg_size);
+    }
+  }
+  std::sort(extents.begin(), extents.end());
+  for (std::size_t i = 1; i < extents.size(); ++i) {
+    if (extents[i - 1].first + extents[i - 1].second > extents[i].first) {
+      violation(kName, "segments 0x%" PRIxPTR " (%zu bytes) and 0x%" PRIxPTR " overlap",
+                extents[i - 1].first, extents[i - 1].second, extents[i].first);
+    }
+  }
+}
+
+void Engine::check_free_blocks_merged(const InvariantWalk& walk) const {
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    for (const auto& blocks : segments) {
+      for (std::size_t i = 0; i + 1 < blocks.size(); ++i) {
+        const Block* b = blocks[i];
+        const Block* n = blocks[i + 1];
+        if (state_of(b) == BlockState::kInactive && state_of(n) == BlockState::kInactive &&
+            b->mapped == n->mapped) {
+          violation("free_blocks_merged",
+                    "segment 0x%" PRIxPTR ": adjacent free blocks 0x%" PRIxPTR " (%zu bytes) and 0x%" PRIxPTR
+                    " (%zu bytes) were not merged",
+                    blocks.front()->ptr, b->ptr, b->size, n->ptr, n->size);
+        }
+      }
+    }
+  }
+}
+
+void Engine::check_pool_membership(const InvariantWalk& walk) const {
+  constexpr const char* kName = "pool_membership";
+  // Where each block is held: its arena's live index, a pool, or pending-event queues.
+  std::unordered_map<const Block*, int> pending_refs;
+  std::unordered_set<const Block*> in_pool;
+  std::unordered_set<const Block*> in_index;
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    arena->live.for_each([&, arena = arena](DevicePtr ptr, const Block* b) {
+      if (!b->allocated || b->ptr != ptr || b->pool->arena != arena) {
+        violation(kName, "block 0x%" PRIxPTR " is indexed as live at 0x%" PRIxPTR
+                  " but is not allocated there",
+                  b->ptr, ptr);
+      }
+      if (owners_.owner_of(ptr) != arena->owner) {
+        violation(kName, "live block 0x%" PRIxPTR " is not in a segment stream %" PRIu64 " owns",
+                  ptr, arena->stream);
+      }
+      in_index.insert(b);
+    });
+    for (const auto& [stream, queue] : arena->pending) {
+      for (const PendingFree& f : queue)
+        ++pending_refs[f.block];
+    }
+    for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
+      for (const Block* b : pool->blocks) {
+        if (b->pool != pool) {
+          violation(kName, "free block 0x%" PRIxPTR " is in a pool not its own", b->ptr);
+        }
+        if (b->allocated || b->event_count != 0) {
+          violation(kName,
+                    "block 0x%" PRIxPTR " is in a free pool but is allocated (%d) or waits for %d events",
+                    b->ptr, static_cast<int>(b->allocated), b->event_count);
+        }
+        if (!b->mapped) violation(kName, "unmapped block 0x%" PRIxPTR " is in a free pool", b->ptr);
+        if (!in_pool.insert(b).second) {
+          violation(kName, "block 0x%" PRIxPTR " is pooled twice", b->ptr);
+        }
+      }
+      for (const Block* b : pool->unmapped) {
+        if (!in_pool.insert(b).second) {
+          violation(kName, "block 0x%" PRIxPTR " is pooled twice", b->ptr);
+        }
+      }
+    }
+  }
+
+  std::size_t reachable = 0;
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    for (const auto& blocks : segments) {
+      reachable += blocks.size();
+      for (const Block* b : blocks) {
         const int homes = static_cast<int>(in_index.count(b)) + static_cast<int>(in_pool.count(b)) +
                           (pending_refs.count(b) ? 1 : 0);
         if (homes != 1) {
-          violation("block 0x%" PRIxPTR " (state %d) is held in %d places, not 1", b->ptr,
-                    static_cast<int>(state), homes);
+          violation(kName, "block 0x%" PRIxPTR " (state %d) is held in %d places, not 1", b->ptr,
+                    static_cast<int>(state_of(b)), homes);
         }
-        if (state == BlockState::kActivePendingFree && pending_refs[b] != b->event_count) {
-          violation("block 0x%" PRIxPTR " waits for %d events but %d are queued", b->ptr,
-                    b->event_count, pending_refs[b]);
+        const auto refs = pending_refs.find(b);
+        if (state_of(b) == BlockState::kActivePendingFree &&
+            (refs == pending_refs.end() || refs->second != b->event_count)) {
+          violation(kName, "block 0x%" PRIxPTR " waits for %d events but %d are queued", b->ptr,
+                    b->event_count, refs == pending_refs.end() ? 0 : refs->second);
         }
+      }
+    }
+  }
+  // Every held block must be reachable from a segment (no orphans).
+  const std::size_t held = in_index.size() + in_pool.size() + pending_refs.size();
+  if (reachable != held) {
+    violation(kName, "%zu blocks are held but %zu are reachable from segments", held, reachable);
+  }
+}
+
+void Engine::check_expandable_segments(const InvariantWalk& walk) const {
+  constexpr const char* kName = "expandable_segments";
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
+      for (const Block* b : pool->unmapped) {
+        if (b->mapped || b->segment == nullptr || b->allocated || b->event_count != 0 ||
+            b->pool != pool) {
+          violation(kName,
+                    "block 0x%" PRIxPTR " (%zu bytes) is listed as unmapped but is %s",
+                    b->ptr, b->size,
+                    b->mapped ? "mapped" : b->segment == nullptr ? "not in an expandable segment"
+                                                                 : "in use or in another pool");
+        }
+      }
+    }
+    for (const auto& blocks : segments) {
+      const ExpandableSegment* es = blocks.front()->segment;
+      if (es == nullptr) continue;
+      // Only mapped pages are reserved; the blocks span the whole reservation.
+      std::size_t mapped = 0;
+      std::size_t size = 0;
+      for (const Block* b : blocks) {
+        mapped += b->mapped ? b->size : 0;
+        size += b->size;
+      }
+      if (mapped != es->mapped_bytes() || size != es->size() || blocks.front()->ptr != es->base()) {
+        violation(kName,
+                  "expandable segment 0x%" PRIxPTR " maps %zu of %zu bytes but its blocks from 0x%" PRIxPTR
+                  " map %zu of %zu",
+                  es->base(), es->mapped_bytes(), es->size(), blocks.front()->ptr, mapped, size);
+      }
+    }
+  }
+}
+
+void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
+  constexpr const char* kName = "stats_match_blocks";
+  std::size_t reserved_recount = 0;
+  DeviceStats recount;  // device-wide recount of the current values
+  std::int64_t pending_total = 0;
+
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    std::int64_t pending_events = 0;
+    for (const auto& [stream, queue] : arena->pending)
+      pending_events += static_cast<std::int64_t>(queue.size());
+    if (pending_events != arena->pending_events.load()) {
+      violation(kName, "stream %" PRIu64 " counts %lld pending events but holds %lld",
+                arena->stream, static_cast<long long>(arena->pending_events.load()),
+                static_cast<long long>(pending_events));
+    }
+    pending_total += pending_events;
+
+    DeviceStats mine;
+    for (const auto& blocks : segments) {
+      const bool small = blocks.front()->pool->is_small;
+      const StatType kinds[2] = {kAggregate, small ? kSmallPool : kLargePool};
+      std::size_t seg_size = 0;
+      std::size_t mapped = 0;
+      for (const Block* b : blocks) {
+        seg_size += b->size;
+        mapped += b->mapped ? b->size : 0;
+        const BlockState state = state_of(b);
         const auto sz = static_cast<std::int64_t>(b->size);
         for (StatType t : kinds) {
           if (state == BlockState::kActiveAllocated) {
@@ -223,22 +351,12 @@ void Engine::check_invariants() const {
             mine.inactive_split_bytes[t].current += sz;
           }
         }
-        if (state == BlockState::kActiveAllocated) {
-          live.emplace_back(b->ptr, b->size);
-          if (is_oversize(b->size, config_)) mine.oversize_allocations.current += 1;
+        if (state == BlockState::kActiveAllocated && is_oversize(b->size, config_)) {
+          mine.oversize_allocations.current += 1;
         }
       }
-      extents.emplace_back(blocks.front()->ptr, seg_size);
-      if (const ExpandableSegment* es = blocks.front()->segment) {
+      if (blocks.front()->segment != nullptr) {
         // Only mapped pages are reserved; the segment count is of device allocations.
-        std::size_t mapped = 0;
-        for (const Block* b : blocks)
-          mapped += b->mapped ? b->size : 0;
-        if (mapped != es->mapped_bytes() || seg_size != es->size() ||
-            blocks.front()->ptr != es->base()) {
-          violation("expandable segment 0x%" PRIxPTR " maps %zu bytes but its blocks add up to %zu",
-                    es->base(), es->mapped_bytes(), mapped);
-        }
         reserved_recount += mapped;
         for (StatType t : kinds)
           recount.reserved_bytes[t].current += static_cast<std::int64_t>(mapped);
@@ -252,16 +370,18 @@ void Engine::check_invariants() const {
       if (is_oversize(seg_size, config_)) recount.oversize_segments.current += 1;
     }
 
-    const auto check = [&](const char* name, const StatArray& want, const StatArray& have) {
+    const auto check = [&, arena = arena](const char* name, const StatArray& want,
+                                          const StatArray& have) {
       for (int t = 0; t < 3; ++t) {
         if (want[t].current != have[t].current) {
-          violation("stream %" PRIu64 ": %s[%d] is %lld but the blocks add up to %lld",
+          violation(kName, "stream %" PRIu64 ": %s[%d] is %lld but the blocks add up to %lld",
                     arena->stream, name, t, static_cast<long long>(have[t].current),
                     static_cast<long long>(want[t].current));
         }
         if (have[t].current < 0 || have[t].peak < have[t].current) {
-          violation("stream %" PRIu64 ": %s[%d] current %lld, peak %lld", arena->stream, name, t,
-                    static_cast<long long>(have[t].current), static_cast<long long>(have[t].peak));
+          violation(kName, "stream %" PRIu64 ": %s[%d] current %lld, peak %lld", arena->stream,
+                    name, t, static_cast<long long>(have[t].current),
+                    static_cast<long long>(have[t].peak));
         }
       }
     };
@@ -274,53 +394,28 @@ void Engine::check_invariants() const {
     check("inactive_split", mine.inactive_split, s.inactive_split);
     check("inactive_split_bytes", mine.inactive_split_bytes, s.inactive_split_bytes);
     if (mine.oversize_allocations.current != s.oversize_allocations.current) {
-      violation("stream %" PRIu64 ": oversize_allocations is %lld but the blocks add up to %lld",
+      violation(kName,
+                "stream %" PRIu64 ": oversize_allocations is %lld but the blocks add up to %lld",
                 arena->stream, static_cast<long long>(s.oversize_allocations.current),
                 static_cast<long long>(mine.oversize_allocations.current));
     }
   }
-
-  // Every block reachable from a segment was counted above; every held block must be
-  // reachable (no orphans).
-  std::size_t reachable = 0;
-  for (Arena* arena : all.by_stream()) {
-    for (const auto& blocks : segments_of(*arena))
-      reachable += blocks.size();
-  }
-  const std::size_t held = in_index.size() + in_pool.size() + pending_refs.size();
-  if (reachable != held) {
-    violation("%zu blocks are held but %zu are reachable from segments", held, reachable);
-  }
   if (pending_total != pending_events_.load()) {
-    violation("device counts %lld pending events but arenas hold %lld",
+    violation(kName, "device counts %lld pending events but arenas hold %lld",
               static_cast<long long>(pending_events_.load()),
               static_cast<long long>(pending_total));
   }
 
-  const auto no_overlap = [](std::vector<std::pair<DevicePtr, std::size_t>>& ranges,
-                             const char* what) {
-    std::sort(ranges.begin(), ranges.end());
-    for (std::size_t i = 1; i < ranges.size(); ++i) {
-      if (ranges[i - 1].first + ranges[i - 1].second > ranges[i].first) {
-        violation("%s 0x%" PRIxPTR " and 0x%" PRIxPTR " overlap", what, ranges[i - 1].first,
-                  ranges[i].first);
-      }
-    }
-  };
-  no_overlap(live, "live allocations");
-  no_overlap(extents, "segments");
-
-  std::lock_guard lock(device_mutex_);
+  Lock lock(device_mutex_);
   if (reserved_recount != reserved_) {
-    violation("reserved is %zu bytes but segments add up to %zu", reserved_, reserved_recount);
-  }
-  if (reserved_ > capacity_) {
-    violation("reserved %zu bytes exceeds the device capacity of %zu", reserved_, capacity_);
+    violation(kName, "reserved is %zu bytes but segments add up to %zu", reserved_,
+              reserved_recount);
   }
   for (int t = 0; t < 3; ++t) {
     if (recount.segment[t].current != device_stats_.segment[t].current ||
         recount.reserved_bytes[t].current != device_stats_.reserved_bytes[t].current) {
-      violation("segment/reserved_bytes[%d] are %lld/%lld but segments add up to %lld/%lld", t,
+      violation(kName,
+                "segment/reserved_bytes[%d] are %lld/%lld but segments add up to %lld/%lld", t,
                 static_cast<long long>(device_stats_.segment[t].current),
                 static_cast<long long>(device_stats_.reserved_bytes[t].current),
                 static_cast<long long>(recount.segment[t].current),
@@ -328,9 +423,33 @@ void Engine::check_invariants() const {
     }
   }
   if (recount.oversize_segments.current != device_stats_.oversize_segments.current) {
-    violation("oversize_segments is %lld but segments add up to %lld",
+    violation(kName, "oversize_segments is %lld but segments add up to %lld",
               static_cast<long long>(device_stats_.oversize_segments.current),
               static_cast<long long>(recount.oversize_segments.current));
+  }
+}
+
+void Engine::check_reserved_within_capacity() const {
+  Lock lock(device_mutex_);
+  if (reserved_ > capacity_) {
+    violation("reserved_within_capacity",
+              "reserved %zu bytes exceeds the device capacity of %zu bytes", reserved_, capacity_);
+  }
+}
+
+void Engine::check_live_allocations_disjoint(const InvariantWalk& walk) const {
+  std::vector<std::pair<DevicePtr, std::size_t>> live;
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    arena->live.for_each([&live](DevicePtr ptr, const Block* b) { live.emplace_back(ptr, b->size); });
+  }
+  std::sort(live.begin(), live.end());
+  for (std::size_t i = 1; i < live.size(); ++i) {
+    if (live[i - 1].first + live[i - 1].second > live[i].first) {
+      violation("live_allocations_disjoint",
+                "live allocations 0x%" PRIxPTR " (%zu bytes) and 0x%" PRIxPTR " overlap",
+                live[i - 1].first, live[i - 1].second, live[i].first);
+    }
   }
 }
 

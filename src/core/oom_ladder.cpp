@@ -24,11 +24,15 @@
 namespace ccalloc::core {
 
 DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock<ArenaMutex> lock) {
+  // The arena's lock arrives in `lock` and is later held through lock_all(); the analysis
+  // follows neither, so it is told.
+  arena.mutex.assert_held();
   FreePool& pool = arena.pool_for(req.small);
   // The block found so far: pooled at `pos`, or a fresh segment's block (pos == end()).
   Block* block = nullptr;
   PoolPos pos = pool.blocks.end();
   const auto search_pool = [&] {
+    arena.mutex.assert_held();
     pos = find_free_block(arena, req, /*advance_gc_clock=*/false);
     block = pos == pool.blocks.end() ? nullptr : *pos;
   };
@@ -81,7 +85,7 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
 Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry) {
   const std::size_t size = req.segment_size;
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     if (is_retry) ++device_stats_.num_alloc_retries;
     if (limit_ && reserved_ + size > *limit_) return nullptr;
     if (!expandable()) reserved_ += size;  // claimed before the driver call: streams see it
@@ -92,12 +96,12 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
   try {
     ptr = driver_.allocate(size);
   } catch (...) {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     reserved_ -= size;
     throw;
   }
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     if (ptr == 0) {
       reserved_ -= size;
       return nullptr;
@@ -123,7 +127,7 @@ void Engine::release_segment(Arena& arena, Block* block) {
   record_trace(TraceAction::kSegmentFree, block->ptr, block->size, arena.stream, block);
   driver_.free(block->ptr, block->size);
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     ++device_stats_.num_device_free;
     owners_.clear(block->ptr, block->size);
     reserved_ -= block->size;
@@ -188,6 +192,7 @@ void Engine::release_cached_segments(const AllArenasLock& all) {
   synchronize_and_free_events(all);
   for (const bool small : {false, true}) {
     for (Arena* arena : all.by_stream()) {
+      all.held(*arena);
       FreePool& pool = arena->pool_for(small);
       std::vector<Block*> to_unmap;  // unmapping changes the pool: gather first
       for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
@@ -217,7 +222,7 @@ void Engine::collect_garbage(const AllArenasLock& all) {
   std::size_t reserved;
   std::size_t limit;
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     reserved = reserved_;
     limit = memory_limit_locked();
   }
@@ -231,6 +236,7 @@ void Engine::collect_garbage(const AllArenasLock& all) {
   double total_age = 0.0;
   std::size_t candidates = 0;
   for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
     for (const Block* b : arena->large_pool.blocks) {
       if (!b->is_split() && b->segment == nullptr) {
         total_age += static_cast<double>(age(b));
@@ -244,6 +250,7 @@ void Engine::collect_garbage(const AllArenasLock& all) {
     const double average_age = total_age / static_cast<double>(candidates);
     freed_some = false;
     for (Arena* arena : all.by_stream()) {
+      all.held(*arena);
       auto& blocks = arena->large_pool.blocks;
       for (auto it = blocks.begin(); it != blocks.end();) {
         Block* b = *it++;
@@ -266,7 +273,7 @@ std::size_t Engine::memory_limit_locked() const {
 bool Engine::run_free_memory_callbacks() {
   std::vector<FreeMemoryCallback> callbacks;
   {
-    std::lock_guard lock(observers_mutex_);
+    Lock lock(observers_mutex_);
     callbacks = free_memory_callbacks_;
   }
   bool freed = false;
@@ -291,13 +298,13 @@ void Engine::empty_cache() {
 
 void Engine::set_memory_fraction(double fraction) {
   const std::optional<std::size_t> limit = fraction_limit(fraction, capacity_, device());
-  std::lock_guard lock(device_mutex_);
+  Lock lock(device_mutex_);
   fraction_ = fraction;
   limit_ = limit;
 }
 
 double Engine::memory_fraction() const {
-  std::lock_guard lock(device_mutex_);
+  Lock lock(device_mutex_);
   return fraction_;
 }
 
@@ -392,6 +399,7 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
   f.device_free = info.free_bytes;
   f.expandable = config_.expandable_segments;
   for (Arena* a : all->by_stream()) {
+    all->held(*a);
     f.allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
     for (const FreePool* pool : {&a->small_pool, &a->large_pool}) {
       std::size_t free_bytes = 0;
@@ -404,7 +412,7 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
     }
   }
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     ++device_stats_.num_ooms;
     f.reserved = reserved_;
     f.limit = limit_;
@@ -414,7 +422,7 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
 
   std::vector<OomObserver> observers;
   {
-    std::lock_guard lock(observers_mutex_);
+    Lock lock(observers_mutex_);
     observers = oom_observers_;
   }
   for (const auto& o : observers) {

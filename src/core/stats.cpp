@@ -125,44 +125,43 @@ namespace core {
 DeviceStats Engine::stats() const {
   DeviceStats total;
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     total = device_stats_;
   }
   for (Arena* arena : arena_list()) {
-    std::lock_guard lock(arena->mutex);
-    const DeviceStats& a = arena->stats;
+    Lock lock(arena->mutex);
     for (int pool = 0; pool < 3; ++pool) {
-      total.allocation[pool] += a.allocation[pool];
-      total.active[pool] += a.active[pool];
-      total.inactive_split[pool] += a.inactive_split[pool];
-      total.allocated_bytes[pool] += a.allocated_bytes[pool];
-      total.active_bytes[pool] += a.active_bytes[pool];
-      total.inactive_split_bytes[pool] += a.inactive_split_bytes[pool];
-      total.requested_bytes[pool] += a.requested_bytes[pool];
+      total.allocation[pool] += arena->stats.allocation[pool];
+      total.active[pool] += arena->stats.active[pool];
+      total.inactive_split[pool] += arena->stats.inactive_split[pool];
+      total.allocated_bytes[pool] += arena->stats.allocated_bytes[pool];
+      total.active_bytes[pool] += arena->stats.active_bytes[pool];
+      total.inactive_split_bytes[pool] += arena->stats.inactive_split_bytes[pool];
+      total.requested_bytes[pool] += arena->stats.requested_bytes[pool];
     }
-    total.oversize_allocations += a.oversize_allocations;
+    total.oversize_allocations += arena->stats.oversize_allocations;
   }
   return total;
 }
 
 void Engine::reset_peak_stats() {
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     device_stats_.reset_peak();
   }
   for (Arena* arena : arena_list()) {
-    std::lock_guard lock(arena->mutex);
+    Lock lock(arena->mutex);
     arena->stats.reset_peak();
   }
 }
 
 void Engine::reset_accumulated_stats() {
   {
-    std::lock_guard lock(device_mutex_);
+    Lock lock(device_mutex_);
     device_stats_.reset_accumulated();
   }
   for (Arena* arena : arena_list()) {
-    std::lock_guard lock(arena->mutex);
+    Lock lock(arena->mutex);
     arena->stats.reset_accumulated();
   }
 }

@@ -1,0 +1,168 @@
+// The invariant checker: each named check of the engine header's list fires, by name, on a
+// state corrupted in exactly the way it guards against, and the checks before it in
+// check_invariants() pass. Every test restores the state afterwards and checks that the
+// whole checker passes again, so the corruption was the only fault.
+#include <gtest/gtest.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <string>
+
+#include "ccalloc/config.hpp"
+#include "ccalloc/errors.hpp"
+#include "ccalloc/sim.hpp"
+#include "core/engine.hpp"
+
+namespace ccalloc::core {
+
+// The test hook engine.hpp befriends.
+struct EngineTestAccess {
+  static Arena& arena(Engine& e, StreamId stream) { return e.arena_for(stream); }
+  static std::size_t& capacity(Engine& e) { return e.capacity_; }
+};
+
+}  // namespace ccalloc::core
+
+namespace {
+
+using ccalloc::Config;
+using ccalloc::DevicePtr;
+using ccalloc::InvariantError;
+using ccalloc::core::Arena;
+using ccalloc::core::Block;
+using ccalloc::core::Engine;
+using ccalloc::core::EngineTestAccess;
+
+constexpr std::size_t kGiB = std::size_t{1} << 30;
+
+struct Rig {
+  explicit Rig(const char* conf = "pytorch") : gpu(options()), engine(gpu, Config::parse(conf)) {}
+  static ccalloc::sim::Options options() {
+    ccalloc::sim::Options o;
+    o.capacity = 8 * kGiB;
+    return o;
+  }
+  Arena& arena() { return EngineTestAccess::arena(engine, 0); }
+  Block* block(DevicePtr p) { return arena().live.find(p); }
+  // The message of the first check that fails, "" if all pass.
+  std::string failure() {
+    try {
+      engine.check_invariants();
+      return "";
+    } catch (const InvariantError& e) {
+      return e.what();
+    }
+  }
+
+  ccalloc::sim::SimDriver gpu;
+  Engine engine;
+};
+
+std::string hex(DevicePtr p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
+  return buf;
+}
+
+bool names(const std::string& message, const std::string& check) {
+  return message.rfind("ccalloc invariant " + check + " violated: ", 0) == 0;
+}
+
+TEST(Invariants, HealthyStatePassesEveryCheck) {
+  Rig rig;
+  const DevicePtr a = rig.engine.malloc(512, 0);
+  rig.engine.malloc(3 << 20, 0);
+  rig.engine.free(a);
+  EXPECT_EQ(rig.failure(), "");
+}
+
+TEST(Invariants, BlockThatOverrunsItsNeighbourBreaksTiling) {
+  Rig rig;
+  const DevicePtr a = rig.engine.malloc(512, 0);
+  const DevicePtr b = rig.engine.malloc(512, 0);
+  Block* block = rig.block(a);
+  block->size += 512;
+  const std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "blocks_tile_segments")) << message;
+  EXPECT_NE(message.find(hex(b)), std::string::npos) << message;
+  block->size -= 512;
+  EXPECT_EQ(rig.failure(), "");
+}
+
+TEST(Invariants, AdjacentFreeBlocksBreakMerging) {
+  Rig rig;
+  const DevicePtr a = rig.engine.malloc(512, 0);
+  const DevicePtr b = rig.engine.malloc(512, 0);
+  rig.engine.free(a);
+  // b becomes free next to free a without going through free().
+  Arena& arena = rig.arena();
+  Block* block = arena.live.erase(b);
+  block->allocated = false;
+  arena.small_pool.blocks.insert(block);
+  const std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "free_blocks_merged")) << message;
+  EXPECT_NE(message.find(hex(a)), std::string::npos) << message;
+  arena.small_pool.blocks.erase(block);
+  block->allocated = true;
+  arena.live.insert(b, block);
+  EXPECT_EQ(rig.failure(), "");
+}
+
+TEST(Invariants, AllocatedBlockInAPoolBreaksPoolMembership) {
+  Rig rig;
+  const DevicePtr a = rig.engine.malloc(512, 0);
+  Arena& arena = rig.arena();
+  Block* block = rig.block(a);
+  arena.small_pool.blocks.insert(block);
+  const std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "pool_membership")) << message;
+  EXPECT_NE(message.find(hex(a)), std::string::npos) << message;
+  arena.small_pool.blocks.erase(block);
+  EXPECT_EQ(rig.failure(), "");
+}
+
+TEST(Invariants, UnmappedListEntryOutsideASegmentBreaksExpandableSegments) {
+  Rig rig("pytorch,expandable_segments:True");
+  rig.engine.malloc(512, 0);
+  Arena& arena = rig.arena();
+  ASSERT_FALSE(arena.small_pool.unmapped.empty());
+  Block* tail = *arena.small_pool.unmapped.begin();
+  auto* const segment = tail->segment;
+  tail->segment = nullptr;
+  const std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "expandable_segments")) << message;
+  EXPECT_NE(message.find(hex(tail->ptr)), std::string::npos) << message;
+  tail->segment = segment;
+  EXPECT_EQ(rig.failure(), "");
+}
+
+TEST(Invariants, MiscountedBytesBreakStats) {
+  Rig rig;
+  rig.engine.malloc(512, 0);
+  auto& allocated = rig.arena().stats.allocated_bytes[ccalloc::kAggregate];
+  allocated.current += 512;
+  const std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "stats_match_blocks")) << message;
+  EXPECT_NE(message.find("allocated_bytes[0] is 1024 but the blocks add up to 512"),
+            std::string::npos)
+      << message;
+  allocated.current -= 512;
+  EXPECT_EQ(rig.failure(), "");
+}
+
+TEST(Invariants, ReservedBeyondCapacityBreaksTheCapacityCheck) {
+  Rig rig;
+  rig.engine.malloc(512, 0);
+  std::size_t& capacity = EngineTestAccess::capacity(rig.engine);
+  const std::size_t real = capacity;
+  capacity = 1 << 20;  // less than the 2 MiB segment
+  const std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "reserved_within_capacity")) << message;
+  EXPECT_NE(message.find("reserved 2097152 bytes exceeds the device capacity of 1048576 bytes"),
+            std::string::npos)
+      << message;
+  capacity = real;
+  EXPECT_EQ(rig.failure(), "");
+}
+
+}  // namespace
