@@ -12,8 +12,8 @@ max_memory_reserved(), record_history() and dump_snapshot() instead. torch.cuda.
 and torch.cuda.set_per_process_memory_fraction() reach ccalloc when libccalloc_torch.so was
 built (it is whenever the build found torch).
 
-Libraries are looked up in CCALLOC_LIBRARY_DIR, then in the build folders of the
-repository this module lives in.
+Libraries are looked up next to this module (where `pip install` puts them), then in
+CCALLOC_LIBRARY_DIR, then in the build folders of the repository this module lives in.
 """
 
 import ctypes
@@ -35,6 +35,9 @@ _pluggable = None  # keeps torch's allocator object alive in the fallback path
 
 def library_dir():
     """The folder holding libccalloc.so (and libccalloc_torch.so when built)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.exists(os.path.join(here, "libccalloc.so")):
+        return here
     env = os.environ.get("CCALLOC_LIBRARY_DIR")
     if env:
         return env
@@ -44,7 +47,8 @@ def library_dir():
                         key=os.path.getmtime, reverse=True)
     if not candidates:
         raise RuntimeError("ccalloc_torch: libccalloc.so not found: build ccalloc "
-                           "(scripts/gpu-check or cmake) or set CCALLOC_LIBRARY_DIR")
+                           "(pip install --no-build-isolation <repository>, scripts/gpu-check or "
+                           "cmake) or set CCALLOC_LIBRARY_DIR")
     return os.path.dirname(candidates[0])
 
 
