@@ -1,6 +1,7 @@
 // backend:cudaMallocAsync on the simulated GPU (src/core/async_backend.hpp; PyTorch's
 // CUDAMallocAsyncAllocator, docs/pytorch-behaviour.md §2.18).
 #include "core/async_backend.hpp"
+#include "core/backend_access.hpp"
 
 #include <gtest/gtest.h>
 
@@ -45,9 +46,9 @@ struct Rig {
 
 TEST(AsyncBackend, TheConfigSelectsIt) {
   Rig rig;
-  EXPECT_NE(dynamic_cast<core::AsyncBackend*>(&rig.alloc.backend()), nullptr);
+  EXPECT_NE(dynamic_cast<core::AsyncBackend*>(&core::BackendAccess::of(rig.alloc)), nullptr);
   Rig native(kGiB, "");
-  EXPECT_EQ(dynamic_cast<core::AsyncBackend*>(&native.alloc.backend()), nullptr);
+  EXPECT_EQ(dynamic_cast<core::AsyncBackend*>(&core::BackendAccess::of(native.alloc)), nullptr);
 }
 
 TEST(AsyncBackend, MallocAndFreeGoToTheStreamOrderedPool) {

@@ -32,6 +32,7 @@ namespace ccalloc {
 
 namespace core {
 class Backend;
+struct BackendAccess;  // src/core/backend_access.hpp: the implementation, for tests
 }
 struct HistoryOptions;
 struct Snapshot;
@@ -137,9 +138,8 @@ class Allocator {
   int device() const;
   Driver& driver() const;
 
-  core::Backend& backend() const { return *impl_; }
-
  private:
+  friend struct core::BackendAccess;
   std::unique_ptr<core::Backend> impl_;
 };
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "ccalloc/snapshot.hpp"
+#include "ccalloc/snapshot_io.hpp"  // read_snapshot, write_snapshot
 #include "io/trace_csv.hpp"
 #include "io/value.hpp"
 
@@ -26,9 +27,6 @@ void write_value_file(const std::string& path, const Value& v);
 // throws FormatError naming the missing or malformed key.
 Value to_value(const Snapshot& s);
 Snapshot snapshot_from_value(const Value& v, const std::string& name);
-
-Snapshot read_snapshot(const std::string& path);
-void write_snapshot(const std::string& path, const Snapshot& s);
 
 // The trace of one device of a snapshot as replayable records (line = entry index + 1).
 std::vector<TraceRecord> trace_records(const Snapshot& s, int device);

@@ -19,8 +19,9 @@ With the last two, torch.cuda.memory_stats() and friends do not work: use this m
 stats(), memory_summary(), record_history() and dump_snapshot() instead.
 
 The configuration comes from CCALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF, else
-PYTORCH_ALLOC_CONF), in PyTorch's grammar. Libraries are looked up in CCALLOC_LIBRARY_DIR,
-then in the build folders of the repository this module lives in.
+PYTORCH_ALLOC_CONF), in PyTorch's grammar. Libraries are looked up next to this module (where
+`pip install` puts them), then in CCALLOC_LIBRARY_DIR, then in the build folders of the
+repository this module lives in.
 """
 
 import ctypes
@@ -42,6 +43,9 @@ _pluggable = None  # keeps torch's allocator object alive in the fallback path
 
 def library_dir():
     """The folder holding libccalloc.so (and libccalloc_torch.so when built)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.exists(os.path.join(here, "libccalloc.so")):
+        return here
     env = os.environ.get("CCALLOC_LIBRARY_DIR")
     if env:
         return env
@@ -51,7 +55,8 @@ def library_dir():
                         key=os.path.getmtime, reverse=True)
     if not candidates:
         raise RuntimeError("ccalloc_torch: libccalloc.so not found: build ccalloc "
-                           "(scripts/gpu-check or cmake) or set CCALLOC_LIBRARY_DIR")
+                           "(pip install --no-build-isolation <repository>, scripts/gpu-check or "
+                           "cmake) or set CCALLOC_LIBRARY_DIR")
     return os.path.dirname(candidates[0])
 
 
