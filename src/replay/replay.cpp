@@ -179,6 +179,7 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
   result.oracle_diverged = gpu.oracle_diverged();
   // Destroying the allocator returns its segments; that is not part of the workload.
   result.simulated_driver_us = gpu.simulated_driver_us();
+  result.driver_counters = gpu.counters();
   return result;
 }
 

@@ -44,6 +44,7 @@ struct Result {
   std::int64_t alloc_retries = 0;
   std::int64_t ooms = 0;
   double simulated_driver_us = 0.0;
+  sim::Counters driver_counters;  // the simulated GPU's call counts for the workload
   std::size_t oracle_hits = 0;
   bool oracle_diverged = false;
   DeviceStats stats;                // at the end of the replay

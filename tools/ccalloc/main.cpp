@@ -112,6 +112,12 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
       [](const Result& r) { return grouped(r.device_frees); });
   add("alloc_retries", "-", [](const Result& r) { return grouped(r.alloc_retries); });
   add("ooms", grouped(recorded.ooms), [](const Result& r) { return grouped(r.ooms); });
+  add("memory_driver_calls", "-", [](const Result& r) {
+    const ccalloc::sim::Counters& c = r.driver_counters;
+    return grouped(static_cast<std::int64_t>(c.allocate_calls + c.free_calls + c.reserve_calls +
+                                             c.physical_creates + c.physical_releases + c.maps +
+                                             c.unmaps));
+  });
   add("simulated_driver_ms", "-",
       [](const Result& r) { return fixed(r.simulated_driver_us / 1000.0, 1); });
 
@@ -159,6 +165,16 @@ nlohmann::json to_json(const Result& r) {
   j["alloc_retries"] = r.alloc_retries;
   j["ooms"] = r.ooms;
   j["simulated_driver_us"] = r.simulated_driver_us;
+  const ccalloc::sim::Counters& c = r.driver_counters;
+  j["driver_calls"] = {{"allocate", c.allocate_calls},
+                       {"free", c.free_calls},
+                       {"reserve_address_range", c.reserve_calls},
+                       {"create_physical", c.physical_creates},
+                       {"release_physical", c.physical_releases},
+                       {"map", c.maps},
+                       {"unmap", c.unmaps},
+                       {"synchronize", c.event_synchronizes + c.stream_synchronizes +
+                                           c.device_synchronizes}};
   j["oracle_hits"] = r.oracle_hits;
   j["oracle_diverged"] = r.oracle_diverged;
   j["memory_stats"] = r.stats.to_map();
