@@ -562,6 +562,7 @@ void StitchEngine::process_events() {
 }
 
 void StitchEngine::synchronize_events() {
+  ++stats_.num_sync_all_streams;
   for (const PendingEvent& p : pending_) {
     driver_.synchronize_event(p.event);
     spare_events_.push_back(p.event);
