@@ -530,7 +530,7 @@ TEST_F(ReplayCli, EmitTraceWithTwoConfigsWritesNumberedFiles) {
              "free_completed,4096,512,0,2\n");
   const CliResult r =
       run_cli("replay '" + csv + "' --conf pytorch --conf " +
-                  "'roundup_power2_divisions:4' --emit-trace '" + dir_.file("out.csv.gz") + "'",
+                  "'pytorch,roundup_power2_divisions:4' --emit-trace '" + dir_.file("out.csv.gz") + "'",
               dir_);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* name : {"out.1.csv.gz", "out.2.csv.gz"}) {

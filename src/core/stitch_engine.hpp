@@ -45,7 +45,7 @@
 // allocated ones; each piece is live at most at one page, which maps it, and the spare set
 // holds exactly the pieces live nowhere; each piece's mapping count equals the pages that
 // map it; the driver's mappings in each space are exactly the model's (simulated GPU);
-// reserved == pieces x G <= limit; no two live blocks share a physical byte; the stats
+// reserved == pieces x G; no two live blocks share a physical byte; the stats
 // equal a recount.
 #pragma once
 
