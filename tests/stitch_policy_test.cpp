@@ -105,7 +105,7 @@ struct Stitched : Fixture {
 
 TEST(StitchPolicy, StitchingLendsFreePagesInsteadOfCreatingMemory) {
   Stitched f;
-  EXPECT_EQ(f.d, kVa + 12 * kMiB);  // at the frontier
+  EXPECT_EQ(f.d, kVa + 12 * kMiB);                                // at the frontier
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(14 * kMiB));  // growth alone: 18 MiB
   EXPECT_EQ(f.gpu.counters().physical_creates, 4u);
   // a's two pieces map as one run, the new piece as another.
@@ -251,11 +251,49 @@ TEST(StitchPolicy, InvariantCheckerComparesTheDevicesMappingsWithTheModel) {
   f.gpu.unmap(a, 4 * kMiB);  // behind the allocator's back
   const std::string message =
       message_of<ccalloc::InvariantError>([&] { f.engine.check_invariants(); });
-  EXPECT_NE(message.find("the device's mappings in the space at 0x600000000000 are not the model's"),
-            std::string::npos)
+  EXPECT_NE(
+      message.find("the device's mappings in the space at 0x600000000000 are not the model's"),
+      std::string::npos)
       << message;
   f.gpu.map_range(m[0].va, m[0].bytes, m[0].handle, m[0].offset);  // restored
   f.engine.check_invariants();
+}
+
+// The simulated GPU's map_range: part of a handle, one handle at several addresses.
+TEST(SimMapRange, MapsPartsOfAHandleAtSeveralAddressesAndCountsThem) {
+  ccalloc::sim::SimDriver gpu(Fixture::options(64 * kMiB));
+  const DevicePtr r = gpu.reserve_address_range(32 * kMiB);
+  const ccalloc::PhysicalHandle h = gpu.create_physical(8 * kMiB);
+  gpu.map_range(r, 4 * kMiB, h, 2 * kMiB);
+  gpu.map_range(r + 16 * kMiB, 2 * kMiB, h, 2 * kMiB);  // the same piece again
+  using M = ccalloc::sim::SimDriver::MappingInfo;
+  EXPECT_EQ(gpu.mappings_in(r, 32 * kMiB),
+            (std::vector<M>{{r, 4 * kMiB, h, 2 * kMiB}, {r + 16 * kMiB, 2 * kMiB, h, 2 * kMiB}}));
+  EXPECT_EQ(gpu.used_bytes(), 8 * kMiB);  // physical memory, not mappings
+  EXPECT_EQ(gpu.counters().maps, 2u);
+  const std::string busy =
+      message_of<ccalloc::DriverError>([&] { gpu.release_physical(h, 8 * kMiB); });
+  EXPECT_NE(busy.find("2 ranges of it are still mapped"), std::string::npos) << busy;
+  const std::string whole =
+      message_of<ccalloc::DriverError>([&] { gpu.map(r + 8 * kMiB, 8 * kMiB, h); });
+  EXPECT_NE(whole.find("ranges of the handle are already mapped"), std::string::npos) << whole;
+  gpu.unmap(r, 4 * kMiB);
+  gpu.unmap(r + 16 * kMiB, 2 * kMiB);
+  gpu.release_physical(h, 8 * kMiB);
+  EXPECT_EQ(gpu.used_bytes(), 0u);
+}
+
+TEST(SimMapRange, RejectsRangesPastTheHandleAndUnalignedOffsets) {
+  ccalloc::sim::SimDriver gpu(Fixture::options(64 * kMiB));
+  const DevicePtr r = gpu.reserve_address_range(32 * kMiB);
+  const ccalloc::PhysicalHandle h = gpu.create_physical(4 * kMiB);
+  const std::string past =
+      message_of<ccalloc::DriverError>([&] { gpu.map_range(r, 4 * kMiB, h, 2 * kMiB); });
+  EXPECT_NE(past.find("the handle has only 4194304 bytes"), std::string::npos) << past;
+  const std::string odd =
+      message_of<ccalloc::DriverError>([&] { gpu.map_range(r, 2 * kMiB, h, 4096); });
+  EXPECT_NE(odd.find("must be multiples of the granularity"), std::string::npos) << odd;
+  EXPECT_EQ(gpu.counters().maps, 0u);
 }
 
 // fit: a 3 MiB and a 3 MiB block (6 MiB mapped), the first freed, then 5 MiB. Stitching

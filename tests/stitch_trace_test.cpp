@@ -1,7 +1,7 @@
 // Acceptance of the `ccalloc` policy on the recorded traces (data/traces): peak reserved
 // within 3% of the floor (the trace's peak live requested bytes) and no more than PyTorch's
-// native allocator (with or without expandable segments), no OOM on a device of 1.03 x the floor, and no more simulated driver
-// time than expandable segments.
+// native allocator (with or without expandable segments), no OOM on a device of 1.03 x the floor,
+// and no more simulated driver time than expandable segments.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,18 +30,20 @@ class StitchTrace : public ::testing::TestWithParam<const char*> {
 TEST_P(StitchTrace, UsesLessMemoryThanPytorchWithinThreePercentOfTheFloor) {
   const auto trace =
       ccalloc::io::read_any_trace(std::string(CCALLOC_TRACES_DIR) + "/" + GetParam() + ".csv.gz");
-  const auto floor = static_cast<double>(ccalloc::replay::recorded_figures(trace).peak_requested_bytes);
+  const auto floor =
+      static_cast<double>(ccalloc::replay::recorded_figures(trace).peak_requested_bytes);
   const auto ours = replay(trace, "ccalloc");
   const auto expandable = replay(trace, "pytorch,expandable_segments:True");
   const auto native = replay(trace, "pytorch");
   const auto async = replay(trace, "pytorch,backend:cudaMallocAsync");
   const double ratio = static_cast<double>(ours.peak_reserved_bytes) / floor;
-  std::printf("[ %s ] ccalloc %.4f, expandable %.4f, pytorch %.4f, cudaMallocAsync %.4f; driver "
-              "ms: ccalloc %.1f, expandable %.1f\n",
-              GetParam(), ratio, static_cast<double>(expandable.peak_reserved_bytes) / floor,
-              static_cast<double>(native.peak_reserved_bytes) / floor,
-              static_cast<double>(async.peak_reserved_bytes) / floor,
-              ours.simulated_driver_us / 1000.0, expandable.simulated_driver_us / 1000.0);
+  std::printf(
+      "[ %s ] ccalloc %.4f, expandable %.4f, pytorch %.4f, cudaMallocAsync %.4f; driver "
+      "ms: ccalloc %.1f, expandable %.1f\n",
+      GetParam(), ratio, static_cast<double>(expandable.peak_reserved_bytes) / floor,
+      static_cast<double>(native.peak_reserved_bytes) / floor,
+      static_cast<double>(async.peak_reserved_bytes) / floor, ours.simulated_driver_us / 1000.0,
+      expandable.simulated_driver_us / 1000.0);
   EXPECT_EQ(ours.ooms, 0);
   EXPECT_LE(ratio, 1.03);
   // PyTorch's native allocator settings. (The simulated cudaMallocAsync pool is reported:

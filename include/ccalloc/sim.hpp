@@ -234,7 +234,7 @@ class SimDriver final : public Driver {
   };
   struct Physical {
     std::size_t bytes = 0;
-    DevicePtr mapped_at = 0;       // 0: not mapped by map()
+    DevicePtr mapped_at = 0;         // 0: not mapped by map()
     std::size_t range_mappings = 0;  // mappings made by map_range()
   };
   // A pool free: complete once `stream`'s queue passes `sequence`.

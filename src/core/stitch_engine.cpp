@@ -389,9 +389,8 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
                                       Block** out) {
   auto& spaces = arena.spaces[small ? 1 : 0];
   Space* s = spaces.empty() ? nullptr : spaces.back().get();
-  Block* tail = s != nullptr && s->last != nullptr && s->last->kind == Block::Kind::kFree
-                    ? s->last
-                    : nullptr;
+  Block* tail =
+      s != nullptr && s->last != nullptr && s->last->kind == Block::Kind::kFree ? s->last : nullptr;
   std::size_t pages = align_up(size - (tail != nullptr ? tail->size : 0), page_) / page_;
   const bool fresh = s == nullptr || s->pages.size() + pages > s->reserved_pages;
   if (fresh) {
@@ -451,8 +450,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     // creates stay few (logarithmic in the peak) and the spare overshoot at the peak
     // stays under 1/kGrowthDivisor of it.
     const std::size_t chunk =
-        small ? lacking
-              : std::max({lacking, chunk_pieces_, reserved_ / page_ / kGrowthDivisor});
+        small ? lacking : std::max({lacking, chunk_pieces_, reserved_ / page_ / kGrowthDivisor});
     for (const std::size_t tried : {chunk, lacking}) {
       if (tried * page_ > limit() || reserved_ > limit() - tried * page_) continue;
       id = driver_.create_physical(tried * page_);
@@ -584,8 +582,8 @@ void StitchEngine::release_cache() {
         std::vector<bool> busy(s.pages.size(), false);
         for (const Block* b = s.first; b != nullptr; b = b->next) {
           if (b->kind != Block::Kind::kAllocated && b->kind != Block::Kind::kPending) continue;
-          for (std::size_t p = (b->ptr - s.base) / page_; p < (b->end() - s.base + page_ - 1) / page_;
-               ++p) {
+          for (std::size_t p = (b->ptr - s.base) / page_;
+               p < (b->end() - s.base + page_ - 1) / page_; ++p) {
             busy[p] = true;
           }
         }
@@ -643,7 +641,8 @@ void StitchEngine::release_cache() {
           make_void(s, b, cut_lo, cut_hi);
           // Rescan from the block after the new void one.
           Block* v = s.first;
-          while (v != nullptr && !(v->ptr <= cut_lo && cut_lo < v->end())) v = v->next;
+          while (v != nullptr && !(v->ptr <= cut_lo && cut_lo < v->end()))
+            v = v->next;
           b = v != nullptr ? v->next : nullptr;
         }
         // Give back address space: unmapped void pages at the end, then an empty space.
@@ -889,7 +888,8 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
             seg->active_size += b->size;
             seg->requested_size += b->requested;
           }
-          seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, state_of(allocated, pending)});
+          seg->blocks.push_back(
+              BlockInfo{b->ptr, b->size, b->requested, state_of(allocated, pending)});
         }
       }
     }
@@ -969,8 +969,9 @@ Snapshot StitchEngine::snapshot() {
     }
     s.segments.push_back(std::move(seg));
   }
-  std::sort(s.segments.begin(), s.segments.end(),
-            [](const SnapshotSegment& a, const SnapshotSegment& b) { return a.address < b.address; });
+  std::sort(
+      s.segments.begin(), s.segments.end(),
+      [](const SnapshotSegment& a, const SnapshotSegment& b) { return a.address < b.address; });
   s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
   s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
   return s;
@@ -1036,7 +1037,8 @@ void StitchEngine::check_locked() const {
             for (std::size_t p = p0; p < p1; ++p) {
               const Page& pg = s.pages[p];
               if (pg.handle != nullptr && pg.handle->live_at[pg.piece] == page_va(s, p)) {
-                violated("void block " + hex(b->ptr) + " covers the live page " + hex(page_va(s, p)));
+                violated("void block " + hex(b->ptr) + " covers the live page " +
+                         hex(page_va(s, p)));
               }
             }
             continue;
@@ -1104,8 +1106,7 @@ void StitchEngine::check_locked() const {
           violated("the space at " + hex(s.base) + " has pages outside its mappings");
         }
         if (sim != nullptr && sim->mappings_in(s.base, s.reserved_pages * page_) != model) {
-          violated("the device's mappings in the space at " + hex(s.base) +
-                   " are not the model's");
+          violated("the device's mappings in the space at " + hex(s.base) + " are not the model's");
         }
       }
     }
@@ -1123,7 +1124,8 @@ void StitchEngine::check_locked() const {
   if (pooled != free_blocks) violated("the pools hold blocks that are not in any space");
   if (live_.size() != allocated_blocks) violated("live_ holds blocks that are not in any space");
   std::size_t pending_count = 0;
-  for (const PendingEvent& p : pending_) pending_count += p.block->kind == Kind::kPending ? 1 : 0;
+  for (const PendingEvent& p : pending_)
+    pending_count += p.block->kind == Kind::kPending ? 1 : 0;
   if (pending_count != pending_.size()) violated("an event waits for a block that is not pending");
 
   // Pieces.
@@ -1175,8 +1177,8 @@ void StitchEngine::check_locked() const {
   for (StatType t : {kAggregate, kSmallPool, kLargePool}) {
     const auto differs = [&](const StatArray& a, const StatArray& b, const char* name) {
       if (a[t].current != b[t].current) {
-        violated(std::string(name) + " is " + std::to_string(a[t].current) + " but a recount gives " +
-                 std::to_string(b[t].current));
+        violated(std::string(name) + " is " + std::to_string(a[t].current) +
+                 " but a recount gives " + std::to_string(b[t].current));
       }
     };
     differs(stats_.allocation, recount.allocation, "allocation");

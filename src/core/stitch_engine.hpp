@@ -111,8 +111,8 @@ class StitchEngine final : public Backend {
   struct Arena;
   struct Handle {
     PhysicalHandle id = 0;
-    bool small = false;                // the pool whose growth created it (for stats)
-    std::vector<DevicePtr> live_at;    // per piece: the page it backs live; 0: spare
+    bool small = false;                   // the pool whose growth created it (for stats)
+    std::vector<DevicePtr> live_at;       // per piece: the page it backs live; 0: spare
     std::vector<std::uint32_t> mappings;  // per piece: pages mapping it, live or dead
   };
   struct PieceRef {
@@ -152,8 +152,8 @@ class StitchEngine final : public Backend {
     Arena* arena = nullptr;
     bool small = false;
     DevicePtr base = 0;
-    std::size_t reserved_pages = 0;       // the reservation, in pages
-    std::vector<Page> pages;              // up to the frontier
+    std::size_t reserved_pages = 0;           // the reservation, in pages
+    std::vector<Page> pages;                  // up to the frontier
     std::map<std::size_t, Mapping> mappings;  // by first page
     Block* first = nullptr;
     Block* last = nullptr;
@@ -207,13 +207,13 @@ class StitchEngine final : public Backend {
   std::atomic<bool> capture_on_free_{false};
 
   mutable std::mutex mutex_;
-  std::size_t page_ = 0;           // the driver's granularity
-  std::size_t space_pages_ = 0;    // pages reserved per space
-  std::size_t chunk_pieces_ = 0;   // pieces per created handle, at least
+  std::size_t page_ = 0;          // the driver's granularity
+  std::size_t space_pages_ = 0;   // pages reserved per space
+  std::size_t chunk_pieces_ = 0;  // pieces per created handle, at least
   std::size_t capacity_ = 0;
   std::optional<std::size_t> limit_;
   double fraction_ = 1.0;
-  std::size_t reserved_ = 0;       // pieces held x page_
+  std::size_t reserved_ = 0;  // pieces held x page_
   std::vector<std::unique_ptr<Arena>> arenas_;
   std::unordered_map<StreamId, Arena*> arena_by_stream_;
   std::map<PhysicalHandle, std::unique_ptr<Handle>> handles_;

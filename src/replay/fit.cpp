@@ -27,9 +27,8 @@ FitResult fit(const std::vector<io::TraceRecord>& trace, const FitOptions& optio
   // Bracket: `failing` units fail (below the floor by construction), `passing` pass.
   std::size_t failing = (floor - 1) / step;  // its capacity is below the floor
   const Result unconstrained = try_capacity(std::min(Options{}.capacity, limit));
-  std::size_t passing =
-      std::max<std::size_t>(failing + 1,
-                            (static_cast<std::size_t>(unconstrained.peak_reserved_bytes) + step - 1) / step);
+  std::size_t passing = std::max<std::size_t>(
+      failing + 1, (static_cast<std::size_t>(unconstrained.peak_reserved_bytes) + step - 1) / step);
   Result at_passing;
   for (;;) {
     if (options.progress) options.progress(failing * step, 0, passing * step);
@@ -37,8 +36,9 @@ FitResult fit(const std::vector<io::TraceRecord>& trace, const FitOptions& optio
     if (at_passing.ooms == 0) break;
     failing = passing;
     if (passing * step >= limit) {
-      throw Error("ccalloc fit: " + (options.conf.empty() ? std::string("(default)") : options.conf) +
-                  " runs out of memory even on a device of " + format_size(passing * step));
+      throw Error(
+          "ccalloc fit: " + (options.conf.empty() ? std::string("(default)") : options.conf) +
+          " runs out of memory even on a device of " + format_size(passing * step));
     }
     passing = std::min(passing * 2, limit / step);
   }

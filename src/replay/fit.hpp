@@ -24,8 +24,8 @@ struct FitOptions {
 
 struct FitResult {
   std::string conf;
-  std::int64_t floor_bytes = 0;   // peak live requested bytes of the trace
-  std::size_t capacity = 0;       // smallest passing capacity found
+  std::int64_t floor_bytes = 0;          // peak live requested bytes of the trace
+  std::size_t capacity = 0;              // smallest passing capacity found
   std::int64_t peak_reserved_bytes = 0;  // of the replay at `capacity`
   double simulated_driver_us = 0.0;      // of the replay at `capacity`
   std::size_t replays = 0;

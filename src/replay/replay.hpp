@@ -47,8 +47,8 @@ struct Result {
   sim::Counters driver_counters;  // the simulated GPU's call counts for the workload
   std::size_t oracle_hits = 0;
   bool oracle_diverged = false;
-  DeviceStats stats;                // at the end of the replay
-  std::vector<TraceEntry> emitted;  // with keep_trace
+  DeviceStats stats;                 // at the end of the replay
+  std::vector<TraceEntry> emitted;   // with keep_trace
   std::optional<Snapshot> snapshot;  // with keep_snapshot
 };
 

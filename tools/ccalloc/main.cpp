@@ -11,6 +11,8 @@
 //
 // FILE is a trace CSV, a snapshot (pickle or JSON, PyTorch's or ccalloc's) or an RMM log,
 // gzip or plain.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -19,7 +21,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #include "ccalloc/config.hpp"
@@ -169,15 +170,15 @@ nlohmann::json to_json(const Result& r) {
   j["ooms"] = r.ooms;
   j["simulated_driver_us"] = r.simulated_driver_us;
   const ccalloc::sim::Counters& c = r.driver_counters;
-  j["driver_calls"] = {{"allocate", c.allocate_calls},
-                       {"free", c.free_calls},
-                       {"reserve_address_range", c.reserve_calls},
-                       {"create_physical", c.physical_creates},
-                       {"release_physical", c.physical_releases},
-                       {"map", c.maps},
-                       {"unmap", c.unmaps},
-                       {"synchronize", c.event_synchronizes + c.stream_synchronizes +
-                                           c.device_synchronizes}};
+  j["driver_calls"] = {
+      {"allocate", c.allocate_calls},
+      {"free", c.free_calls},
+      {"reserve_address_range", c.reserve_calls},
+      {"create_physical", c.physical_creates},
+      {"release_physical", c.physical_releases},
+      {"map", c.maps},
+      {"unmap", c.unmaps},
+      {"synchronize", c.event_synchronizes + c.stream_synchronizes + c.device_synchronizes}};
   j["oracle_hits"] = r.oracle_hits;
   j["oracle_diverged"] = r.oracle_diverged;
   j["memory_stats"] = r.stats.to_map();
@@ -241,8 +242,9 @@ int run_fit(const std::string& trace_path, const std::vector<std::string>& confs
       options.progress = [&name](std::size_t failing, std::size_t passing, std::size_t trying) {
         std::fprintf(stderr, "\r\033[Kfit %s: fails at %s, %s; trying %s", name.c_str(),
                      grouped(static_cast<std::int64_t>(failing)).c_str(),
-                     passing == 0 ? "no passing capacity yet"
-                                  : ("passes at " + grouped(static_cast<std::int64_t>(passing))).c_str(),
+                     passing == 0
+                         ? "no passing capacity yet"
+                         : ("passes at " + grouped(static_cast<std::int64_t>(passing))).c_str(),
                      grouped(static_cast<std::int64_t>(trying)).c_str());
       };
     }
@@ -520,8 +522,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> fit_confs;
   bool fit_json = false;
   CLI::App* fit = app.add_subcommand(
-      "fit", "Smallest simulated device (a multiple of 2 MiB) each config replays a trace on "
-             "with no OOM, by bisection, verified");
+      "fit",
+      "Smallest simulated device (a multiple of 2 MiB) each config replays a trace on "
+      "with no OOM, by bisection, verified");
   fit->add_option("trace", fit_path, "Trace CSV, snapshot or RMM log; plain or gzip")->required();
   fit->add_option("--conf", fit_confs, "Config string; repeat for several");
   fit->add_flag("--json", fit_json, "Print a JSON array, one object per config");

@@ -372,8 +372,7 @@ void CudaDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handl
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
   const auto ptr = static_cast<CUdeviceptr>(va);
-  cu_check(api,
-           api.map(ptr, bytes, offset, static_cast<CUmemGenericAllocationHandle>(handle), 0),
+  cu_check(api, api.map(ptr, bytes, offset, static_cast<CUmemGenericAllocationHandle>(handle), 0),
            "cuMemMap(" + range_args(va, bytes) + ", offset " + std::to_string(offset) + ")",
            device_);
   CUmemAccessDesc access{};

@@ -576,8 +576,7 @@ std::vector<SimDriver::MappingInfo> SimDriver::mappings_in(DevicePtr base,
                                                            std::size_t bytes) const {
   std::lock_guard lock(mutex_);
   std::vector<MappingInfo> out;
-  for (auto m = mappings_.lower_bound(base); m != mappings_.end() && m->first < base + bytes;
-       ++m) {
+  for (auto m = mappings_.lower_bound(base); m != mappings_.end() && m->first < base + bytes; ++m) {
     out.push_back(MappingInfo{m->first, m->second.bytes, m->second.handle, m->second.offset});
   }
   return out;
