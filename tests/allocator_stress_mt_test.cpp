@@ -334,13 +334,15 @@ TEST_P(Stress, ConcurrentMallocFreeRecordStreamWithOomLadderAndInspection) {
 }
 
 std::string config_name(const ::testing::TestParamInfo<const char*>& param) {
-  return param.index == 0 ? "pytorch" : "gc_and_max_split";
+  constexpr const char* kNames[] = {"pytorch", "gc_and_max_split", "ccalloc", "ccalloc_gc"};
+  return kNames[param.index];
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, Stress,
-                         ::testing::Values("pytorch",
-                                           "garbage_collection_threshold:0.6,max_split_size_mb:40"),
-                         config_name);
+INSTANTIATE_TEST_SUITE_P(
+    Configs, Stress,
+    ::testing::Values("pytorch", "pytorch,garbage_collection_threshold:0.6,max_split_size_mb:40",
+                      "ccalloc", "ccalloc,garbage_collection_threshold:0.6"),
+    config_name);
 
 // Eight threads free (and record_stream) the same already-freed pointer over and over while
 // other streams allocate: every call is an InvalidPointerError naming the pointer, nothing

@@ -613,10 +613,10 @@ TEST_F(ReplayCli, EmitTraceWithTwoConfigsWritesNumberedFiles) {
              "alloc,4096,512,0,1\n"
              "free_requested,4096,512,0,2\n"
              "free_completed,4096,512,0,2\n");
-  const CliResult r =
-      run_cli("replay '" + csv + "' --conf pytorch --conf " +
-                  "'roundup_power2_divisions:4' --emit-trace '" + dir_.file("out.csv.gz") + "'",
-              dir_);
+  const CliResult r = run_cli("replay '" + csv + "' --conf pytorch --conf " +
+                                  "'pytorch,roundup_power2_divisions:4' --emit-trace '" +
+                                  dir_.file("out.csv.gz") + "'",
+                              dir_);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* name : {"out.1.csv.gz", "out.2.csv.gz"}) {
     ASSERT_TRUE(fs::exists(dir_.file(name))) << name;
@@ -627,6 +627,42 @@ TEST_F(ReplayCli, EmitTraceWithTwoConfigsWritesNumberedFiles) {
     EXPECT_EQ(rows[1].entry.size, 512u);
   }
   EXPECT_FALSE(fs::exists(dir_.file("out.csv.gz")));
+}
+
+// fit on a synthetic trace (3 MiB and 3 MiB, the first freed, then 5 MiB): the ccalloc
+// policy needs exactly 10 MiB (tests/stitch_policy_test.cpp derives it), PyTorch's one
+// 20 MiB segment; both answers verified, stderr silent when it is not a terminal.
+TEST_F(ReplayCli, FitPrintsTheSmallestCapacityPerConfigVerified) {
+  const std::string csv = dir_.file("fit.csv");
+  write_text(csv,
+             "action,addr,size,stream,time_us\n"
+             "alloc,16777216,3145728,0,1\n"
+             "alloc,33554432,3145728,0,2\n"
+             "free_requested,16777216,3145728,0,3\n"
+             "free_completed,16777216,3145728,0,3\n"
+             "alloc,50331648,5242880,0,4\n");
+  const CliResult r = run_cli("fit '" + csv + "' --conf ccalloc --conf pytorch --json", dir_);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  nlohmann::json j;
+  ASSERT_NO_THROW(j = nlohmann::json::parse(r.out)) << r.out;
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j[0]["conf"], "ccalloc");
+  EXPECT_EQ(j[0]["floor_bytes"], 8 * 1024 * 1024);
+  EXPECT_EQ(j[0]["capacity_bytes"], 10 * 1024 * 1024);
+  EXPECT_EQ(j[0]["ratio_to_floor"], 1.25);
+  EXPECT_EQ(j[0]["peak_reserved_bytes"], 10 * 1024 * 1024);
+  EXPECT_EQ(j[0]["verified"], true);
+  EXPECT_EQ(j[1]["capacity_bytes"], 20 * 1024 * 1024);
+  EXPECT_EQ(j[1]["verified"], true);
+  const CliResult text = run_cli("fit '" + csv + "' --conf ccalloc", dir_);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("smallest capacity     10,485,760 (10.00 MiB)"), std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("verified              yes: no OOM at this capacity, at least one "
+                          "at 2 MiB less"),
+            std::string::npos)
+      << text.out;
 }
 
 }  // namespace

@@ -73,6 +73,8 @@ class CudaDriver final : public Driver {
   void release_physical(PhysicalHandle handle, std::size_t bytes) override;
   void map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) override;
   void unmap(DevicePtr va, std::size_t bytes) override;
+  void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                 std::size_t offset) override;
   DevicePtr allocate_async(std::size_t bytes, StreamId stream) override;
   void free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) override;
   void stream_wait_event(StreamId stream, EventId event) override;

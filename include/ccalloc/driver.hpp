@@ -81,6 +81,12 @@ class Driver {
   // Unmaps [va, va + bytes), which covers one or more whole mappings. Does not synchronize:
   // the caller waits for the work that used the range first.
   virtual void unmap(DevicePtr va, std::size_t bytes) = 0;
+  // Maps bytes [offset, offset + bytes) of a physical allocation at `va` and makes them
+  // readable and writable (cuMemMap with an offset). Unlike map(), a handle may be mapped
+  // this way at several addresses at once, each such mapping unmapped on its own. The
+  // default throws DriverError: a driver without it cannot serve the `ccalloc` policy.
+  virtual void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                         std::size_t offset);
 
   // --- The device's stream-ordered memory pool, for backend:cudaMallocAsync. ---
   // The pool is configured to keep what it reserves (release threshold: unlimited).

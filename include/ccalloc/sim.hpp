@@ -193,6 +193,18 @@ class SimDriver final : public Driver {
   void release_physical(PhysicalHandle handle, std::size_t bytes) override;
   void map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) override;
   void unmap(DevicePtr va, std::size_t bytes) override;
+  void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                 std::size_t offset) override;
+  // The mappings lying in [base, base + bytes), lowest address first (for checks of an
+  // allocator's model against the device).
+  struct MappingInfo {
+    DevicePtr va = 0;
+    std::size_t bytes = 0;
+    PhysicalHandle handle = 0;
+    std::size_t offset = 0;  // into the handle
+    bool operator==(const MappingInfo&) const = default;
+  };
+  std::vector<MappingInfo> mappings_in(DevicePtr base, std::size_t bytes) const;
   DevicePtr allocate_async(std::size_t bytes, StreamId stream) override;
   void free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) override;
   void stream_wait_event(StreamId stream, EventId event) override;
@@ -217,10 +229,13 @@ class SimDriver final : public Driver {
   struct Mapping {
     std::size_t bytes = 0;
     PhysicalHandle handle = 0;
+    std::size_t offset = 0;
+    bool ranged = false;  // made by map_range()
   };
   struct Physical {
     std::size_t bytes = 0;
-    DevicePtr mapped_at = 0;  // 0: not mapped
+    DevicePtr mapped_at = 0;         // 0: not mapped by map()
+    std::size_t range_mappings = 0;  // mappings made by map_range()
   };
   // A pool free: complete once `stream`'s queue passes `sequence`.
   struct FreeMark {

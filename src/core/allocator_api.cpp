@@ -4,6 +4,7 @@
 
 #include "core/engine.hpp"
 #include "core/async_backend.hpp"
+#include "core/stitch_engine.hpp"
 
 namespace ccalloc {
 
@@ -163,6 +164,9 @@ namespace ccalloc::core {
 std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
   if (config.backend == ccalloc::BackendKind::kCudaMallocAsync) {
     return std::make_unique<AsyncBackend>(driver, std::move(config));
+  }
+  if (config.stitch_segments && !config.uncached) {
+    return std::make_unique<StitchEngine>(driver, std::move(config));
   }
   return std::make_unique<Engine>(driver, std::move(config));
 }

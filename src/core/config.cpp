@@ -39,6 +39,7 @@ Config pytorch_defaults() {
   c.roundup_power2_divisions.fill(0);
   c.garbage_collection_threshold = 0.0;
   c.expandable_segments = false;
+  c.stitch_segments = false;
   c.expandable_segments_reserve_fraction = 0.0;
   c.expandable_segments_reserve_bytes = 0;
   c.release_lock_on_cudamalloc = false;
@@ -54,7 +55,8 @@ Config pytorch_defaults() {
 }
 
 // ccalloc's defaults are Config's member initialisers, so that `Config{}` and `parse("")`
-// agree whatever those become. Today they equal pytorch_defaults() except for the name.
+// agree whatever those become. They differ from pytorch_defaults() in the name and the
+// policy (stitch_segments).
 Config ccalloc_defaults() {
   return Config{};
 }

@@ -206,6 +206,7 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
   result.oracle_diverged = gpu.oracle_diverged();
   // Destroying the allocator returns its segments; that is not part of the workload.
   result.simulated_driver_us = gpu.simulated_driver_us();
+  result.driver_counters = gpu.counters();
   return result;
 }
 

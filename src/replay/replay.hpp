@@ -50,10 +50,11 @@ struct Result {
   // The allocator's message for the first of them.
   std::string first_oom_message;
   double simulated_driver_us = 0.0;
+  sim::Counters driver_counters;  // the simulated GPU's call counts for the workload
   std::size_t oracle_hits = 0;
   bool oracle_diverged = false;
-  DeviceStats stats;                // at the end of the replay
-  std::vector<TraceEntry> emitted;  // with keep_trace
+  DeviceStats stats;                 // at the end of the replay
+  std::vector<TraceEntry> emitted;   // with keep_trace
   std::optional<Snapshot> snapshot;  // with keep_snapshot
 };
 

@@ -2,6 +2,7 @@
 //
 //   ccalloc replay FILE [--conf STRING]... [--capacity SIZE] [--address-oracle]
 //                       [--emit-trace FILE] [--snapshot-out FILE] [--json] [--max-entries N]
+//   ccalloc fit FILE [--conf STRING]... [--json]
 //   ccalloc summary FILE [--device N]
 //   ccalloc stats FILE [--device N]
 //   ccalloc convert IN OUT [--device N]
@@ -10,6 +11,8 @@
 //
 // FILE is a trace CSV, a snapshot (pickle or JSON, PyTorch's or ccalloc's) or an RMM log,
 // gzip or plain.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -29,6 +32,7 @@
 #include "io/snapshot_io.hpp"
 #include "io/trace_csv.hpp"
 #include "io/trace_file.hpp"
+#include "replay/fit.hpp"
 #include "replay/replay.hpp"
 #include "viz.hpp"
 
@@ -112,6 +116,12 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
       [](const Result& r) { return grouped(r.device_frees); });
   add("alloc_retries", "-", [](const Result& r) { return grouped(r.alloc_retries); });
   add("ooms", grouped(recorded.ooms), [](const Result& r) { return grouped(r.ooms); });
+  add("memory_driver_calls", "-", [](const Result& r) {
+    const ccalloc::sim::Counters& c = r.driver_counters;
+    return grouped(static_cast<std::int64_t>(c.allocate_calls + c.free_calls + c.reserve_calls +
+                                             c.physical_creates + c.physical_releases + c.maps +
+                                             c.unmaps));
+  });
   add("simulated_driver_ms", "-",
       [](const Result& r) { return fixed(r.simulated_driver_us / 1000.0, 1); });
 
@@ -165,6 +175,16 @@ nlohmann::json to_json(const Result& r) {
   j["ooms"] = r.ooms;
   if (r.ooms != 0) j["first_oom_message"] = r.first_oom_message;
   j["simulated_driver_us"] = r.simulated_driver_us;
+  const ccalloc::sim::Counters& c = r.driver_counters;
+  j["driver_calls"] = {
+      {"allocate", c.allocate_calls},
+      {"free", c.free_calls},
+      {"reserve_address_range", c.reserve_calls},
+      {"create_physical", c.physical_creates},
+      {"release_physical", c.physical_releases},
+      {"map", c.maps},
+      {"unmap", c.unmaps},
+      {"synchronize", c.event_synchronizes + c.stream_synchronizes + c.device_synchronizes}};
   j["oracle_hits"] = r.oracle_hits;
   j["oracle_diverged"] = r.oracle_diverged;
   j["memory_stats"] = r.stats.to_map();
@@ -232,6 +252,76 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
     print_table(trace_path, rows, options.capacity, recorded, results);
   }
   return 0;
+}
+
+// Per config, the smallest simulated device (a multiple of 2 MiB) that replays the trace
+// with no OOM; each answer is verified by replaying at it and at 2 MiB less.
+int run_fit(const std::string& trace_path, const std::vector<std::string>& confs, bool json) {
+  const auto trace = ccalloc::io::read_any_trace(trace_path);
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  std::vector<ccalloc::replay::FitResult> results;
+  const std::vector<std::string> configs = confs.empty() ? std::vector<std::string>{""} : confs;
+  for (const std::string& conf : configs) {
+    ccalloc::replay::FitOptions options;
+    options.conf = conf;
+    const std::string name = conf.empty() ? "(default)" : conf;
+    if (tty) {
+      options.progress = [&name](std::size_t failing, std::size_t passing, std::size_t trying) {
+        std::fprintf(stderr, "\r\033[Kfit %s: fails at %s, %s; trying %s", name.c_str(),
+                     grouped(static_cast<std::int64_t>(failing)).c_str(),
+                     passing == 0
+                         ? "no passing capacity yet"
+                         : ("passes at " + grouped(static_cast<std::int64_t>(passing))).c_str(),
+                     grouped(static_cast<std::int64_t>(trying)).c_str());
+      };
+    }
+    try {
+      results.push_back(ccalloc::replay::fit(trace, options));
+    } catch (const ccalloc::FormatError& e) {
+      throw ccalloc::FormatError(trace_path + ": " + e.what());
+    }
+    if (tty) std::fprintf(stderr, "\r\033[K");
+  }
+  bool all_verified = true;
+  for (const auto& r : results)
+    all_verified = all_verified && r.verified();
+  if (json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& r : results) {
+      nlohmann::json j;
+      j["conf"] = r.conf;
+      j["floor_bytes"] = r.floor_bytes;
+      j["capacity_bytes"] = r.capacity;
+      j["ratio_to_floor"] = static_cast<double>(r.capacity) / static_cast<double>(r.floor_bytes);
+      j["peak_reserved_bytes"] = r.peak_reserved_bytes;
+      j["simulated_driver_us"] = r.simulated_driver_us;
+      j["replays"] = r.replays;
+      j["no_oom_at_capacity"] = r.passes_at_capacity;
+      j["oom_at_2MiB_less"] = r.fails_below;
+      j["verified"] = r.verified();
+      out.push_back(j);
+    }
+    std::cout << out.dump(2) << "\n";
+  } else {
+    std::cout << "Trace " << trace_path << ": floor (peak live requested bytes) "
+              << grouped(results.front().floor_bytes) << "\n\n";
+    for (const auto& r : results) {
+      std::cout << (r.conf.empty() ? "(default)" : r.conf) << "\n"
+                << "  smallest capacity     " << grouped(static_cast<std::int64_t>(r.capacity))
+                << " (" << ccalloc::format_size(r.capacity) << ")\n"
+                << "  capacity / floor      "
+                << fixed(static_cast<double>(r.capacity) / static_cast<double>(r.floor_bytes), 4)
+                << "\n"
+                << "  peak reserved there   " << grouped(r.peak_reserved_bytes) << "\n"
+                << "  verified              "
+                << (r.verified() ? "yes: no OOM at this capacity, at least one at 2 MiB less"
+                                 : std::string("NO: ") +
+                                       (r.passes_at_capacity ? "" : "OOM at this capacity; ") +
+                                       (r.fails_below ? "" : "no OOM at 2 MiB less"))
+                << " (" << r.replays << " replays)\n";
+    }
+  }
+  return all_verified ? 0 : 2;
 }
 
 // "12.50 GiB (13421772800 bytes)"
@@ -459,6 +549,17 @@ int main(int argc, char** argv) {
                      "Fail on a trace with more entries than this (default: CCALLOC_MAX_ENTRIES "
                      "or 2^32)");
 
+  std::string fit_path;
+  std::vector<std::string> fit_confs;
+  bool fit_json = false;
+  CLI::App* fit = app.add_subcommand(
+      "fit",
+      "Smallest simulated device (a multiple of 2 MiB) each config replays a trace on "
+      "with no OOM, by bisection, verified");
+  fit->add_option("trace", fit_path, "Trace CSV, snapshot or RMM log; plain or gzip")->required();
+  fit->add_option("--conf", fit_confs, "Config string; repeat for several");
+  fit->add_flag("--json", fit_json, "Print a JSON array, one object per config");
+
   std::string file;
   int device = 0;
   CLI::App* summary =
@@ -488,6 +589,7 @@ int main(int argc, char** argv) {
       return run_replay(trace_path, confs, capacity, oracle, emit_path, snapshot_path, json,
                         max_entries);
     }
+    if (fit->parsed()) return run_fit(fit_path, fit_confs, fit_json);
     if (summary->parsed()) return run_summary(file, device);
     if (stats->parsed()) return run_stats(file, device);
     if (convert->parsed()) return run_convert(file, out, device);

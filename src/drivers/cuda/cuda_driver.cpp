@@ -367,6 +367,25 @@ void CudaDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
   }
 }
 
+void CudaDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                           std::size_t offset) {
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  const auto ptr = static_cast<CUdeviceptr>(va);
+  cu_check(api, api.map(ptr, bytes, offset, static_cast<CUmemGenericAllocationHandle>(handle), 0),
+           "cuMemMap(" + range_args(va, bytes) + ", offset " + std::to_string(offset) + ")",
+           device_);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUresult r = api.set_access(ptr, bytes, &access, 1);
+  if (r != CUDA_SUCCESS) {
+    (void)api.unmap(ptr, bytes);  // leave the range as it was
+    cu_fail(api, r, "cuMemSetAccess(" + range_args(va, bytes) + ", read/write)", device_);
+  }
+}
+
 void CudaDriver::unmap(DevicePtr va, std::size_t bytes) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
@@ -534,6 +553,9 @@ void CudaDriver::map(DevicePtr, std::size_t, PhysicalHandle) {
   unavailable();
 }
 void CudaDriver::unmap(DevicePtr, std::size_t) {
+  unavailable();
+}
+void CudaDriver::map_range(DevicePtr, std::size_t, PhysicalHandle, std::size_t) {
   unavailable();
 }
 DevicePtr CudaDriver::allocate_async(std::size_t, StreamId) {

@@ -1,0 +1,1192 @@
+// The `ccalloc` preset's policy. Model, ladder and invariants: stitch_engine.hpp.
+#include "core/stitch_engine.hpp"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <tuple>
+
+#include "ccalloc/sim.hpp"
+#include "core/common.hpp"
+#include "core/rounding.hpp"
+
+namespace ccalloc {
+
+// Drivers that cannot map part of a handle, or one handle twice, cannot serve this policy.
+void Driver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle, std::size_t offset) {
+  throw DriverError("ccalloc: " + name() + " cannot map part of a physical allocation (handle " +
+                    std::to_string(handle) + ", offset " + std::to_string(offset) + ", " +
+                    std::to_string(bytes) + " bytes at " + std::to_string(va) +
+                    "); use the `pytorch` preset with this driver");
+}
+
+}  // namespace ccalloc
+
+namespace ccalloc::core {
+namespace {
+
+std::string hex(DevicePtr p) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
+  return buf;
+}
+
+std::size_t align_up(std::size_t v, std::size_t a) {
+  return (v + a - 1) / a * a;
+}
+
+std::size_t align_down(std::size_t v, std::size_t a) {
+  return v / a * a;
+}
+
+// See grow(): new memory is at least 1/64 of the memory held.
+constexpr std::size_t kGrowthDivisor = 64;
+
+StatType pool_stat(bool small) {
+  return small ? kSmallPool : kLargePool;
+}
+
+}  // namespace
+
+StitchEngine::StitchEngine(Driver& driver, Config config)
+    : driver_(driver), config_(std::move(config)) {
+  const char* check = std::getenv("CCALLOC_CHECK_INVARIANTS");
+  check_invariants_ = check != nullptr && std::strcmp(check, "1") == 0;
+  capacity_ = driver_.mem_info().total_bytes;
+  page_ = driver_.vm_granularity();
+  // Dead pages use address space until empty_cache or the OOM ladder unmaps them, so a
+  // space reserves twice the device; a full space is followed by a new one.
+  space_pages_ = std::max<std::size_t>(1, 2 * (capacity_ / page_ + 1));
+  chunk_pieces_ = std::max<std::size_t>(1, config_.large_segment_size / page_);
+  stats_.max_split_size = -1;
+  set_memory_fraction(config_.per_process_memory_fraction);
+}
+
+StitchEngine::~StitchEngine() {
+  std::lock_guard lock(mutex_);
+  try {
+    for (const PendingEvent& p : pending_)
+      driver_.destroy_event(p.event);
+    for (const EventId e : spare_events_)
+      driver_.destroy_event(e);
+    for (const auto& arena : arenas_) {
+      for (const auto& spaces : arena->spaces) {
+        for (const auto& s : spaces) {
+          for (const auto& [first, m] : s->mappings)
+            driver_.unmap(page_va(*s, first), m.pages * page_);
+          driver_.free_address_range(s->base, s->reserved_pages * page_);
+          for (Block* b = s->first; b != nullptr;) {
+            Block* next = b->next;
+            delete b;
+            b = next;
+          }
+        }
+      }
+    }
+    for (const auto& [id, h] : handles_)
+      driver_.release_physical(id, h->live_at.size() * page_);
+  } catch (const Error&) {
+    // A destructor cannot report a failing device; the memory is lost to this process.
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// malloc, free, record_stream
+
+DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
+  if (size == 0) return 0;
+  if (size >= kOneExabyte) {
+    throw OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.",
+                           driver_.device(), size);
+  }
+  const StackTable::Id stack =
+      capture_on_malloc_.load(std::memory_order_relaxed) ? stack_table().capture(1) : 0;
+  const std::size_t rounded = round_size(size, config_);
+  const bool small = is_small_size(rounded);
+  std::unique_lock lock(mutex_);
+  if (!pending_.empty()) process_events();
+  Arena& arena = arena_for(stream);
+  bool gc_done = false, callbacks_done = false, synchronized = false, released = false;
+  for (;;) {
+    Block* block = find_free(arena, small, rounded);
+    if (block == nullptr) {
+      const Grow g = grow(arena, small, rounded, !gc_done, &block);
+      if (g == Grow::kNeedsGc) {
+        gc_done = true;
+        release_cache();
+        continue;
+      }
+      if (g == Grow::kOutOfMemory) {
+        if (!callbacks_done && !free_memory_callbacks_.empty()) {
+          callbacks_done = true;
+          const auto callbacks = free_memory_callbacks_;
+          lock.unlock();
+          bool freed = false;
+          for (const auto& callback : callbacks)
+            freed = callback() || freed;
+          lock.lock();
+          if (!pending_.empty()) process_events();
+          if (freed) continue;
+        }
+        if (!synchronized && !pending_.empty()) {
+          synchronized = true;
+          synchronize_events();
+          continue;
+        }
+        if (!released) {
+          released = true;
+          ++stats_.num_alloc_retries;
+          release_cache();
+          continue;
+        }
+        raise_oom(lock, arena, size, rounded, small, stack);
+      }
+    }
+    const DevicePtr ptr = hand_out(arena, block, rounded, size, stack);
+    lock.unlock();
+    after_operation();
+    return ptr;
+  }
+}
+
+void StitchEngine::free(DevicePtr ptr) {
+  if (ptr == 0) return;
+  const StackTable::Id stack =
+      capture_on_free_.load(std::memory_order_relaxed) ? stack_table().capture(1) : 0;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = live_.find(ptr);
+    if (it == live_.end()) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
+    Block* b = it->second;
+    live_.erase(it);
+    const bool small = b->space->small;
+    for (StatType t : {kAggregate, pool_stat(small)}) {
+      stats_.allocation[t].decrease(1);
+      stats_.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+    }
+    record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, b->space->arena->stream, stack);
+    b->stack = stack != 0 ? stack : b->stack;
+    if (b->stream_uses.empty()) {
+      free_block(b);
+    } else {
+      // Reuse waits for the work queued so far on every other stream that used the block.
+      b->kind = Block::Kind::kPending;
+      for (const StreamId s : b->stream_uses) {
+        EventId e = 0;
+        if (spare_events_.empty()) {
+          e = driver_.create_event();
+        } else {
+          e = spare_events_.back();
+          spare_events_.pop_back();
+        }
+        driver_.record_event(e, s);
+        pending_.push_back(PendingEvent{e, b});
+        ++b->event_count;
+      }
+      b->stream_uses.clear();
+    }
+  }
+  after_operation();
+}
+
+void StitchEngine::record_stream(DevicePtr ptr, StreamId stream) {
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = live_.find(ptr);
+    if (it == live_.end()) {
+      throw InvalidPointerError(pointer_error("record_stream", ptr, device()), ptr);
+    }
+    Block* b = it->second;
+    // Uses on the block's own stream are ordered by the stream itself.
+    if (stream != b->space->arena->stream &&
+        std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
+      b->stream_uses.push_back(stream);
+    }
+  }
+  after_operation();
+}
+
+// ---------------------------------------------------------------------------------------
+// Blocks
+
+StitchEngine::Arena& StitchEngine::arena_for(StreamId stream) {
+  const auto it = arena_by_stream_.find(stream);
+  if (it != arena_by_stream_.end()) return *it->second;
+  arenas_.push_back(std::make_unique<Arena>());
+  Arena* a = arenas_.back().get();
+  a->stream = stream;
+  arena_by_stream_.emplace(stream, a);
+  return *a;
+}
+
+StitchEngine::Block* StitchEngine::new_block() {
+  return new Block();
+}
+
+void StitchEngine::delete_block(Block* b) {
+  delete b;
+}
+
+StitchEngine::Block* StitchEngine::find_free(Arena& arena, bool small, std::size_t size) {
+  Pool& pool = arena.pool(small);
+  Block key;
+  key.size = size;
+  const auto it = pool.lower_bound(&key);
+  return it == pool.end() ? nullptr : *it;
+}
+
+// Cuts the first `size` bytes of b into a new block of b's kind, linked before it.
+StitchEngine::Block* StitchEngine::split_off_front(Block* b, std::size_t size) {
+  Block* f = new_block();
+  f->ptr = b->ptr;
+  f->size = size;
+  f->space = b->space;
+  f->kind = b->kind;
+  f->prev = b->prev;
+  f->next = b;
+  if (f->prev != nullptr) {
+    f->prev->next = f;
+  } else {
+    b->space->first = f;
+  }
+  b->prev = f;
+  b->ptr += size;
+  b->size -= size;
+  return f;
+}
+
+DevicePtr StitchEngine::hand_out(Arena& arena, Block* block, std::size_t size,
+                                 std::size_t requested, StackTable::Id stack) {
+  const bool small = block->space->small;
+  Pool& pool = arena.pool(small);
+  pool.erase(block);
+  if (block->size - size >= kMinBlockSize) {
+    Block* rest = block;
+    block = split_off_front(rest, size);
+    pool.insert(rest);
+  }
+  block->kind = Block::Kind::kAllocated;
+  block->requested = requested;
+  block->stack = stack;
+  live_.emplace(block->ptr, block);
+  for (StatType t : {kAggregate, pool_stat(small)}) {
+    stats_.allocation[t].increase(1);
+    stats_.allocated_bytes[t].increase(static_cast<std::int64_t>(block->size));
+    stats_.active[t].increase(1);
+    stats_.active_bytes[t].increase(static_cast<std::int64_t>(block->size));
+    stats_.requested_bytes[t].increase(static_cast<std::int64_t>(requested));
+  }
+  record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
+  return block->ptr;
+}
+
+// Returns a block with no outstanding uses to its pool, merged with free neighbours.
+void StitchEngine::free_block(Block* b) {
+  Space& s = *b->space;
+  Pool& pool = s.arena->pool(s.small);
+  for (StatType t : {kAggregate, pool_stat(s.small)}) {
+    stats_.active[t].decrease(1);
+    stats_.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+    stats_.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+  }
+  record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, s.arena->stream, b->stack);
+  b->kind = Block::Kind::kFree;
+  b->stack = 0;
+  if (b->prev != nullptr && b->prev->kind == Block::Kind::kFree) {
+    Block* p = b->prev;
+    pool.erase(p);
+    b->ptr = p->ptr;
+    b->size += p->size;
+    b->prev = p->prev;
+    if (b->prev != nullptr) {
+      b->prev->next = b;
+    } else {
+      s.first = b;
+    }
+    delete_block(p);
+  }
+  if (b->next != nullptr && b->next->kind == Block::Kind::kFree) {
+    Block* n = b->next;
+    pool.erase(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (b->next != nullptr) {
+      b->next->prev = b;
+    } else {
+      s.last = b;
+    }
+    delete_block(n);
+  }
+  pool.insert(b);
+}
+
+// Turns the page-aligned [lo, hi), covered by free and void blocks starting with `from`
+// (which contains lo), into one void block; the free parts outside it stay in the pool.
+void StitchEngine::make_void(Space& s, Block* from, DevicePtr lo, DevicePtr hi) {
+  Pool& pool = s.arena->pool(s.small);
+  Block* first_void = nullptr;
+  for (Block* b = from; b != nullptr && b->ptr < hi;) {
+    Block* next = b->next;
+    if (b->kind == Block::Kind::kFree) {
+      pool.erase(b);
+      if (b->ptr < lo) pool.insert(split_off_front(b, lo - b->ptr));
+      if (b->end() > hi) {
+        Block* mid = split_off_front(b, hi - b->ptr);
+        pool.insert(b);
+        b = mid;
+      }
+      b->kind = Block::Kind::kVoid;
+    }
+    if (first_void == nullptr) first_void = b;
+    b = next;
+  }
+  if (first_void != nullptr) merge_void_around(s, first_void);
+}
+
+void StitchEngine::merge_void_around(Space& s, Block* b) {
+  while (b->prev != nullptr && b->prev->kind == Block::Kind::kVoid) {
+    Block* p = b->prev;
+    b->ptr = p->ptr;
+    b->size += p->size;
+    b->prev = p->prev;
+    if (b->prev != nullptr) {
+      b->prev->next = b;
+    } else {
+      s.first = b;
+    }
+    delete_block(p);
+  }
+  while (b->next != nullptr && b->next->kind == Block::Kind::kVoid) {
+    Block* n = b->next;
+    b->size += n->size;
+    b->next = n->next;
+    if (b->next != nullptr) {
+      b->next->prev = b;
+    } else {
+      s.last = b;
+    }
+    delete_block(n);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Growth: spare pieces, then lent pages, then new memory
+
+StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
+  auto s = std::make_unique<Space>();
+  s->arena = &arena;
+  s->small = small;
+  s->reserved_pages = space_pages_;
+  s->base = driver_.reserve_address_range(space_pages_ * page_);
+  arena.spaces[small ? 1 : 0].push_back(std::move(s));
+  return *arena.spaces[small ? 1 : 0].back();
+}
+
+StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size, bool gc_allowed,
+                                      Block** out) {
+  auto& spaces = arena.spaces[small ? 1 : 0];
+  Space* s = spaces.empty() ? nullptr : spaces.back().get();
+  Block* tail =
+      s != nullptr && s->last != nullptr && s->last->kind == Block::Kind::kFree ? s->last : nullptr;
+  std::size_t pages = align_up(size - (tail != nullptr ? tail->size : 0), page_) / page_;
+  const bool fresh = s == nullptr || s->pages.size() + pages > s->reserved_pages;
+  if (fresh) {
+    tail = nullptr;
+    pages = align_up(size, page_) / page_;
+    if (pages > space_pages_) return Grow::kOutOfMemory;  // more than twice the device
+  }
+
+  // Plan without changing anything, so that running out of memory leaves all as it was.
+  std::vector<PieceRef> got;
+  got.reserve(pages);
+  for (auto it = spare_.begin(); it != spare_.end() && got.size() < pages; ++it) {
+    got.push_back(PieceRef{handles_.at(it->first).get(), it->second});
+  }
+  const std::size_t from_spare = got.size();
+  struct Lend {
+    Block* block;
+    DevicePtr lo;
+    std::size_t pages;
+  };
+  std::vector<Lend> lends;
+  if (got.size() < pages) {
+    std::vector<Block*> candidates;
+    for (const Pool& pool : arena.pools) {
+      for (Block* b : pool) {
+        if (b != tail && align_down(b->end(), page_) > align_up(b->ptr, page_)) {
+          candidates.push_back(b);
+        }
+      }
+    }
+    // The smallest free blocks are the least useful to keep whole.
+    std::sort(candidates.begin(), candidates.end(), BySizeThenAddress{});
+    for (Block* b : candidates) {
+      if (got.size() == pages) break;
+      const DevicePtr lo = align_up(b->ptr, page_);
+      const std::size_t whole = (align_down(b->end(), page_) - lo) / page_;
+      const std::size_t take = std::min(whole, pages - got.size());
+      const Space& bs = *b->space;
+      for (std::size_t i = 0; i < take; ++i) {
+        const Page& p = bs.pages[(lo - bs.base) / page_ + i];
+        got.push_back(PieceRef{p.handle, p.piece});
+      }
+      lends.push_back(Lend{b, lo, take});
+    }
+  }
+  const std::size_t lacking = pages - got.size();
+  if (lacking > 0) {
+    const std::size_t bytes = lacking * page_;
+    if (gc_allowed && config_.garbage_collection_threshold > 0.0 &&
+        static_cast<double>(reserved_ + bytes) >
+            config_.garbage_collection_threshold * static_cast<double>(limit())) {
+      return Grow::kNeedsGc;
+    }
+    PhysicalHandle id = 0;
+    std::size_t n = 0;
+    // Large growth creates at least chunk_pieces_ and 1/kGrowthDivisor of what is held:
+    // creates stay few (logarithmic in the peak) and the spare overshoot at the peak
+    // stays under 1/kGrowthDivisor of it.
+    const std::size_t chunk =
+        small ? lacking : std::max({lacking, chunk_pieces_, reserved_ / page_ / kGrowthDivisor});
+    for (const std::size_t tried : {chunk, lacking}) {
+      if (tried * page_ > limit() || reserved_ > limit() - tried * page_) continue;
+      id = driver_.create_physical(tried * page_);
+      if (id != 0) {
+        n = tried;
+        break;
+      }
+      if (tried == lacking) break;
+    }
+    if (id == 0) return Grow::kOutOfMemory;
+    auto h = std::make_unique<Handle>();
+    h->id = id;
+    h->small = small;
+    h->live_at.assign(n, 0);
+    h->mappings.assign(n, 0);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (i < lacking) {
+        got.push_back(PieceRef{h.get(), i});
+      } else {
+        spare_.emplace(id, i);
+      }
+    }
+    handles_.emplace(id, std::move(h));
+    add_reserved(small, static_cast<std::int64_t>(n * page_));
+    ++stats_.num_device_alloc;
+    for (StatType t : {kAggregate, pool_stat(small)})
+      stats_.segment[t].increase(1);
+  }
+
+  // Commit.
+  if (fresh) s = &new_space(arena, small);
+  for (std::size_t i = 0; i < from_spare; ++i)
+    spare_.erase({got[i].handle->id, got[i].index});
+  for (const Lend& l : lends)
+    make_void(*l.block->space, l.block, l.lo, l.lo + l.pages * page_);
+  const std::size_t start = s->pages.size();
+  s->pages.resize(start + pages);
+  for (std::size_t k = 0; k < pages;) {
+    std::size_t len = 1;
+    while (k + len < pages && got[k + len].handle == got[k].handle &&
+           got[k + len].index == got[k].index + len) {
+      ++len;
+    }
+    Handle* h = got[k].handle;
+    const DevicePtr va = page_va(*s, start + k);
+    driver_.map_range(va, len * page_, h->id, std::size_t{got[k].index} * page_);
+    s->mappings.emplace(start + k, Mapping{len, h, got[k].index});
+    for (std::size_t i = 0; i < len; ++i) {
+      const std::uint32_t piece = got[k].index + static_cast<std::uint32_t>(i);
+      h->live_at[piece] = va + i * page_;
+      ++h->mappings[piece];
+      s->pages[start + k + i] = Page{h, piece};
+    }
+    record_trace(TraceAction::kSegmentMap, va, len * page_, arena.stream, 0);
+    k += len;
+  }
+  Pool& pool = arena.pool(small);
+  if (tail != nullptr) {
+    pool.erase(tail);
+    tail->size += pages * page_;
+    pool.insert(tail);
+    *out = tail;
+  } else {
+    Block* b = new_block();
+    b->ptr = page_va(*s, start);
+    b->size = pages * page_;
+    b->space = s;
+    b->prev = s->last;
+    if (s->last != nullptr) {
+      s->last->next = b;
+    } else {
+      s->first = b;
+    }
+    s->last = b;
+    pool.insert(b);
+    *out = b;
+  }
+  return Grow::kDone;
+}
+
+void StitchEngine::add_reserved(bool small, std::int64_t bytes) {
+  reserved_ = static_cast<std::size_t>(static_cast<std::int64_t>(reserved_) + bytes);
+  for (StatType t : {kAggregate, pool_stat(small)}) {
+    if (bytes >= 0) {
+      stats_.reserved_bytes[t].increase(bytes);
+    } else {
+      stats_.reserved_bytes[t].decrease(-bytes);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Events, releasing the cache
+
+void StitchEngine::process_events() {
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < pending_.size(); ++i) {
+    const PendingEvent p = pending_[i];
+    if (!driver_.query_event(p.event)) {
+      pending_[kept++] = p;
+      continue;
+    }
+    spare_events_.push_back(p.event);
+    if (--p.block->event_count == 0) free_block(p.block);
+  }
+  pending_.resize(kept);
+}
+
+void StitchEngine::synchronize_events() {
+  ++stats_.num_sync_all_streams;
+  for (const PendingEvent& p : pending_) {
+    driver_.synchronize_event(p.event);
+    spare_events_.push_back(p.event);
+    if (--p.block->event_count == 0) free_block(p.block);
+  }
+  pending_.clear();
+}
+
+// Unmaps every mapping whose pages are all dead or free, then releases the handles left
+// with no live piece and no mapping. Waits for every stream whose pages it unmaps.
+void StitchEngine::release_cache() {
+  synchronize_events();
+  for (const auto& arena : arenas_) {
+    bool synchronized = false;
+    for (auto& spaces : arena->spaces) {
+      for (auto it = spaces.begin(); it != spaces.end();) {
+        Space& s = **it;
+        // Pages touched by an allocated block cannot be unmapped.
+        std::vector<bool> busy(s.pages.size(), false);
+        for (const Block* b = s.first; b != nullptr; b = b->next) {
+          if (b->kind != Block::Kind::kAllocated && b->kind != Block::Kind::kPending) continue;
+          for (std::size_t p = (b->ptr - s.base) / page_;
+               p < (b->end() - s.base + page_ - 1) / page_; ++p) {
+            busy[p] = true;
+          }
+        }
+        for (auto m = s.mappings.begin(); m != s.mappings.end();) {
+          const std::size_t first = m->first;
+          const std::size_t n = m->second.pages;
+          if (std::any_of(busy.begin() + static_cast<std::ptrdiff_t>(first),
+                          busy.begin() + static_cast<std::ptrdiff_t>(first + n),
+                          [](bool x) { return x; })) {
+            ++m;
+            continue;
+          }
+          if (!synchronized) {
+            driver_.synchronize_stream(arena->stream);
+            synchronized = true;
+          }
+          const DevicePtr va = page_va(s, first);
+          driver_.unmap(va, n * page_);
+          record_trace(TraceAction::kSegmentUnmap, va, n * page_, arena->stream, 0);
+          for (std::size_t i = 0; i < n; ++i) {
+            Page& page = s.pages[first + i];
+            Handle* h = page.handle;
+            --h->mappings[page.piece];
+            if (h->live_at[page.piece] == va + i * page_) {
+              h->live_at[page.piece] = 0;
+              spare_.emplace(h->id, page.piece);
+            }
+            page = Page{};
+          }
+          m = s.mappings.erase(m);
+        }
+        // Free pages now unmapped become void.
+        for (Block* b = s.first; b != nullptr;) {
+          if (b->kind != Block::Kind::kFree) {
+            b = b->next;
+            continue;
+          }
+          const DevicePtr lo = align_up(b->ptr, page_);
+          const DevicePtr hi = align_down(b->end(), page_);
+          DevicePtr run = 0;
+          DevicePtr cut_lo = 0, cut_hi = 0;
+          for (DevicePtr va = lo; va < hi; va += page_) {
+            const bool unmapped = s.pages[(va - s.base) / page_].handle == nullptr;
+            if (unmapped && run == 0) run = va;
+            if (run != 0 && (!unmapped || va + page_ == hi)) {
+              cut_lo = run;
+              cut_hi = unmapped ? va + page_ : va;
+              break;
+            }
+          }
+          if (cut_hi == 0) {
+            b = b->next;
+            continue;
+          }
+          make_void(s, b, cut_lo, cut_hi);
+          // Rescan from the block after the new void one.
+          Block* v = s.first;
+          while (v != nullptr && !(v->ptr <= cut_lo && cut_lo < v->end()))
+            v = v->next;
+          b = v != nullptr ? v->next : nullptr;
+        }
+        // Give back address space: unmapped void pages at the end, then an empty space.
+        while (s.last != nullptr && s.last->kind == Block::Kind::kVoid) {
+          Block* v = s.last;
+          const std::size_t first = (v->ptr - s.base) / page_;
+          bool all_unmapped = true;
+          for (std::size_t p = first; p < s.pages.size(); ++p)
+            all_unmapped = all_unmapped && s.pages[p].handle == nullptr;
+          if (!all_unmapped) break;
+          s.pages.resize(first);
+          s.last = v->prev;
+          if (s.last != nullptr) {
+            s.last->next = nullptr;
+          } else {
+            s.first = nullptr;
+          }
+          delete_block(v);
+        }
+        if (s.first == nullptr) {
+          driver_.free_address_range(s.base, s.reserved_pages * page_);
+          it = spaces.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  release_spare_handles();
+}
+
+void StitchEngine::release_spare_handles() {
+  for (auto it = handles_.begin(); it != handles_.end();) {
+    Handle& h = *it->second;
+    const bool unused =
+        std::all_of(h.live_at.begin(), h.live_at.end(), [](DevicePtr v) { return v == 0; }) &&
+        std::all_of(h.mappings.begin(), h.mappings.end(), [](std::uint32_t n) { return n == 0; });
+    if (!unused) {
+      ++it;
+      continue;
+    }
+    const std::size_t n = h.live_at.size();
+    driver_.release_physical(h.id, n * page_);
+    for (std::uint32_t i = 0; i < n; ++i)
+      spare_.erase({h.id, i});
+    add_reserved(h.small, -static_cast<std::int64_t>(n * page_));
+    ++stats_.num_device_free;
+    for (StatType t : {kAggregate, pool_stat(h.small)})
+      stats_.segment[t].decrease(1);
+    it = handles_.erase(it);
+  }
+}
+
+void StitchEngine::empty_cache() {
+  {
+    std::lock_guard lock(mutex_);
+    release_cache();
+  }
+  after_operation();
+}
+
+// ---------------------------------------------------------------------------------------
+// Stats, settings, observers, history
+
+DeviceStats StitchEngine::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void StitchEngine::reset_peak_stats() {
+  std::lock_guard lock(mutex_);
+  stats_.reset_peak();
+}
+
+void StitchEngine::reset_accumulated_stats() {
+  std::lock_guard lock(mutex_);
+  stats_.reset_accumulated();
+}
+
+void StitchEngine::set_memory_fraction(double fraction) {
+  const std::optional<std::size_t> limit = fraction_limit(fraction, capacity_, device());
+  std::lock_guard lock(mutex_);
+  fraction_ = fraction;
+  limit_ = limit;
+}
+
+double StitchEngine::memory_fraction() const {
+  std::lock_guard lock(mutex_);
+  return fraction_;
+}
+
+std::size_t StitchEngine::allocation_size(DevicePtr ptr) const {
+  std::lock_guard lock(mutex_);
+  const auto it = live_.find(ptr);
+  return it == live_.end() ? 0 : it->second->size;
+}
+
+StitchEngine::PieceCounts StitchEngine::piece_counts() const {
+  std::lock_guard lock(mutex_);
+  PieceCounts c;
+  for (const auto& [id, h] : handles_)
+    c.total += h->live_at.size();
+  c.spare = spare_.size();
+  for (const auto& arena : arenas_) {
+    for (const auto& spaces : arena->spaces) {
+      for (const auto& s : spaces) {
+        for (std::size_t p = 0; p < s->pages.size(); ++p) {
+          const Page& page = s->pages[p];
+          if (page.handle != nullptr && page.handle->live_at[page.piece] != page_va(*s, p)) {
+            ++c.dead_pages;
+          }
+        }
+      }
+    }
+  }
+  return c;
+}
+
+void StitchEngine::add_oom_observer(Allocator::OomObserver observer) {
+  std::lock_guard lock(mutex_);
+  oom_observers_.push_back(std::move(observer));
+}
+
+void StitchEngine::add_free_memory_callback(Allocator::FreeMemoryCallback callback) {
+  std::lock_guard lock(mutex_);
+  free_memory_callbacks_.push_back(std::move(callback));
+}
+
+void StitchEngine::add_trace_observer(TraceObserver observer) {
+  std::lock_guard lock(mutex_);
+  trace_observers_.push_back(std::move(observer));
+}
+
+void StitchEngine::record_trace(TraceAction action, DevicePtr addr, std::size_t size,
+                                StreamId stream, StackTable::Id stack) {
+  if (!history_on_ && trace_observers_.empty()) return;
+  const std::int64_t now = driver_.now_us();
+  if (history_on_) {
+    history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
+  }
+  const TraceEntry entry{action, addr, size, stream, now};
+  for (const TraceObserver& observer : trace_observers_)
+    observer(entry);
+}
+
+void StitchEngine::raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
+                             std::size_t requested, std::size_t rounded, bool small,
+                             StackTable::Id stack) {
+  const MemInfo info = driver_.mem_info();
+  ++stats_.num_ooms;
+  record_trace(TraceAction::kOom, info.free_bytes, rounded, arena.stream, stack);
+  const Pool& pool = arena.pool(small);
+  const std::size_t largest = pool.empty() ? 0 : (*pool.rbegin())->size;
+  const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[kAggregate].current);
+  std::string m = "CUDA out of memory on device " + std::to_string(device()) +
+                  ". Tried to allocate " + format_size(requested) + " (" +
+                  std::to_string(requested) + " bytes on stream " + std::to_string(arena.stream) +
+                  ", rounded to " + format_size(rounded) + "). " + driver_.name() +
+                  " has a total capacity of " + format_size(info.total_bytes) + " of which " +
+                  format_size(info.free_bytes) + " is free. ";
+  if (limit_) {
+    char buf[128];
+    std::snprintf(buf, sizeof buf, "per_process_memory_fraction %.4g allows ", fraction_);
+    m += buf + format_size(*limit_) + ". ";
+  }
+  m += "Of the " + format_size(reserved_) + " reserved by ccalloc, " + format_size(allocated) +
+       " is allocated and " + format_size(reserved_ - allocated) +
+       " is reserved but unallocated (in pages shared with live blocks: free pages were "
+       "already stitched or returned); the largest free block is " +
+       format_size(largest) + " on this stream.";
+  if (limit_ && info.free_bytes >= rounded) {
+    m += " The per_process_memory_fraction limit refused it: raise the fraction "
+         "(set_memory_fraction or per_process_memory_fraction) to let it succeed.";
+  }
+  const std::size_t limit_bytes = limit();
+  const auto observers = oom_observers_;
+  lock.unlock();
+  for (const auto& observer : observers)
+    observer(device(), requested, limit_bytes, info.free_bytes);
+  after_operation();
+  throw OutOfMemoryError(m, device(), requested);
+}
+
+void StitchEngine::record_history(const HistoryOptions& options) {
+  using O = HistoryOptions;
+  const bool on = options.enabled != O::Enabled::kNone;
+  const bool stacks =
+      on && options.stacks == O::Stacks::kCpp && options.context >= O::Context::kAlloc;
+  std::lock_guard lock(mutex_);
+  history_on_ = on && options.enabled == O::Enabled::kAll;
+  capture_on_malloc_.store(stacks && history_on_, std::memory_order_relaxed);
+  capture_on_free_.store(stacks && history_on_ && options.context == O::Context::kAll,
+                         std::memory_order_relaxed);
+  history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
+                     options.clear || !on);
+  if (!on || options.clear) annotations_.clear();
+}
+
+void StitchEngine::annotate(std::string_view name, bool start) {
+  std::lock_guard lock(mutex_);
+  if (!history_on_) return;
+  annotations_.push_back(
+      Annotation{std::string(name), start ? "START" : "END", device(), driver_.now_us()});
+}
+
+namespace {
+
+BlockState state_of(bool allocated, bool pending) {
+  if (allocated) return BlockState::kActiveAllocated;
+  return pending ? BlockState::kActivePendingFree : BlockState::kInactive;
+}
+
+}  // namespace
+
+// Each run of non-void blocks of a space is one segment (void pages hold no memory of
+// theirs), as expandable segments report their mapped runs.
+std::vector<SegmentInfo> StitchEngine::segments() const {
+  std::lock_guard lock(mutex_);
+  std::vector<SegmentInfo> out;
+  for (const auto& arena : arenas_) {
+    for (const auto& spaces : arena->spaces) {
+      for (const auto& s : spaces) {
+        SegmentInfo* seg = nullptr;
+        for (const Block* b = s->first; b != nullptr; b = b->next) {
+          if (b->kind == Block::Kind::kVoid) {
+            seg = nullptr;
+            continue;
+          }
+          if (seg == nullptr) {
+            out.emplace_back();
+            seg = &out.back();
+            seg->device = device();
+            seg->address = b->ptr;
+            seg->stream = arena->stream;
+            seg->is_small = s->small;
+            seg->is_expandable = true;
+          }
+          const bool allocated = b->kind == Block::Kind::kAllocated;
+          const bool pending = b->kind == Block::Kind::kPending;
+          seg->total_size += b->size;
+          if (allocated) seg->allocated_size += b->size;
+          if (allocated || pending) {
+            seg->active_size += b->size;
+            seg->requested_size += b->requested;
+          }
+          seg->blocks.push_back(
+              BlockInfo{b->ptr, b->size, b->requested, state_of(allocated, pending)});
+        }
+      }
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+  return out;
+}
+
+Snapshot StitchEngine::snapshot() {
+  Snapshot s;
+  std::vector<HistoryEntry> entries;
+  std::vector<std::pair<SnapshotSegment, std::vector<StackTable::Id>>> segs;
+  {
+    std::lock_guard lock(mutex_);
+    record_trace(TraceAction::kSnapshot, 0,
+                 static_cast<std::size_t>(stats_.active_bytes[kAggregate].current), 0, 0);
+    entries = history_.entries();
+    s.allocator_settings = settings_of(config_);
+    s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
+    s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
+    s.external_annotations = annotations_;
+    for (const auto& arena : arenas_) {
+      for (const auto& spaces : arena->spaces) {
+        for (const auto& sp : spaces) {
+          SnapshotSegment* seg = nullptr;
+          for (const Block* b = sp->first; b != nullptr; b = b->next) {
+            if (b->kind == Block::Kind::kVoid) {
+              seg = nullptr;
+              continue;
+            }
+            if (seg == nullptr) {
+              segs.emplace_back();
+              seg = &segs.back().first;
+              seg->device = device();
+              seg->address = b->ptr;
+              seg->stream = arena->stream;
+              seg->is_small = sp->small;
+              seg->is_expandable = true;
+            }
+            const bool allocated = b->kind == Block::Kind::kAllocated;
+            const bool pending = b->kind == Block::Kind::kPending;
+            seg->total_size += b->size;
+            if (allocated) seg->allocated_size += b->size;
+            if (allocated || pending) {
+              seg->active_size += b->size;
+              seg->requested_size += b->requested;
+            }
+            SnapshotBlock block;
+            block.address = b->ptr;
+            block.size = b->size;
+            block.requested_size = b->requested;
+            block.state = state_of(allocated, pending);
+            seg->blocks.push_back(block);
+            segs.back().second.push_back(allocated || pending ? b->stack : 0);
+          }
+        }
+      }
+    }
+  }
+  std::vector<StackTable::Id> ids;
+  for (const HistoryEntry& e : entries) {
+    if (e.stack != 0) ids.push_back(e.stack);
+  }
+  for (const auto& [seg, stacks] : segs) {
+    for (const StackTable::Id id : stacks) {
+      if (id != 0) ids.push_back(id);
+    }
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const auto frames = stack_table().symbolize(ids);
+  for (auto& [seg, stacks] : segs) {
+    for (std::size_t i = 0; i < seg.blocks.size(); ++i) {
+      const auto f = frames.find(stacks[i]);
+      if (stacks[i] != 0 && f != frames.end()) seg.blocks[i].frames = f->second;
+    }
+    s.segments.push_back(std::move(seg));
+  }
+  std::sort(
+      s.segments.begin(), s.segments.end(),
+      [](const SnapshotSegment& a, const SnapshotSegment& b) { return a.address < b.address; });
+  s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
+  s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------
+// Invariants
+
+void StitchEngine::check_invariants() const {
+  std::lock_guard lock(mutex_);
+  check_locked();
+}
+
+void StitchEngine::check_locked() const {
+  const auto violated = [this](const std::string& what) {
+    throw InvariantError("ccalloc: invariant violated on device " + std::to_string(device()) +
+                         " (ccalloc policy): " + what);
+  };
+  using Kind = Block::Kind;
+  DeviceStats recount;
+  std::size_t free_blocks = 0, allocated_blocks = 0, pending_blocks = 0;
+  // Physical bytes of live blocks: (handle, piece, first byte, end byte in the piece).
+  std::vector<std::tuple<PhysicalHandle, std::uint32_t, std::size_t, std::size_t, DevicePtr>> used;
+  std::map<std::pair<PhysicalHandle, std::uint32_t>, std::uint32_t> page_maps;
+  std::size_t live_pieces = 0;
+  const auto* sim = dynamic_cast<const sim::SimDriver*>(&driver_);
+  for (const auto& arena : arenas_) {
+    for (int k = 0; k < 2; ++k) {
+      const bool small = k == 1;
+      for (const auto& sp : arena->spaces[k]) {
+        const Space& s = *sp;
+        if (s.small != small || s.arena != arena.get()) violated("a space is in the wrong list");
+        const DevicePtr frontier = page_va(s, s.pages.size());
+        DevicePtr at = s.base;
+        const Block* prev = nullptr;
+        for (const Block* b = s.first; b != nullptr; prev = b, b = b->next) {
+          if (b->ptr != at || b->size == 0 || b->prev != prev || b->space != &s) {
+            violated("the blocks of the space at " + hex(s.base) + " do not tile it at " + hex(at));
+          }
+          at = b->end();
+          if (b->kind == Kind::kFree && prev != nullptr && prev->kind == Kind::kFree) {
+            violated("free blocks at " + hex(prev->ptr) + " and " + hex(b->ptr) + " are adjacent");
+          }
+          const bool in_pool = arena->pools[k].count(const_cast<Block*>(b)) != 0;
+          if (in_pool != (b->kind == Kind::kFree)) {
+            violated("block " + hex(b->ptr) + " is " + (in_pool ? "" : "not ") +
+                     "in its pool but is " + (b->kind == Kind::kFree ? "free" : "not free"));
+          }
+          const auto live = live_.find(b->ptr);
+          const bool is_live = live != live_.end() && live->second == b;
+          if (is_live != (b->kind == Kind::kAllocated)) {
+            violated("block " + hex(b->ptr) + " is live iff allocated: it is not so");
+          }
+          if ((b->kind == Kind::kPending) != (b->event_count > 0)) {
+            violated("block " + hex(b->ptr) + " is pending iff it waits for events");
+          }
+          const std::size_t p0 = (b->ptr - s.base) / page_;
+          const std::size_t p1 = (b->end() - s.base + page_ - 1) / page_;
+          if (b->kind == Kind::kVoid) {
+            if (b->ptr % page_ != 0 || b->size % page_ != 0) {
+              violated("void block " + hex(b->ptr) + " is not page-aligned");
+            }
+            for (std::size_t p = p0; p < p1; ++p) {
+              const Page& pg = s.pages[p];
+              if (pg.handle != nullptr && pg.handle->live_at[pg.piece] == page_va(s, p)) {
+                violated("void block " + hex(b->ptr) + " covers the live page " +
+                         hex(page_va(s, p)));
+              }
+            }
+            continue;
+          }
+          for (std::size_t p = p0; p < p1; ++p) {
+            const Page& pg = s.pages[p];
+            if (pg.handle == nullptr || pg.handle->live_at[pg.piece] != page_va(s, p)) {
+              violated("block " + hex(b->ptr) + " covers the page " + hex(page_va(s, p)) +
+                       ", which is not live");
+            }
+          }
+          if (b->kind == Kind::kFree) {
+            ++free_blocks;
+            continue;
+          }
+          (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
+          for (StatType t : {kAggregate, pool_stat(small)}) {
+            if (b->kind == Kind::kAllocated) {
+              recount.allocation[t].current += 1;
+              recount.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
+            }
+            recount.active[t].current += 1;
+            recount.active_bytes[t].current += static_cast<std::int64_t>(b->size);
+            recount.requested_bytes[t].current += static_cast<std::int64_t>(b->requested);
+          }
+          for (std::size_t p = p0; p < p1; ++p) {
+            const Page& pg = s.pages[p];
+            const DevicePtr va = page_va(s, p);
+            const std::size_t lo = std::max(b->ptr, va) - va;
+            const std::size_t hi = std::min(b->end(), va + page_) - va;
+            used.emplace_back(pg.handle->id, pg.piece, lo, hi, b->ptr);
+          }
+        }
+        if (at != frontier) {
+          violated("the blocks of the space at " + hex(s.base) + " end at " + hex(at) +
+                   ", not at its frontier " + hex(frontier));
+        }
+        if ((s.first == nullptr) != (s.last == nullptr) || (prev != s.last)) {
+          violated("the space at " + hex(s.base) + " has a wrong last block");
+        }
+        if (s.pages.size() > s.reserved_pages) violated("a space passes its reservation");
+        // Mappings: contiguous pieces of one handle, exactly over the mapped pages.
+        std::vector<sim::SimDriver::MappingInfo> model;
+        std::size_t mapped_pages = 0;
+        for (const auto& [first, m] : s.mappings) {
+          for (std::size_t i = 0; i < m.pages; ++i) {
+            const Page& pg = s.pages.at(first + i);
+            if (pg.handle != m.handle || pg.piece != m.first_piece + i) {
+              violated("page " + hex(page_va(s, first + i)) + " disagrees with its mapping");
+            }
+            page_maps[{pg.handle->id, pg.piece}] += 1;
+          }
+          mapped_pages += m.pages;
+          model.push_back({page_va(s, first), m.pages * page_, m.handle->id,
+                           std::size_t{m.first_piece} * page_});
+        }
+        std::size_t pages_with_piece = 0;
+        for (std::size_t p = 0; p < s.pages.size(); ++p) {
+          const Page& pg = s.pages[p];
+          if (pg.handle == nullptr) continue;
+          ++pages_with_piece;
+          if (pg.handle->live_at[pg.piece] == page_va(s, p)) ++live_pieces;
+        }
+        if (pages_with_piece != mapped_pages) {
+          violated("the space at " + hex(s.base) + " has pages outside its mappings");
+        }
+        if (sim != nullptr && sim->mappings_in(s.base, s.reserved_pages * page_) != model) {
+          violated("the device's mappings in the space at " + hex(s.base) + " are not the model's");
+        }
+      }
+    }
+    for (const Pool& pool : arena->pools) {
+      for (const Block* b : pool) {
+        if (b->kind != Kind::kFree || b->space->arena != arena.get()) {
+          violated("pool holds block " + hex(b->ptr) + ", which is not a free block of it");
+        }
+      }
+    }
+  }
+  std::size_t pooled = 0;
+  for (const auto& arena : arenas_)
+    pooled += arena->pools[0].size() + arena->pools[1].size();
+  if (pooled != free_blocks) violated("the pools hold blocks that are not in any space");
+  if (live_.size() != allocated_blocks) violated("live_ holds blocks that are not in any space");
+  std::size_t pending_count = 0;
+  for (const PendingEvent& p : pending_)
+    pending_count += p.block->kind == Kind::kPending ? 1 : 0;
+  if (pending_count != pending_.size()) violated("an event waits for a block that is not pending");
+
+  // Pieces.
+  std::size_t pieces = 0, spare = 0, live_anywhere = 0;
+  for (const auto& [id, h] : handles_) {
+    if (h->id != id || h->live_at.size() != h->mappings.size()) violated("a handle is malformed");
+    for (std::uint32_t i = 0; i < h->live_at.size(); ++i) {
+      ++pieces;
+      const auto pm = page_maps.find({id, i});
+      const std::uint32_t maps = pm == page_maps.end() ? 0 : pm->second;
+      if (maps != h->mappings[i]) {
+        violated("piece " + std::to_string(i) + " of handle " + std::to_string(id) + " counts " +
+                 std::to_string(h->mappings[i]) + " mappings but " + std::to_string(maps) +
+                 " pages map it");
+      }
+      const bool is_spare = spare_.count({id, i}) != 0;
+      if (is_spare != (h->live_at[i] == 0)) {
+        violated("piece " + std::to_string(i) + " of handle " + std::to_string(id) +
+                 (is_spare ? " is spare but live" : " is live nowhere but not spare"));
+      }
+      spare += is_spare ? 1 : 0;
+      live_anywhere += h->live_at[i] != 0 ? 1 : 0;
+    }
+  }
+  if (spare != spare_.size()) violated("the spare set names pieces that do not exist");
+  if (live_anywhere != live_pieces) {
+    violated(std::to_string(live_anywhere) + " pieces claim a live page but " +
+             std::to_string(live_pieces) + " pages are live");
+  }
+  if (reserved_ != pieces * page_ ||
+      static_cast<std::int64_t>(reserved_) != stats_.reserved_bytes[kAggregate].current) {
+    violated("reserved is " + std::to_string(reserved_) + " bytes but " + std::to_string(pieces) +
+             " pieces are held");
+  }
+  // reserved may exceed the limit after set_memory_fraction lowered it; growth never
+  // passes it (grow() checks before creating).
+  // No two live blocks share a physical byte.
+  std::sort(used.begin(), used.end());
+  for (std::size_t i = 1; i < used.size(); ++i) {
+    const auto& a = used[i - 1];
+    const auto& b = used[i];
+    if (std::get<0>(a) == std::get<0>(b) && std::get<1>(a) == std::get<1>(b) &&
+        std::get<3>(a) > std::get<2>(b)) {
+      violated("live blocks " + hex(std::get<4>(a)) + " and " + hex(std::get<4>(b)) +
+               " share physical memory (piece " + std::to_string(std::get<1>(a)) + " of handle " +
+               std::to_string(std::get<0>(a)) + ")");
+    }
+  }
+  for (StatType t : {kAggregate, kSmallPool, kLargePool}) {
+    const auto differs = [&](const StatArray& a, const StatArray& b, const char* name) {
+      if (a[t].current != b[t].current) {
+        violated(std::string(name) + " is " + std::to_string(a[t].current) +
+                 " but a recount gives " + std::to_string(b[t].current));
+      }
+    };
+    differs(stats_.allocation, recount.allocation, "allocation");
+    differs(stats_.allocated_bytes, recount.allocated_bytes, "allocated_bytes");
+    differs(stats_.active, recount.active, "active");
+    differs(stats_.active_bytes, recount.active_bytes, "active_bytes");
+    differs(stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
+  }
+}
+
+}  // namespace ccalloc::core

@@ -1,0 +1,349 @@
+// The `ccalloc` preset's policy (src/core/stitch_engine.hpp): physical pieces of 2 MiB,
+// free pages stitched into the range that needs them, dead pages until empty_cache or the
+// OOM ladder. Exact values on the simulated GPU. Most tests use devices too small for a
+// 20 MiB chunk, so that new memory is exactly what a request lacks (the policy's fallback);
+// one test covers the chunk.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "ccalloc/allocator.hpp"
+#include "ccalloc/errors.hpp"
+#include "ccalloc/sim.hpp"
+#include "core/stitch_engine.hpp"
+#include "io/trace_csv.hpp"
+#include "replay/fit.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using ccalloc::Config;
+using ccalloc::DevicePtr;
+using ccalloc::kAggregate;
+using ccalloc::core::StitchEngine;
+using ccalloc_test::message_of;
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr std::size_t kGiB = std::size_t{1} << 30;
+constexpr DevicePtr kVa = 0x600000000000;  // the simulated GPU's first reservation
+constexpr const char* kExact = "ccalloc";
+
+struct Fixture {
+  explicit Fixture(std::size_t capacity = 18 * kMiB, const char* conf = kExact)
+      : gpu(options(capacity)), engine(gpu, Config::parse(conf)) {
+    engine.set_check_invariants(true);
+  }
+  static ccalloc::sim::Options options(std::size_t capacity) {
+    ccalloc::sim::Options o;
+    o.capacity = capacity;
+    return o;
+  }
+  std::int64_t reserved() const { return engine.stats().reserved_bytes[kAggregate].current; }
+  ccalloc::sim::SimDriver gpu;
+  StitchEngine engine;
+};
+
+TEST(StitchPolicy, TheCcallocPresetSelectsItAndPytorchDoesNot) {
+  EXPECT_TRUE(Config::parse("").stitch_segments);
+  EXPECT_TRUE(Config::parse("ccalloc").stitch_segments);
+  EXPECT_FALSE(Config::parse("pytorch").stitch_segments);
+  EXPECT_FALSE(Config::parse("pytorch,expandable_segments:True").stitch_segments);
+}
+
+TEST(StitchPolicy, LargeRequestsPackContiguouslyInWholePages) {
+  Fixture f;
+  const DevicePtr a = f.engine.malloc(3 * kMiB, 0);
+  const DevicePtr b = f.engine.malloc(3 * kMiB, 0);
+  EXPECT_EQ(a, kVa);
+  EXPECT_EQ(b, kVa + 3 * kMiB);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(6 * kMiB));  // not two 4 MiB blocks
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(f.gpu.counters().maps, 2u);
+}
+
+TEST(StitchPolicy, SmallRequestsShareOneSmallPoolPage) {
+  Fixture f;
+  const DevicePtr large = f.engine.malloc(3 * kMiB, 0);
+  std::vector<DevicePtr> small;
+  for (int i = 0; i < 4; ++i)
+    small.push_back(f.engine.malloc(512 * 1024, 0));
+  for (int i = 1; i < 4; ++i)
+    EXPECT_EQ(small[i], small[0] + static_cast<std::size_t>(i) * 512 * 1024);
+  EXPECT_NE(small[0] / (2 * kMiB), large / (2 * kMiB));  // the small pool's own space
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(4 * kMiB + 2 * kMiB));
+  EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current,
+            static_cast<std::int64_t>(2 * kMiB));
+}
+
+TEST(StitchPolicy, NewMemoryIsAtLeastAChunkAndTheRestStaysSpare) {
+  Fixture f(1 * kGiB, "ccalloc");
+  f.engine.malloc(5 * kMiB, 0);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));
+  EXPECT_EQ(f.engine.piece_counts().total, 10u);
+  EXPECT_EQ(f.engine.piece_counts().spare, 7u);
+  // The next growth maps spare pieces: no new memory, one map of a contiguous run.
+  f.engine.malloc(5 * kMiB, 0);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));
+  EXPECT_EQ(f.gpu.counters().physical_creates, 1u);
+  EXPECT_EQ(f.gpu.counters().maps, 2u);
+  EXPECT_EQ(f.engine.piece_counts().spare, 5u);
+}
+
+// a | b | c, 4 MiB each; a freed; a request of 4 MiB + 512 fits no free block: the two
+// wholly free pages of a are lent to the frontier and only one new piece is created.
+struct Stitched : Fixture {
+  Stitched() {
+    a = engine.malloc(4 * kMiB, 0);
+    b = engine.malloc(4 * kMiB, 0);
+    c = engine.malloc(4 * kMiB, 0);
+    engine.free(a);
+    d = engine.malloc(4 * kMiB + 512, 0);
+  }
+  DevicePtr a = 0, b = 0, c = 0, d = 0;
+};
+
+TEST(StitchPolicy, StitchingLendsFreePagesInsteadOfCreatingMemory) {
+  Stitched f;
+  EXPECT_EQ(f.d, kVa + 12 * kMiB);                                // at the frontier
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(14 * kMiB));  // growth alone: 18 MiB
+  EXPECT_EQ(f.gpu.counters().physical_creates, 4u);
+  // a's two pieces map as one run, the new piece as another.
+  EXPECT_EQ(f.gpu.counters().maps, 5u);
+  EXPECT_EQ(f.gpu.counters().unmaps, 0u);
+  EXPECT_EQ(f.engine.piece_counts().dead_pages, 2u);
+  EXPECT_EQ(f.engine.piece_counts().spare, 0u);
+  // One physical piece, two virtual addresses: a's old page and d's first page.
+  const auto old_map = f.gpu.mappings_in(kVa, 4 * kMiB);
+  const auto new_map = f.gpu.mappings_in(kVa + 12 * kMiB, 4 * kMiB);
+  ASSERT_EQ(old_map.size(), 1u);
+  ASSERT_EQ(new_map.size(), 1u);
+  EXPECT_EQ(old_map[0].handle, new_map[0].handle);
+  EXPECT_EQ(new_map[0].bytes, 4 * kMiB);
+}
+
+TEST(StitchPolicy, DeadPagesAreNeitherFreeNorReported) {
+  Stitched f;
+  f.engine.free(f.b);  // next to a's dead pages: it must not merge with them
+  const auto segs = f.engine.segments();
+  ASSERT_EQ(segs.size(), 1u);
+  EXPECT_EQ(segs[0].address, kVa + 4 * kMiB);
+  EXPECT_EQ(segs[0].total_size, 14 * kMiB);
+  ASSERT_EQ(segs[0].blocks.size(), 4u);
+  EXPECT_EQ(segs[0].blocks[0].size, 4 * kMiB);  // b, free
+  EXPECT_EQ(segs[0].blocks[0].state, ccalloc::BlockState::kInactive);
+  EXPECT_EQ(segs[0].blocks[3].size, 6 * kMiB - 4 * kMiB - 512);  // d's unused tail
+  // A 6 MiB request fits no free block (b: 4 MiB): it stitches b's pages, not a's.
+  f.engine.malloc(6 * kMiB, 0);
+  EXPECT_EQ(f.engine.piece_counts().dead_pages, 4u);
+}
+
+TEST(StitchPolicy, EmptyCacheUnmapsDeadAndFreePagesAndReleasesUnusedMemory) {
+  Stitched f;
+  f.engine.free(f.b);
+  f.engine.free(f.d);
+  f.engine.empty_cache();
+  // c's handle stays (c is live); everything else is unmapped and released.
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(4 * kMiB));
+  EXPECT_EQ(f.gpu.used_bytes(), 4 * kMiB);
+  EXPECT_EQ(f.engine.piece_counts().dead_pages, 0u);
+  EXPECT_EQ(f.gpu.counters().physical_releases, 3u);
+  EXPECT_EQ(f.gpu.mappings_in(kVa, 1 * kGiB).size(), 1u);
+  EXPECT_EQ(f.gpu.counters().stream_synchronizes, 1u);
+  f.engine.free(f.c);
+  f.engine.empty_cache();
+  EXPECT_EQ(f.reserved(), 0);
+  EXPECT_EQ(f.gpu.used_bytes(), 0u);
+  EXPECT_TRUE(f.engine.segments().empty());
+}
+
+TEST(StitchPolicy, MallocAndFreeNeverSynchronizeOrUnmap) {
+  Stitched f;
+  f.engine.free(f.b);
+  f.engine.free(f.d);
+  f.engine.malloc(9 * kMiB, 0);
+  const auto c = f.gpu.counters();
+  EXPECT_EQ(c.unmaps, 0u);
+  EXPECT_EQ(c.stream_synchronizes + c.event_synchronizes + c.device_synchronizes, 0u);
+}
+
+TEST(StitchPolicy, OomLadderReleasesOtherStreamsCacheAndRetries) {
+  Fixture f(16 * kMiB);
+  f.engine.free(f.engine.malloc(8 * kMiB, 1));  // cached on stream 1
+  const DevicePtr p = f.engine.malloc(12 * kMiB, 0);
+  EXPECT_NE(p, 0u);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
+  EXPECT_EQ(f.engine.stats().num_alloc_retries, 1);
+  EXPECT_EQ(f.gpu.counters().physical_releases, 1u);
+  EXPECT_EQ(f.gpu.counters().unmaps, 1u);
+  // The device's capacity refuses the creation without a driver call.
+  EXPECT_EQ(f.gpu.counters().physical_create_ooms, 0u);
+}
+
+TEST(StitchPolicy, OomWhenNothingIsLeftToReleaseNamesTheRequest) {
+  Fixture f(16 * kMiB);
+  f.engine.malloc(12 * kMiB, 0);
+  const std::string message =
+      message_of<ccalloc::OutOfMemoryError>([&] { f.engine.malloc(6 * kMiB, 0); });
+  EXPECT_NE(message.find("CUDA out of memory on device 0. Tried to allocate 6.00 MiB"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(f.engine.stats().num_ooms, 1);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
+}
+
+TEST(StitchPolicy, MemoryFractionCapsReservedAndFallsBackToExactGrowth) {
+  Fixture f(64 * kMiB, "ccalloc,per_process_memory_fraction:0.25");  // 16 MiB
+  f.engine.malloc(10 * kMiB, 0);  // a 20 MiB chunk would pass the limit: exactly 10 MiB
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
+  const std::string message =
+      message_of<ccalloc::OutOfMemoryError>([&] { f.engine.malloc(8 * kMiB, 0); });
+  EXPECT_NE(message.find("per_process_memory_fraction 0.25 allows 16.00 MiB"), std::string::npos)
+      << message;
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
+  f.engine.set_memory_fraction(0.5);  // 32 MiB: now a whole 20 MiB chunk fits
+  EXPECT_NE(f.engine.malloc(8 * kMiB, 0), 0u);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(30 * kMiB));
+}
+
+TEST(StitchPolicy, GcThresholdReleasesTheCacheBeforeCreatingPastIt) {
+  Fixture f(64 * kMiB, "ccalloc,garbage_collection_threshold:0.5");
+  f.engine.free(f.engine.malloc(20 * kMiB, 1));
+  f.engine.malloc(16 * kMiB, 0);  // 20 + 16 > 32 MiB: stream 1's cache goes first
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one new 20 MiB chunk
+  EXPECT_EQ(f.gpu.counters().physical_releases, 1u);
+  EXPECT_EQ(f.engine.stats().num_alloc_retries, 0);
+}
+
+TEST(StitchPolicy, CrossStreamFreeWaitsForTheEventAndItsPagesAreNotLent) {
+  Fixture f;
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+  f.engine.record_stream(a, 7);
+  f.engine.free(a);
+  const DevicePtr b = f.engine.malloc(4 * kMiB, 0);  // a is pending: new memory
+  EXPECT_EQ(b, a + 4 * kMiB);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(8 * kMiB));
+  EXPECT_EQ(f.engine.piece_counts().dead_pages, 0u);
+  EXPECT_EQ(f.engine.stats().active[kAggregate].current, 2);
+  f.gpu.complete_stream(7);
+  EXPECT_EQ(f.engine.malloc(4 * kMiB, 0), a);  // the event completed: a is reused
+  EXPECT_EQ(f.gpu.counters().event_synchronizes, 0u);
+}
+
+TEST(StitchPolicy, OomLadderWaitsForPendingFreesBeforeReleasing) {
+  Fixture f(8 * kMiB);
+  const DevicePtr a = f.engine.malloc(8 * kMiB, 0);
+  f.engine.record_stream(a, 7);
+  f.engine.free(a);
+  EXPECT_EQ(f.engine.malloc(8 * kMiB, 0), a);
+  EXPECT_EQ(f.gpu.counters().event_synchronizes, 1u);
+  EXPECT_EQ(f.engine.stats().num_sync_all_streams, 1);
+  EXPECT_EQ(f.engine.stats().num_alloc_retries, 0);
+}
+
+TEST(StitchPolicy, InvariantCheckerComparesTheDevicesMappingsWithTheModel) {
+  Fixture f;
+  f.engine.set_check_invariants(false);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+  f.engine.check_invariants();
+  const auto m = f.gpu.mappings_in(a, 4 * kMiB);
+  ASSERT_EQ(m.size(), 1u);
+  f.gpu.unmap(a, 4 * kMiB);  // behind the allocator's back
+  const std::string message =
+      message_of<ccalloc::InvariantError>([&] { f.engine.check_invariants(); });
+  EXPECT_NE(
+      message.find("the device's mappings in the space at 0x600000000000 are not the model's"),
+      std::string::npos)
+      << message;
+  f.gpu.map_range(m[0].va, m[0].bytes, m[0].handle, m[0].offset);  // restored
+  f.engine.check_invariants();
+}
+
+// The simulated GPU's map_range: part of a handle, one handle at several addresses.
+TEST(SimMapRange, MapsPartsOfAHandleAtSeveralAddressesAndCountsThem) {
+  ccalloc::sim::SimDriver gpu(Fixture::options(64 * kMiB));
+  const DevicePtr r = gpu.reserve_address_range(32 * kMiB);
+  const ccalloc::PhysicalHandle h = gpu.create_physical(8 * kMiB);
+  gpu.map_range(r, 4 * kMiB, h, 2 * kMiB);
+  gpu.map_range(r + 16 * kMiB, 2 * kMiB, h, 2 * kMiB);  // the same piece again
+  using M = ccalloc::sim::SimDriver::MappingInfo;
+  EXPECT_EQ(gpu.mappings_in(r, 32 * kMiB),
+            (std::vector<M>{{r, 4 * kMiB, h, 2 * kMiB}, {r + 16 * kMiB, 2 * kMiB, h, 2 * kMiB}}));
+  EXPECT_EQ(gpu.used_bytes(), 8 * kMiB);  // physical memory, not mappings
+  EXPECT_EQ(gpu.counters().maps, 2u);
+  const std::string busy =
+      message_of<ccalloc::DriverError>([&] { gpu.release_physical(h, 8 * kMiB); });
+  EXPECT_NE(busy.find("2 ranges of it are still mapped"), std::string::npos) << busy;
+  const std::string whole =
+      message_of<ccalloc::DriverError>([&] { gpu.map(r + 8 * kMiB, 8 * kMiB, h); });
+  EXPECT_NE(whole.find("ranges of the handle are already mapped"), std::string::npos) << whole;
+  gpu.unmap(r, 4 * kMiB);
+  gpu.unmap(r + 16 * kMiB, 2 * kMiB);
+  gpu.release_physical(h, 8 * kMiB);
+  EXPECT_EQ(gpu.used_bytes(), 0u);
+}
+
+TEST(SimMapRange, RejectsRangesPastTheHandleAndUnalignedOffsets) {
+  ccalloc::sim::SimDriver gpu(Fixture::options(64 * kMiB));
+  const DevicePtr r = gpu.reserve_address_range(32 * kMiB);
+  const ccalloc::PhysicalHandle h = gpu.create_physical(4 * kMiB);
+  const std::string past =
+      message_of<ccalloc::DriverError>([&] { gpu.map_range(r, 4 * kMiB, h, 2 * kMiB); });
+  EXPECT_NE(past.find("the handle has only 4194304 bytes"), std::string::npos) << past;
+  const std::string odd =
+      message_of<ccalloc::DriverError>([&] { gpu.map_range(r, 2 * kMiB, h, 4096); });
+  EXPECT_NE(odd.find("must be multiples of the granularity"), std::string::npos) << odd;
+  EXPECT_EQ(gpu.counters().maps, 0u);
+}
+
+// fit: a 3 MiB and a 3 MiB block (6 MiB mapped), the first freed, then 5 MiB. Stitching
+// lends the first block's one wholly free page and creates two: 10 MiB. On 8 MiB the
+// creation fails and the ladder finds nothing to release (both mappings touch live pages).
+// PyTorch's policy needs one 20 MiB segment for requests of 1-10 MiB.
+std::vector<ccalloc::io::TraceRecord> small_trace() {
+  using ccalloc::TraceAction;
+  const auto row = [](TraceAction a, DevicePtr addr, std::size_t size) {
+    ccalloc::io::TraceRecord r;
+    r.entry.action = a;
+    r.entry.addr = addr;
+    r.entry.size = size;
+    return r;
+  };
+  return {row(TraceAction::kAlloc, 0x1000000, 3 * kMiB),
+          row(TraceAction::kAlloc, 0x2000000, 3 * kMiB),
+          row(TraceAction::kFreeRequested, 0x1000000, 3 * kMiB),
+          row(TraceAction::kFreeCompleted, 0x1000000, 3 * kMiB),
+          row(TraceAction::kAlloc, 0x3000000, 5 * kMiB),
+          row(TraceAction::kFreeRequested, 0x3000000, 5 * kMiB),
+          row(TraceAction::kFreeCompleted, 0x3000000, 5 * kMiB),
+          row(TraceAction::kFreeRequested, 0x2000000, 3 * kMiB),
+          row(TraceAction::kFreeCompleted, 0x2000000, 3 * kMiB)};
+}
+
+TEST(StitchFit, FindsTheSmallestPassingCapacityAndVerifiesIt) {
+  ccalloc::replay::FitOptions options;
+  options.conf = kExact;
+  const auto r = ccalloc::replay::fit(small_trace(), options);
+  EXPECT_EQ(r.floor_bytes, static_cast<std::int64_t>(8 * kMiB));
+  EXPECT_EQ(r.capacity, 10 * kMiB);
+  EXPECT_EQ(r.peak_reserved_bytes, static_cast<std::int64_t>(10 * kMiB));
+  EXPECT_TRUE(r.passes_at_capacity);
+  EXPECT_TRUE(r.fails_below);
+}
+
+TEST(StitchFit, PytorchPolicyNeedsAWholeSegment) {
+  ccalloc::replay::FitOptions options;
+  options.conf = "pytorch";
+  const auto r = ccalloc::replay::fit(small_trace(), options);
+  EXPECT_EQ(r.capacity, 20 * kMiB);
+  EXPECT_TRUE(r.verified());
+}
+
+TEST(StitchFit, ATraceWithoutAllocationsIsAnError) {
+  ccalloc::replay::FitOptions options;
+  const std::string message =
+      message_of<ccalloc::Error>([&] { ccalloc::replay::fit({}, options); });
+  EXPECT_NE(message.find("allocates nothing"), std::string::npos) << message;
+}
+
+}  // namespace
