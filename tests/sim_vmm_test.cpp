@@ -274,14 +274,14 @@ TEST(SimVmm, UnmapMustCoverWholeContiguousMappings) {
 
 TEST(SimVmm, CostModelChargesEachVirtualMemoryCall) {
   SimDriver d(with_capacity(2 * kMiB));
-  const DevicePtr r = d.reserve_address_range(2 * kMiB);  // 19
-  const PhysicalHandle h = d.create_physical(2 * kMiB);   // 193
-  EXPECT_EQ(d.create_physical(2 * kMiB), 0u);             // 193: an OOM is still a call
-  d.map(r, 2 * kMiB, h);                                  // 1.45 + 36
-  d.unmap(r, 2 * kMiB);                                   // 25.6
-  d.release_physical(h, 2 * kMiB);                        // 0
+  const DevicePtr r = d.reserve_address_range(2 * kMiB);  // 1.71
+  const PhysicalHandle h = d.create_physical(2 * kMiB);   // 8.02
+  EXPECT_EQ(d.create_physical(2 * kMiB), 0u);             // 8.02: an OOM is still a call
+  d.map(r, 2 * kMiB, h);                                  // 0.65 + 34.60
+  d.unmap(r, 2 * kMiB);                                   // 26.58
+  d.release_physical(h, 2 * kMiB);                        // 10.07
   d.free_address_range(r, 2 * kMiB);                      // 0
-  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 19 + 193 + 193 + 1.45 + 36 + 25.6);
+  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 1.71 + 8.02 + 8.02 + 0.65 + 34.60 + 26.58 + 10.07);
   Counters want;
   want.reserve_calls = 1;
   want.address_frees = 1;
@@ -474,7 +474,7 @@ TEST(SimPool, SynchronizeDeviceCompletesEveryFree) {
   d.synchronize_device();
   EXPECT_EQ(d.allocate_async(4 * kMiB, kS2), p);
   EXPECT_EQ(d.counters().device_synchronizes, 1u);
-  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 2 * 1.19 + 230.45 + 10.0);  // one growth
+  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 2 * 1.19 + 43.27 + 10.0);  // one growth
 }
 
 // ---------------------------------------------------------------------------------------
@@ -504,7 +504,7 @@ TEST(SimPool, GrowsOnlyByThePagesFreeMemoryLacks) {
   EXPECT_EQ(d.pool_usage().reserved_current, 6 * kMiB);
   EXPECT_EQ(d.counters().pool_pages_grown, 3u);
   EXPECT_EQ(d.counters().pool_grows, 2u);
-  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 2 * 1.19 + 2 * 230.45);  // per growth, not per page
+  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 2 * 1.19 + 2 * 43.27);  // per growth, not per page
 }
 
 TEST(SimPool, ReturnsZeroWhenGrowingWouldExceedCapacity) {
@@ -565,7 +565,7 @@ TEST(SimPool, TrimReleasesCompletedFreePagesButKeepsAtLeastTheBytesAsked) {
   EXPECT_EQ(c.pool_trims, 3u);
   EXPECT_EQ(c.pool_pages_trimmed, 3u);
   // Charged per growth and per trim that released something.
-  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 3 * 1.19 + 3 * 230.45 + 2 * 25.6);
+  EXPECT_DOUBLE_EQ(d.simulated_driver_us(), 3 * 1.19 + 3 * 43.27 + 2 * 36.65);
 }
 
 TEST(SimPool, TrimKeepsPagesInUse) {

@@ -56,16 +56,16 @@ inline constexpr std::size_t kGiB = std::size_t{1} << 30;
 // in ResNet-50 training (JuliaGPU/CuArrays.jl PR #414). Synchronisation has no published
 // per-call figure; its default is an assumption, stated as such in docs/simulated-gpu.md.
 //
-// Virtual memory: per-call averages on an A100, one thread, 2 MiB pages (kvcached's VMM
-// benchmark). A real mapping is cuMemMap followed by cuMemSetAccess, so map() is charged both.
-// cuMemRelease and cuMemAddressFree were not measured: 0 until someone measures them.
+// Virtual memory: medians of 300 calls measured by bench/gpu/vmm_cost.cpp on an H100 (CUDA
+// 13, 2 MiB handles; docs/simulated-gpu.md has the table). A real mapping is cuMemMap followed
+// by cuMemSetAccess, so each map() is charged both. cuMemAddressFree was not measured (0).
 //
 // The stream-ordered pool: cudaMallocAsync from a warm pool averaged 1.19 us
 // (JuliaGPU/CUDA.jl PR #2162). cudaFreeAsync has no published figure (0). Growing and
 // trimming the pool have no published figure either; their defaults are estimates from the
 // VMM calls the driver presumably makes: one physical allocation created, mapped and made
 // accessible per growth (VMM cost goes with the number of handles, not their size), one unmap
-// (and an unmeasured release) per trim that releases memory.
+// and one release per trim that releases memory.
 struct CostModel {
   double allocate_us = 59.2;
   double free_us = 46.0;
@@ -73,18 +73,18 @@ struct CostModel {
   double event_record_us = 0.0;
   double event_query_us = 0.0;
   // Virtual memory.
-  double reserve_us = 19.0;           // cuMemAddressReserve
+  double reserve_us = 1.71;           // cuMemAddressReserve
   double address_free_us = 0.0;       // cuMemAddressFree: unmeasured
-  double physical_create_us = 193.0;  // cuMemCreate, also when it reports OOM
-  double physical_release_us = 0.0;   // cuMemRelease: unmeasured
-  double map_us = 1.45;               // cuMemMap, charged per map() ...
-  double set_access_us = 36.0;        // ... together with cuMemSetAccess
-  double unmap_us = 25.6;             // cuMemUnmap, per unmap() call
+  double physical_create_us = 8.02;   // cuMemCreate, also when it reports OOM
+  double physical_release_us = 10.07; // cuMemRelease
+  double map_us = 0.65;               // cuMemMap, charged per map() ...
+  double set_access_us = 34.60;       // ... together with cuMemSetAccess
+  double unmap_us = 26.58;            // cuMemUnmap, per unmap() call
   // The stream-ordered pool.
   double async_allocate_us = 1.19;  // cudaMallocAsync, also when it reports OOM
   double async_free_us = 0.0;       // cudaFreeAsync: unmeasured
-  double pool_grow_us = 230.45;     // per growth of the pool: an estimate (193 + 1.45 + 36)
-  double pool_trim_us = 25.6;       // per pool_trim that releases memory: an estimate
+  double pool_grow_us = 43.27;      // per growth of the pool: an estimate (8.02 + 0.65 + 34.60)
+  double pool_trim_us = 36.65;      // per pool_trim that releases memory: an estimate (26.58 + 10.07)
   double stream_wait_us = 0.0;      // cudaStreamWaitEvent: unmeasured
 };
 

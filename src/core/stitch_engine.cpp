@@ -444,40 +444,47 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
             config_.garbage_collection_threshold * static_cast<double>(limit())) {
       return Grow::kNeedsGc;
     }
-    PhysicalHandle id = 0;
-    std::size_t n = 0;
     // Large growth creates at least chunk_pieces_ and 1/kGrowthDivisor of what is held:
     // creates stay few (logarithmic in the peak) and the spare overshoot at the peak
     // stays under 1/kGrowthDivisor of it.
     const std::size_t chunk =
         small ? lacking : std::max({lacking, chunk_pieces_, reserved_ / page_ / kGrowthDivisor});
+    // Each piece is a handle of its own: CUDA maps a handle only whole, from its start
+    // (cuMemMap rejects a non-zero offset), so a piece that may be stitched elsewhere later
+    // must be one.
+    std::vector<PhysicalHandle> ids;
     for (const std::size_t tried : {chunk, lacking}) {
       if (tried * page_ > limit() || reserved_ > limit() - tried * page_) continue;
-      id = driver_.create_physical(tried * page_);
-      if (id != 0) {
-        n = tried;
-        break;
+      ids.clear();
+      while (ids.size() < tried) {
+        const PhysicalHandle id = driver_.create_physical(page_);
+        if (id == 0) break;
+        ids.push_back(id);
       }
+      if (ids.size() >= lacking) break;  // the chunk, or at least what the request needs
+      for (const PhysicalHandle id : ids) driver_.release_physical(id, page_);
+      ids.clear();
       if (tried == lacking) break;
     }
-    if (id == 0) return Grow::kOutOfMemory;
-    auto h = std::make_unique<Handle>();
-    h->id = id;
-    h->small = small;
-    h->live_at.assign(n, 0);
-    h->mappings.assign(n, 0);
-    for (std::uint32_t i = 0; i < n; ++i) {
+    if (ids.empty()) return Grow::kOutOfMemory;
+    const std::size_t n = ids.size();
+    for (std::size_t i = 0; i < n; ++i) {
+      auto h = std::make_unique<Handle>();
+      h->id = ids[i];
+      h->small = small;
+      h->live_at.assign(1, 0);
+      h->mappings.assign(1, 0);
       if (i < lacking) {
-        got.push_back(PieceRef{h.get(), i});
+        got.push_back(PieceRef{h.get(), 0});
       } else {
-        spare_.emplace(id, i);
+        spare_.emplace(ids[i], 0);
       }
+      handles_.emplace(ids[i], std::move(h));
     }
-    handles_.emplace(id, std::move(h));
     add_reserved(small, static_cast<std::int64_t>(n * page_));
-    ++stats_.num_device_alloc;
+    stats_.num_device_alloc += n;
     for (StatType t : {kAggregate, pool_stat(small)})
-      stats_.segment[t].increase(1);
+      stats_.segment[t].increase(n);
   }
 
   // Commit.

@@ -5,11 +5,15 @@
 // Invariants, all under mutex_:
 //   physical_bytes_ == sum of the sizes in physical_;
 //   every mapping lies inside one reservation, mappings are disjoint, and a handle is
-//   mapped at most once, exactly where its Physical::mapped_at says;
+//   mapped by map() at most once, exactly where its Physical::mapped_at says, and then by
+//   no map_range(); map_range() may map a whole handle at several addresses at once (CUDA
+//   allows that; it rejects a non-zero offset into a handle), and Physical::range_mappings
+//   counts those mappings;
 //   a reservation is freed only with nothing mapped inside it, and a handle released only
 //   when it is not mapped.
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "drivers/sim/sim_common.hpp"
 
@@ -90,6 +94,10 @@ void SimDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
   if (it->second.mapped_at != 0) {
     fail(what + ": it is still mapped at " + hex(it->second.mapped_at) + "; unmap it first");
   }
+  if (it->second.range_mappings != 0) {
+    fail(what + ": it is still mapped at " + std::to_string(it->second.range_mappings) +
+         " addresses; unmap them first");
+  }
   physical_bytes_ -= bytes;
   physical_.erase(it);
   ++counters_.physical_releases;
@@ -123,6 +131,7 @@ void SimDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
   if (p->second.mapped_at != 0) {
     fail(what + ": the handle is already mapped at " + hex(p->second.mapped_at));
   }
+  if (p->second.range_mappings != 0) fail(what + ": the handle is already mapped by map_range");
   if (p->second.bytes != bytes) {
     fail(what + ": the handle has " + bytes_str(p->second.bytes) +
          ", and a mapping covers a whole physical allocation");
@@ -164,11 +173,67 @@ void SimDriver::unmap(DevicePtr va, std::size_t bytes) {
     cursor += it->second.bytes;
     ++it;
   }
-  for (auto m = first; m != it; ++m)
-    physical_.at(m->second.handle).mapped_at = 0;
+  for (auto m = first; m != it; ++m) {
+    Physical& p = physical_.at(m->second.handle);
+    if (m->second.ranged) {
+      --p.range_mappings;
+    } else {
+      p.mapped_at = 0;
+    }
+  }
   mappings_.erase(first, it);
   ++counters_.unmaps;
   driver_us_ += options_.cost.unmap_us;
+}
+
+void SimDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
+                          std::size_t offset) {
+  const std::size_t g = options_.vm_granularity;
+  std::lock_guard lock(mutex_);
+  const std::string what = "map_range of handle " + std::to_string(handle) + " (offset " +
+                           bytes_str(offset) + ") at " + range_str(va, bytes);
+  if (bytes == 0 || bytes % g != 0 || va % g != 0) {
+    fail(what + ": the address and size must be multiples of the granularity (" +
+         bytes_str(g) + ")");
+  }
+  // cuMemMap answers CUDA_ERROR_NOT_SUPPORTED for a non-zero offset (measured on H100 with
+  // CUDA 13, bench/gpu/vmm_cost.cpp): a mapping always covers a whole handle from its start.
+  if (offset != 0) fail(what + ": CUDA maps a handle from its start only (offset must be 0)");
+  if (bytes > kMaxPtr - va) fail(what + ": the range passes the end of the address space");
+  const auto r = reservations_.upper_bound(va);
+  if (r == reservations_.begin() || std::prev(r)->first + std::prev(r)->second < va + bytes) {
+    fail(what + ": the range is not inside one reserved address range");
+  }
+  auto m = mappings_.lower_bound(va);
+  if (m != mappings_.begin() && std::prev(m)->first + std::prev(m)->second.bytes > va) --m;
+  if (m != mappings_.end() && m->first < va + bytes) {
+    fail(what + ": it overlaps the mapping " + range_str(m->first, m->second.bytes) +
+         " of handle " + std::to_string(m->second.handle));
+  }
+  const auto p = physical_.find(handle);
+  if (p == physical_.end()) {
+    fail(what + ": no such physical allocation (never created, or already released)");
+  }
+  if (p->second.mapped_at != 0) {
+    fail(what + ": the handle is mapped by map() at " + hex(p->second.mapped_at));
+  }
+  if (p->second.bytes != bytes) {
+    fail(what + ": the handle has " + bytes_str(p->second.bytes) +
+         ", and a mapping covers a whole handle");
+  }
+  ++p->second.range_mappings;
+  mappings_.emplace(va, Mapping{bytes, handle, offset, true});
+  ++counters_.maps;
+  driver_us_ += options_.cost.map_us + options_.cost.set_access_us;
+}
+
+std::vector<SimDriver::MappingInfo> SimDriver::mappings_in(DevicePtr base,
+                                                           std::size_t bytes) const {
+  std::lock_guard lock(mutex_);
+  std::vector<MappingInfo> out;
+  for (auto m = mappings_.lower_bound(base); m != mappings_.end() && m->first < base + bytes; ++m)
+    out.push_back(MappingInfo{m->first, m->second.bytes, m->second.handle, m->second.offset});
+  return out;
 }
 
 }  // namespace ccalloc::sim
