@@ -1271,5 +1271,72 @@ TEST(RmmLog, ErrorsNameTheLine) {
             "rmm.csv:1: duplicate column 'Action' in the header");
 }
 
+
+// ---- streamed parsing ---------------------------------------------------------------------
+
+// Makes every ByteInput hand out at most `cap` bytes per chunk while in scope.
+class ChunkCap {
+ public:
+  explicit ChunkCap(std::size_t cap) { detail::test_chunk_cap = cap; }
+  ~ChunkCap() { detail::test_chunk_cap = 0; }
+  ChunkCap(const ChunkCap&) = delete;
+  ChunkCap& operator=(const ChunkCap&) = delete;
+};
+
+TEST(StreamedParse, EverySharedPickleInTinyChunksEqualsTheWholeBufferParse) {
+  REQUIRE_TRACES();
+  for (const std::string& path : shared_pickles()) {
+    SCOPED_TRACE(path);
+    const Value whole = parse_pickle(read_file(path), path);
+    for (const std::size_t cap : {std::size_t{7}, std::size_t{1}}) {
+      ChunkCap tiny(cap);
+      EXPECT_TRUE(read_value_file(path) == whole) << "chunks of " << cap;
+    }
+  }
+}
+
+TEST(StreamedParse, WrittenJsonInTinyChunksEqualsTheWholeBufferParse) {
+  REQUIRE_TRACES();
+  TempDir dir;
+  const std::string path = dir.file("s.json.gz");
+  write_snapshot(path, read_snapshot(shared_pickles().front()));
+  const Value whole = parse_json(read_file(path), path);
+  for (const std::size_t cap : {std::size_t{7}, std::size_t{1}}) {
+    ChunkCap tiny(cap);
+    EXPECT_TRUE(read_value_file(path) == whole) << "chunks of " << cap;
+  }
+}
+
+TEST(StreamedParse, ErrorOffsetsAreAbsoluteInTinyChunks) {
+  TempDir dir;
+  write_file(dir.file("bad.json"), "{\"a\": [1, 2, tru]}");
+  write_file(dir.file("bad.pickle"), "\x80\x02]q\x00(K\x01K\x02\xff" "e."s);
+  ChunkCap tiny(1);
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("bad.json")); }),
+            dir.file("bad.json") + ": byte 13: invalid literal (expected 'true')");
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("bad.pickle")); }),
+            dir.file("bad.pickle") + ": byte 10: unknown pickle opcode 0xff");
+}
+
+TEST(StreamedParse, TruncatedStringNamesOffsetWhenStreamed) {
+  TempDir dir;
+  write_file(dir.file("short.pickle"), "\x80\x02X\x05\x00\x00\x00" "ab"s);
+  ChunkCap tiny(1);
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("short.pickle")); }),
+            dir.file("short.pickle") +
+                ": byte 2: BINUNICODE announces 5 bytes, but only 2 remain (truncated or "
+                "corrupt pickle)");
+}
+
+TEST(StreamedParse, NestingLimitNamesOffsetAndVariable) {
+  TempDir dir;
+  write_file(dir.file("deep.json"), std::string(300, '[') + std::string(300, ']'));
+  ChunkCap tiny(7);
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("deep.json")); }),
+            dir.file("deep.json") +
+                ": byte 256: arrays and objects nested deeper than 256 levels (limit); raise "
+                "it with the environment variable CCALLOC_MAX_NESTING");
+}
+
 }  // namespace
 }  // namespace ccalloc::io
