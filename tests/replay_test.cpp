@@ -631,7 +631,6 @@ TEST_F(ReplayCli, EmitTraceWithTwoConfigsWritesNumberedFiles) {
   EXPECT_FALSE(fs::exists(dir_.file("out.csv.gz")));
 }
 
-
 // A snapshot streamed as a trace replays exactly as the CSV of the same trace.
 TEST(ReplayStream, SnapshotTraceMatchesTheCsvOfTheSameTrace) {
   const std::string pickle = std::string(CCALLOC_TRACES_DIR) + "/resnet50_train.pickle.gz";
@@ -655,7 +654,7 @@ TEST(ReplayStream, JsonSnapshotTraceInTinyChunksMatchesTheCsv) {
   TempDir dir;
   const std::string json = dir.file("r.json.gz");
   ccalloc::io::write_snapshot(json, ccalloc::io::read_snapshot(std::string(CCALLOC_TRACES_DIR) +
-                                                       "/resnet50_train.pickle.gz"));
+                                                               "/resnet50_train.pickle.gz"));
   const auto csv = ccalloc::io::read_trace_csv(kResnet);
   ccalloc::io::detail::test_chunk_cap = 7;
   std::vector<TraceRecord> streamed;

@@ -42,7 +42,8 @@ class Parser final : public ValueParser {
         return true;
       case kKey: {
         skip_space();
-        if (at_end() || peek() != '"') fail("unexpected " + describe() + " (expected a string key)");
+        if (at_end() || peek() != '"')
+          fail("unexpected " + describe() + " (expected a string key)");
         Value key(string());
         skip_space();
         if (at_end() || peek() != ':') fail("unexpected " + describe() + " (expected ':')");

@@ -156,8 +156,7 @@ constexpr std::size_t kNoRoot = std::numeric_limits<std::size_t>::max();
 
 class Reader final : public ValueParser {
  public:
-  Reader(ByteInput& in, const std::string& name, const PickleLimits& limits,
-         TraceEntrySink* sink)
+  Reader(ByteInput& in, const std::string& name, const PickleLimits& limits, TraceEntrySink* sink)
       : in_(in), name_(name), limits_(limits), sink_(sink) {
     metas_.push_back(Meta{});  // kScalarMeta
   }
@@ -407,8 +406,8 @@ class Reader final : public ValueParser {
   // (after a MARK, and after the devices before it).
   void classify_list() {
     const std::size_t p = stack_.size() - 1;
-    if (traces_root_ != kNoRoot && (traces_root_ >= p ||
-                                    metas_[stack_[traces_root_].meta].role != Meta::kTracesRoot)) {
+    if (traces_root_ != kNoRoot &&
+        (traces_root_ >= p || metas_[stack_[traces_root_].meta].role != Meta::kTracesRoot)) {
       traces_root_ = kNoRoot;
     }
     if (traces_root_ == kNoRoot) {

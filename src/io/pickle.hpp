@@ -46,7 +46,7 @@ Value parse_pickle(ByteInput& in, const std::string& name, PickleLimits limits =
 // the memo keeps what the entry memoized inside it (strings; and frames lists and frame
 // dicts, which later entries may reference), so a snapshot with frames costs the memo its
 // distinct strings plus its memoized frames, and every memo index costs one slot (~48
-// bytes) and every container one small record (16 bytes) for as long as the parse runs.
+// bytes) and every container one small record (40 bytes) for as long as the parse runs.
 std::unique_ptr<ValueParser> pickle_parser(ByteInput& in, const std::string& name,
                                            const PickleLimits& limits, TraceEntrySink* sink);
 std::string write_pickle(const Value& v);

@@ -532,8 +532,8 @@ PickleLimits pickle_limits(const ReadLimits& limits) {
 SnapshotFormat detect_value_format(ByteInput& in, const std::string& path) {
   std::size_t i = 0;
   if (in.ensure(3) && std::string_view(in.here(), 3) == "\xef\xbb\xbf") i = 3;
-  while (in.ensure(i + 1) &&
-         (in.here()[i] == ' ' || in.here()[i] == '\t' || in.here()[i] == '\n' || in.here()[i] == '\r'))
+  while (in.ensure(i + 1) && (in.here()[i] == ' ' || in.here()[i] == '\t' || in.here()[i] == '\n' ||
+                              in.here()[i] == '\r'))
     ++i;
   if (!in.ensure(i + 1)) throw FormatError(path + ": empty file (expected a pickle or JSON)");
   const auto first = static_cast<unsigned char>(in.here()[i]);

@@ -22,8 +22,9 @@ class TraceEntrySink {
 class ValueParser {
  public:
   virtual ~ValueParser() = default;
-  // Parses a little more (at most one trace entry is handed to the sink per call); false
-  // once the whole document has been read and checked.
+  // Parses a little more: one opcode of a pickle (an APPENDS hands the sink its batch,
+  // 1000 entries from Python's pickler) or one member or entry of JSON. False once the
+  // whole document has been read and checked.
   virtual bool step() = 0;
   // The document, after step() returned false.
   virtual Value result() = 0;
