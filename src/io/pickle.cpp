@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <unordered_map>
+#include <variant>
 #include <vector>
 
 #include "ccalloc/errors.hpp"
@@ -294,7 +295,13 @@ class Reader final : public ValueParser {
     stack_.push_back(e);
   }
   std::uint32_t new_meta() {
-    if (metas_.size() >= kUnsetMeta) fail("too many containers");
+    if (!free_metas_.empty()) {
+      const std::uint32_t meta = free_metas_.back();
+      free_metas_.pop_back();
+      metas_[meta] = Meta{1, 1, false};
+      return meta;
+    }
+    if (metas_.size() >= kReleasedMeta) fail("too many containers");
     metas_.push_back(Meta{1, 1, false});
     return static_cast<std::uint32_t>(metas_.size() - 1);
   }
@@ -421,7 +428,7 @@ class Reader final : public ValueParser {
     bool device = p == r + 1;
     if (!device && !marks_.empty() && marks_.back() == r + 1) {
       const Entry& before = stack_[p - 1];
-      device = p == r + 2 || (before.meta == kScalarMeta && before.v.is_none()) ||
+      device = (before.meta == kScalarMeta && before.v.is_none()) ||
                (before.meta != kScalarMeta && metas_[before.meta].role == Meta::kDeviceList);
     }
     if (!device) return;
@@ -440,6 +447,8 @@ class Reader final : public ValueParser {
         c.sealed = true;
         if (c.height + 1 > limits_.max_depth) adopt(target.meta, child);  // fails
         release_memo(child.meta);
+        // Nothing else holds the entry (no memo slot, no stack copy): its record is free.
+        if (sole_owner(child.v)) free_metas_.push_back(child.meta);
       }
       sink_->entry(t.device, t.streamed++, std::move(child.v));
     }
@@ -457,6 +466,17 @@ class Reader final : public ValueParser {
     device.v.mutable_list().clear();
     for (std::size_t i = 0; i < items.size(); ++i)
       sink_->entry(d, i, std::move(items[i]));
+  }
+  static bool sole_owner(const Value& v) {
+    return std::visit(
+        [](const auto& x) {
+          if constexpr (requires { x.use_count(); }) {
+            return x.use_count() == 1;
+          } else {
+            return false;
+          }
+        },
+        v.storage());
   }
   // A streamed entry leaves the memo: a later reference to it is an error.
   void release_memo(std::uint32_t meta) {
@@ -819,6 +839,7 @@ class Reader final : public ValueParser {
   std::vector<Entry> stack_;
   std::vector<std::size_t> marks_;
   std::vector<Meta> metas_;
+  std::vector<std::uint32_t> free_metas_;  // records of streamed entries, for reuse
   std::vector<Entry> memo_;
   std::unordered_map<std::uint64_t, Entry> sparse_memo_;
   std::size_t memo_count_ = 0;
