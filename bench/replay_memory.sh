@@ -8,6 +8,10 @@
 #   live-N          N allocations live at once, then freed: gives the bytes one live
 #                   allocation costs the replay (allocator block, maps, replay's address map).
 #   <largest trace> the bundled trace with the most entries.
+#   <snapshot>      the largest bundled snapshot (X.pickle.gz) replayed as a trace, next to
+#                   the CSV of the same trace (X.csv.gz): the snapshot is parsed as it is
+#                   read and its entries are not kept, so its extra memory over the CSV is
+#                   the rest of the snapshot (segments) and the parser's memo.
 # "live state" of a trace = its peak number of live allocations x the per-allocation bytes
 # measured by live-N; the ratio compares the trace's replay memory above the baseline with
 # that estimate. A reader that held the whole file would add entries x ~48 bytes (a
@@ -68,6 +72,24 @@ above=$(echo "($rss_kb - $base_kb) / 1024" | bc -l)
 printf '%-34s %10s %8s %12.1f %12.1f %12.2f\n' "$(basename "$largest") (peak $peak_live live)" \
   "$largest_entries" "$secs" "$(echo "$rss_kb / 1024" | bc -l)" "$live_mib" \
   "$(echo "$above / $live_mib" | bc -l)"
+snapshot=""
+for f in data/traces/*.pickle.gz; do
+  [ -f "${f%.pickle.gz}.csv.gz" ] || continue
+  if [ -z "$snapshot" ] || [ "$(stat -c %s "$f")" -gt "$(stat -c %s "$snapshot")" ]; then snapshot=$f; fi
+done
+if [ -n "$snapshot" ]; then
+  same_csv=${snapshot%.pickle.gz}.csv.gz
+  snap_entries=$(($(zcat "$same_csv" | wc -l) - 1))
+  measure "$same_csv"
+  csv_kb=$rss_kb
+  printf '%-34s %10s %8s %12.1f %12s %12s\n' "$(basename "$same_csv")" "$snap_entries" "$secs" \
+    "$(echo "$csv_kb / 1024" | bc -l)" - -
+  measure "$snapshot"
+  printf '%-34s %10s %8s %12.1f %12s %12s\n' "$(basename "$snapshot") (same trace)" \
+    "$snap_entries" "$secs" "$(echo "$rss_kb / 1024" | bc -l)" - -
+  printf '    -> snapshot replay uses %.1f MiB more than the CSV replay of the same trace\n' \
+    "$(echo "($rss_kb - $csv_kb) / 1024" | bc -l)"
+fi
 printf '\nratio = (max RSS - baseline RSS) / (peak live allocations x B/alloc); a whole-file\n'
 printf 'reader would also hold %d entries x 48 B = %.1f MiB.\n' "$largest_entries" \
   "$(echo "$largest_entries * 48 / 1048576" | bc -l)"

@@ -16,7 +16,9 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/trace.hpp"
+#include "io/byte_input.hpp"
 #include "io/gzip.hpp"
+#include "io/snapshot_io.hpp"
 #include "io/trace_csv.hpp"
 #include "io/trace_file.hpp"
 #include "test_support.hpp"
@@ -663,6 +665,49 @@ TEST_F(ReplayCli, FitPrintsTheSmallestCapacityPerConfigVerified) {
                           "at 2 MiB less"),
             std::string::npos)
       << text.out;
+}
+
+// A snapshot streamed as a trace replays exactly as the CSV of the same trace.
+TEST(ReplayStream, SnapshotTraceMatchesTheCsvOfTheSameTrace) {
+  const std::string pickle = std::string(CCALLOC_TRACES_DIR) + "/resnet50_train.pickle.gz";
+  ccalloc::replay::Options options;
+  options.conf = "pytorch";
+  const ccalloc::replay::Result from_csv =
+      ccalloc::replay::run(ccalloc::io::read_trace_csv(kResnet), options);
+  ccalloc::io::TraceReader reader(pickle);
+  const ccalloc::replay::Result from_snapshot = ccalloc::replay::run(
+      [&reader](TraceRecord& r) { return reader.next(r); }, options, {}, nullptr);
+  EXPECT_EQ(reader.kind(), ccalloc::io::FileKind::kSnapshotPickle);
+  EXPECT_EQ(reader.count(), ccalloc::io::read_trace_csv(kResnet).size());
+  EXPECT_EQ(from_snapshot.peak_reserved_bytes, from_csv.peak_reserved_bytes);
+  EXPECT_EQ(from_snapshot.peak_allocated_bytes, from_csv.peak_allocated_bytes);
+  EXPECT_EQ(from_snapshot.device_allocs, from_csv.device_allocs);
+  EXPECT_EQ(from_snapshot.stats.to_map(), from_csv.stats.to_map());
+}
+
+// The same through a JSON snapshot, read in 7-byte chunks.
+TEST(ReplayStream, JsonSnapshotTraceInTinyChunksMatchesTheCsv) {
+  TempDir dir;
+  const std::string json = dir.file("r.json.gz");
+  ccalloc::io::write_snapshot(json, ccalloc::io::read_snapshot(std::string(CCALLOC_TRACES_DIR) +
+                                                               "/resnet50_train.pickle.gz"));
+  const auto csv = ccalloc::io::read_trace_csv(kResnet);
+  ccalloc::io::detail::test_chunk_cap = 7;
+  std::vector<TraceRecord> streamed;
+  try {
+    streamed = ccalloc::io::read_any_trace(json);
+  } catch (...) {
+    ccalloc::io::detail::test_chunk_cap = 0;
+    throw;
+  }
+  ccalloc::io::detail::test_chunk_cap = 0;
+  ASSERT_EQ(streamed.size(), csv.size());
+  for (std::size_t i = 0; i < csv.size(); ++i) {
+    ASSERT_EQ(streamed[i].entry.action, csv[i].entry.action) << i;
+    ASSERT_EQ(streamed[i].entry.addr, csv[i].entry.addr) << i;
+    ASSERT_EQ(streamed[i].entry.size, csv[i].entry.size) << i;
+    ASSERT_EQ(streamed[i].entry.stream, csv[i].entry.stream) << i;
+  }
 }
 
 }  // namespace

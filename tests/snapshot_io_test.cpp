@@ -51,9 +51,9 @@ std::vector<std::string> shared_pickles() {
   return out;
 }
 
-#define REQUIRE_TRACES()                                                      \
-  do {                                                                        \
-    if (shared_pickles().empty()) FAIL() << "no traces in " << kTraces;     \
+#define REQUIRE_TRACES()                                                \
+  do {                                                                  \
+    if (shared_pickles().empty()) FAIL() << "no traces in " << kTraces; \
   } while (0)
 
 #define EXPECT_CONTAINS(haystack, needle)                          \
@@ -763,9 +763,10 @@ TEST(Json, Errors) {
             "test.json: byte 2: high surrogate escape not followed by a low surrogate");
   EXPECT_EQ(message_of<FormatError>([] { json("[\"a\nb\"]"); }),
             "test.json: byte 3: control character in a string (it must be escaped)");
-  EXPECT_EQ(message_of<FormatError>([] { json(std::string(100000, '[')); }),
-            "test.json: byte 256: arrays and objects nested deeper than 256 levels (limit); raise it "
-            "with the environment variable CCALLOC_MAX_NESTING");
+  EXPECT_EQ(
+      message_of<FormatError>([] { json(std::string(100000, '[')); }),
+      "test.json: byte 256: arrays and objects nested deeper than 256 levels (limit); raise it "
+      "with the environment variable CCALLOC_MAX_NESTING");
   EXPECT_NO_THROW(json(std::string(256, '[') + std::string(256, ']')));
   EXPECT_EQ(message_of<FormatError>([] { json(std::string(300, '{')); }),
             "test.json: byte 1: unexpected character '{' (expected a string key)");
@@ -1269,6 +1270,166 @@ TEST(RmmLog, ErrorsNameTheLine) {
             "'Thread,Time,Action,Pointer,Size,Stream')");
   EXPECT_EQ(err("Action,Action,Pointer,Size\n"),
             "rmm.csv:1: duplicate column 'Action' in the header");
+}
+
+// ---- streamed parsing ---------------------------------------------------------------------
+
+// Makes every ByteInput hand out at most `cap` bytes per chunk while in scope.
+class ChunkCap {
+ public:
+  explicit ChunkCap(std::size_t cap) { detail::test_chunk_cap = cap; }
+  ~ChunkCap() { detail::test_chunk_cap = 0; }
+  ChunkCap(const ChunkCap&) = delete;
+  ChunkCap& operator=(const ChunkCap&) = delete;
+};
+
+TEST(StreamedParse, EverySharedPickleInTinyChunksEqualsTheWholeBufferParse) {
+  REQUIRE_TRACES();
+  for (const std::string& path : shared_pickles()) {
+    SCOPED_TRACE(path);
+    const Value whole = parse_pickle(read_file(path), path);
+    for (const std::size_t cap : {std::size_t{7}, std::size_t{1}}) {
+      ChunkCap tiny(cap);
+      EXPECT_TRUE(read_value_file(path) == whole) << "chunks of " << cap;
+    }
+  }
+}
+
+TEST(StreamedParse, WrittenJsonInTinyChunksEqualsTheWholeBufferParse) {
+  REQUIRE_TRACES();
+  TempDir dir;
+  const std::string path = dir.file("s.json.gz");
+  write_snapshot(path, read_snapshot(shared_pickles().front()));
+  const Value whole = parse_json(read_file(path), path);
+  for (const std::size_t cap : {std::size_t{7}, std::size_t{1}}) {
+    ChunkCap tiny(cap);
+    EXPECT_TRUE(read_value_file(path) == whole) << "chunks of " << cap;
+  }
+}
+
+TEST(StreamedParse, ErrorOffsetsAreAbsoluteInTinyChunks) {
+  TempDir dir;
+  write_file(dir.file("bad.json"), "{\"a\": [1, 2, tru]}");
+  write_file(dir.file("bad.pickle"),
+             "\x80\x02]q\x00(K\x01K\x02\xff"
+             "e."s);
+  ChunkCap tiny(1);
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("bad.json")); }),
+            dir.file("bad.json") + ": byte 13: invalid literal (expected 'true')");
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("bad.pickle")); }),
+            dir.file("bad.pickle") + ": byte 10: unknown pickle opcode 0xff");
+}
+
+TEST(StreamedParse, TruncatedStringNamesOffsetWhenStreamed) {
+  TempDir dir;
+  write_file(dir.file("short.pickle"),
+             "\x80\x02X\x05\x00\x00\x00"
+             "ab"s);
+  ChunkCap tiny(1);
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("short.pickle")); }),
+            dir.file("short.pickle") +
+                ": byte 2: BINUNICODE announces 5 bytes, but only 2 remain (truncated or "
+                "corrupt pickle)");
+}
+
+TEST(StreamedParse, NestingLimitNamesOffsetAndVariable) {
+  TempDir dir;
+  write_file(dir.file("deep.json"), std::string(300, '[') + std::string(300, ']'));
+  ChunkCap tiny(7);
+  EXPECT_EQ(message_of<FormatError>([&] { read_value_file(dir.file("deep.json")); }),
+            dir.file("deep.json") +
+                ": byte 256: arrays and objects nested deeper than 256 levels (limit); raise "
+                "it with the environment variable CCALLOC_MAX_NESTING");
+}
+
+// Collects what a streaming parse hands out, per device.
+class CollectingSink final : public TraceEntrySink {
+ public:
+  void entry(std::size_t device, std::size_t index, Value v) override {
+    if (devices.size() <= device) devices.resize(device + 1);
+    EXPECT_EQ(index, devices[device].size());
+    devices[device].push_back(std::move(v));
+  }
+  std::vector<List> devices;
+};
+
+// Streams `path` through a sink; returns the parse's result.
+Value stream_file(const std::string& path, CollectingSink& sink) {
+  const ReadLimits limits;
+  ByteSource source(path, limits);
+  ByteInput in(source, {});
+  const std::unique_ptr<ValueParser> parser = value_parser(in, path, limits, &sink);
+  while (parser->step()) {
+  }
+  return parser->result();
+}
+
+// The entries reach the sink exactly as the whole parse holds them, and the streamed
+// result is the whole parse with each device's list empty.
+void expect_streams_like_whole_parse(const std::string& path) {
+  const Value whole = read_value_file(path);
+  CollectingSink sink;
+  const Value streamed = stream_file(path, sink);
+  const List& devices = whole.find("device_traces")->as_list();
+  ASSERT_EQ(sink.devices.size(), devices.size());
+  Value expected = Value::dict();
+  for (const auto& [key, value] : whole.as_dict()) {
+    if (key.as_string() != "device_traces") {
+      expected.mutable_dict().emplace_back(key, value);
+      continue;
+    }
+    List empty;
+    for (std::size_t d = 0; d < devices.size(); ++d) {
+      EXPECT_TRUE(Value::list(List(sink.devices[d])) == devices[d]) << "device " << d;
+      empty.push_back(Value::list());
+    }
+    expected.mutable_dict().emplace_back(key, Value::list(std::move(empty)));
+  }
+  EXPECT_TRUE(streamed == expected);
+}
+
+TEST(StreamedTraces, EverySharedPickleStreamsItsEntriesExactly) {
+  REQUIRE_TRACES();
+  for (const std::string& path : shared_pickles()) {
+    SCOPED_TRACE(path);
+    expect_streams_like_whole_parse(path);
+  }
+}
+
+TEST(StreamedTraces, WrittenJsonAndPickleWithTwoDevicesStreamExactly) {
+  REQUIRE_TRACES();
+  Snapshot s = read_snapshot(shared_pickles().front());
+  s.device_traces.resize(3);
+  s.device_traces[2] = s.device_traces[0];
+  s.device_traces[2].resize(5);
+  TempDir dir;
+  for (const char* name : {"two.json", "two.pickle"}) {
+    SCOPED_TRACE(name);
+    write_snapshot(dir.file(name), s);
+    ChunkCap tiny(7);
+    expect_streams_like_whole_parse(dir.file(name));
+  }
+}
+
+TEST(StreamedTraces, AReferenceToAStreamedEntryIsAnError) {
+  // {"device_traces": [[{}]], "x": <memo 3>}: memo 3 is the streamed entry.
+  const std::string data =
+      "\x80\x02}q\x00(X\x0d\x00\x00\x00"
+      "device_tracesq\x01]q\x02]q\x03}q\x04"
+      "a"
+      "aX\x01\x00\x00\x00"
+      "xh\x04u."s;
+  const Value whole = parse_pickle(data, "p");
+  EXPECT_EQ(whole.find("x")->as_dict().size(), 0u);
+  ByteInput in(data);
+  CollectingSink sink;
+  const std::unique_ptr<ValueParser> parser = pickle_parser(in, "p", PickleLimits{}, &sink);
+  EXPECT_EQ(message_of<FormatError>([&] {
+              while (parser->step()) {
+              }
+            }),
+            "p: byte 43: BINGET of memo index 4, an entry of device_traces: entries are "
+            "streamed and not kept, so they cannot be referenced again");
 }
 
 }  // namespace

@@ -6,52 +6,183 @@
 #include <system_error>
 
 #include "ccalloc/errors.hpp"
+#include "io/byte_input.hpp"
 
 namespace ccalloc::io {
 namespace {
 
-class Parser {
+class Parser final : public ValueParser {
  public:
-  Parser(std::string_view text, const std::string& name, std::size_t max_depth)
-      : text_(text), name_(name), max_depth_(max_depth) {}
+  Parser(ByteInput& in, const std::string& name, std::size_t max_depth, TraceEntrySink* sink)
+      : in_(in), name_(name), max_depth_(max_depth), sink_(sink) {}
 
-  Value run() {
-    // A UTF-8 byte order mark is not part of the document.
-    if (text_.starts_with("\xef\xbb\xbf")) pos_ = 3;
-    skip_space();
-    Value v = value(0);
-    skip_space();
-    if (pos_ != text_.size()) fail("unexpected " + describe() + " after the JSON value");
-    return v;
+  // With a sink, the top-level object is walked here member by member, and the arrays of
+  // "device_traces" element by element, so each step parses one member or one entry.
+  bool step() override {
+    switch (state_) {
+      case kStart:
+        // A UTF-8 byte order mark is not part of the document.
+        if (in_.ensure(3) && std::string_view(in_.here(), 3) == "\xef\xbb\xbf") in_.skip(3);
+        skip_space();
+        if (sink_ != nullptr && !at_end() && peek() == '{') {
+          check_depth(1);
+          in_.skip(1);
+          top_ = Value::dict();
+          skip_space();
+          if (!at_end() && peek() == '}') {
+            in_.skip(1);
+            state_ = kEnd;
+          } else {
+            state_ = kKey;
+          }
+          return true;
+        }
+        top_ = value(0);
+        state_ = kEnd;
+        return true;
+      case kKey: {
+        skip_space();
+        if (at_end() || peek() != '"')
+          fail("unexpected " + describe() + " (expected a string key)");
+        Value key(string());
+        skip_space();
+        if (at_end() || peek() != ':') fail("unexpected " + describe() + " (expected ':')");
+        in_.skip(1);
+        skip_space();
+        if (key.as_string() == "device_traces" && !at_end() && peek() == '[') {
+          check_depth(2);
+          in_.skip(1);
+          devices_ = Value::list();
+          device_ = 0;
+          skip_space();
+          if (!at_end() && peek() == ']') {
+            in_.skip(1);
+            end_devices();
+          } else {
+            state_ = kDevice;
+          }
+          return true;
+        }
+        Value v = value(1);
+        top_.mutable_dict().emplace_back(std::move(key), std::move(v));
+        state_ = kAfterMember;
+        return true;
+      }
+      case kAfterMember:
+        skip_space();
+        if (at_end()) fail("unexpected end of input (expected ',' or '}')");
+        if (peek() == ',') {
+          in_.skip(1);
+          state_ = kKey;
+          return true;
+        }
+        if (peek() == '}') {
+          in_.skip(1);
+          state_ = kEnd;
+          return true;
+        }
+        fail("unexpected " + describe() + " (expected ',' or '}')");
+      case kDevice:
+        skip_space();
+        if (!at_end() && peek() == '[') {
+          check_depth(3);
+          in_.skip(1);
+          devices_.mutable_list().push_back(Value::list());
+          entry_ = 0;
+          skip_space();
+          if (!at_end() && peek() == ']') {
+            in_.skip(1);
+            state_ = kAfterDevice;
+          } else {
+            state_ = kEntry;
+          }
+          return true;
+        } else {
+          // Not an array (null, or an error for the snapshot reader to name): kept whole.
+          Value v = value(2);
+          devices_.mutable_list().push_back(std::move(v));
+          state_ = kAfterDevice;
+          return true;
+        }
+      case kEntry: {
+        skip_space();
+        Value v = value(3);
+        sink_->entry(device_, entry_++, std::move(v));
+        skip_space();
+        if (at_end()) fail("unexpected end of input (expected ',' or ']')");
+        if (peek() == ',') {
+          in_.skip(1);
+          return true;
+        }
+        if (peek() == ']') {
+          in_.skip(1);
+          state_ = kAfterDevice;
+          return true;
+        }
+        fail("unexpected " + describe() + " (expected ',' or ']')");
+      }
+      case kAfterDevice:
+        skip_space();
+        if (at_end()) fail("unexpected end of input (expected ',' or ']')");
+        if (peek() == ',') {
+          in_.skip(1);
+          ++device_;
+          state_ = kDevice;
+          return true;
+        }
+        if (peek() == ']') {
+          in_.skip(1);
+          end_devices();
+          return true;
+        }
+        fail("unexpected " + describe() + " (expected ',' or ']')");
+      case kEnd:
+        skip_space();
+        if (!at_end()) fail("unexpected " + describe() + " after the JSON value");
+        state_ = kDone;
+        return false;
+      case kDone:
+        return false;
+    }
+    return false;
   }
+  Value result() override { return std::move(top_); }
 
  private:
-  [[noreturn]] void fail(const std::string& what) const { fail_at(pos_, what); }
-  [[noreturn]] void fail_at(std::size_t offset, const std::string& what) const {
+  enum State { kStart, kKey, kAfterMember, kDevice, kEntry, kAfterDevice, kEnd, kDone };
+
+  void end_devices() {
+    top_.mutable_dict().emplace_back(Value(std::string("device_traces")), std::move(devices_));
+    devices_ = Value();
+    state_ = kAfterMember;
+  }
+
+  [[noreturn]] void fail(const std::string& what) const { fail_at(in_.offset(), what); }
+  [[noreturn]] void fail_at(std::uint64_t offset, const std::string& what) const {
     throw FormatError(name_ + ": byte " + std::to_string(offset) + ": " + what);
   }
-  // The character at pos_, for messages.
-  std::string describe() const {
-    if (pos_ >= text_.size()) return "end of input";
-    const auto c = static_cast<unsigned char>(text_[pos_]);
+  // The character at the cursor, for messages.
+  std::string describe() {
+    if (at_end()) return "end of input";
+    const auto c = static_cast<unsigned char>(peek());
     if (c >= 0x20 && c < 0x7f) return std::string("character '") + static_cast<char>(c) + "'";
     static constexpr char kHex[] = "0123456789abcdef";
     return std::string("byte 0x") + kHex[c >> 4] + kHex[c & 0xf];
   }
 
   void skip_space() {
-    while (pos_ < text_.size()) {
-      const char c = text_[pos_];
+    while (!at_end()) {
+      const char c = peek();
       if (c != ' ' && c != '\t' && c != '\n' && c != '\r') return;
-      ++pos_;
+      in_.skip(1);
     }
   }
-  bool at_end() const { return pos_ >= text_.size(); }
-  char peek() const { return text_[pos_]; }
+  bool at_end() { return in_.at_end(); }
+  char peek() const { return in_.peek(); }
   void expect_literal(std::string_view word) {
-    if (text_.substr(pos_, word.size()) != word)
+    if (!in_.ensure(word.size()) || std::string_view(in_.here(), word.size()) != word)
       fail("invalid literal (expected '" + std::string(word) + "')");
-    pos_ += word.size();
+    in_.skip(word.size());
   }
 
   Value value(std::size_t depth) {
@@ -87,12 +218,12 @@ class Parser {
 
   Value object(std::size_t depth) {
     check_depth(depth);
-    ++pos_;  // '{'
+    in_.skip(1);  // '{'
     Value result = Value::dict();
     Dict& items = result.mutable_dict();
     skip_space();
     if (!at_end() && peek() == '}') {
-      ++pos_;
+      in_.skip(1);
       return result;
     }
     for (;;) {
@@ -101,18 +232,18 @@ class Parser {
       Value key(string());
       skip_space();
       if (at_end() || peek() != ':') fail("unexpected " + describe() + " (expected ':')");
-      ++pos_;
+      in_.skip(1);
       skip_space();
       Value v = value(depth);
       items.emplace_back(std::move(key), std::move(v));
       skip_space();
       if (at_end()) fail("unexpected end of input (expected ',' or '}')");
       if (peek() == ',') {
-        ++pos_;
+        in_.skip(1);
         continue;
       }
       if (peek() == '}') {
-        ++pos_;
+        in_.skip(1);
         return result;
       }
       fail("unexpected " + describe() + " (expected ',' or '}')");
@@ -121,12 +252,12 @@ class Parser {
 
   Value array(std::size_t depth) {
     check_depth(depth);
-    ++pos_;  // '['
+    in_.skip(1);  // '['
     Value result = Value::list();
     List& items = result.mutable_list();
     skip_space();
     if (!at_end() && peek() == ']') {
-      ++pos_;
+      in_.skip(1);
       return result;
     }
     for (;;) {
@@ -135,11 +266,11 @@ class Parser {
       skip_space();
       if (at_end()) fail("unexpected end of input (expected ',' or ']')");
       if (peek() == ',') {
-        ++pos_;
+        in_.skip(1);
         continue;
       }
       if (peek() == ']') {
-        ++pos_;
+        in_.skip(1);
         return result;
       }
       fail("unexpected " + describe() + " (expected ',' or ']')");
@@ -147,13 +278,13 @@ class Parser {
   }
 
   unsigned hex4() {
-    if (text_.size() - pos_ < 4) {
-      pos_ = text_.size();
+    if (!in_.ensure(4)) {
+      in_.skip(in_.available());
       fail("unexpected end of input in a \\u escape");
     }
     unsigned v = 0;
     for (int i = 0; i < 4; ++i) {
-      const char c = text_[pos_];
+      const char c = peek();
       unsigned d = 0;
       if (c >= '0' && c <= '9') {
         d = static_cast<unsigned>(c - '0');
@@ -165,7 +296,7 @@ class Parser {
         fail("invalid \\u escape (expected 4 hex digits)");
       }
       v = v * 16 + d;
-      ++pos_;
+      in_.skip(1);
     }
     return v;
   }
@@ -190,65 +321,69 @@ class Parser {
 
   // Strings are byte strings: UTF-8 passes through unchecked; escapes become UTF-8.
   std::string string() {
-    const std::size_t start = pos_;
-    ++pos_;  // '"'
+    const std::uint64_t start = in_.offset();
+    in_.skip(1);  // '"'
     std::string out;
     for (;;) {
       // Copy the run up to the next quote, backslash or control character at once.
-      const std::size_t run_start = pos_;
-      while (pos_ < text_.size()) {
-        const auto c = static_cast<unsigned char>(text_[pos_]);
+      const char* run = in_.here();
+      const std::size_t n = in_.available();
+      std::size_t k = 0;
+      while (k < n) {
+        const auto c = static_cast<unsigned char>(run[k]);
         if (c == '"' || c == '\\' || c < 0x20) break;
-        ++pos_;
+        ++k;
       }
-      out.append(text_.data() + run_start, pos_ - run_start);
+      out.append(run, k);
+      in_.skip(k);
       if (at_end()) fail_at(start, "unterminated string");
-      const char c = text_[pos_];
+      if (k == n) continue;
+      const char c = peek();
       if (c == '"') {
-        ++pos_;
+        in_.skip(1);
         return out;
       }
       if (c != '\\') fail("control character in a string (it must be escaped)");
-      ++pos_;
+      in_.skip(1);
       if (at_end()) fail("unexpected end of input in an escape");
-      const char e = text_[pos_];
+      const char e = peek();
       switch (e) {
         case '"':
         case '\\':
         case '/':
           out += e;
-          ++pos_;
+          in_.skip(1);
           break;
         case 'b':
           out += '\b';
-          ++pos_;
+          in_.skip(1);
           break;
         case 'f':
           out += '\f';
-          ++pos_;
+          in_.skip(1);
           break;
         case 'n':
           out += '\n';
-          ++pos_;
+          in_.skip(1);
           break;
         case 'r':
           out += '\r';
-          ++pos_;
+          in_.skip(1);
           break;
         case 't':
           out += '\t';
-          ++pos_;
+          in_.skip(1);
           break;
         case 'u': {
-          const std::size_t escape_at = pos_ - 1;
-          ++pos_;
+          const std::uint64_t escape_at = in_.offset() - 1;
+          in_.skip(1);
           std::uint32_t cp = hex4();
           if (cp >= 0xdc00 && cp <= 0xdfff) fail_at(escape_at, "unpaired low surrogate escape");
           if (cp >= 0xd800 && cp <= 0xdbff) {
-            if (text_.substr(pos_, 2) != "\\u") {
+            if (!in_.ensure(2) || std::string_view(in_.here(), 2) != "\\u") {
               fail_at(escape_at, "high surrogate escape not followed by a low surrogate");
             }
-            pos_ += 2;
+            in_.skip(2);
             const std::uint32_t lo = hex4();
             if (lo < 0xdc00 || lo > 0xdfff) {
               fail_at(escape_at, "high surrogate escape not followed by a low surrogate");
@@ -265,35 +400,40 @@ class Parser {
   }
 
   Value number() {
-    const std::size_t start = pos_;
+    const std::uint64_t start = in_.offset();
+    std::string text;
     auto digit = [&] { return !at_end() && peek() >= '0' && peek() <= '9'; };
-    if (peek() == '-') ++pos_;
+    auto take = [&] {
+      text += peek();
+      in_.skip(1);
+    };
+    if (peek() == '-') take();
     if (!digit()) fail("invalid number (expected a digit)");
     if (peek() == '0') {
-      ++pos_;
+      take();
       if (digit()) fail_at(start, "invalid number (leading zero)");
     } else {
       while (digit())
-        ++pos_;
+        take();
     }
     bool integral = true;
     if (!at_end() && peek() == '.') {
       integral = false;
-      ++pos_;
+      take();
       if (!digit()) fail("invalid number (expected a digit after '.')");
       while (digit())
-        ++pos_;
+        take();
     }
     if (!at_end() && (peek() == 'e' || peek() == 'E')) {
       integral = false;
-      ++pos_;
-      if (!at_end() && (peek() == '+' || peek() == '-')) ++pos_;
+      take();
+      if (!at_end() && (peek() == '+' || peek() == '-')) take();
       if (!digit()) fail("invalid number (expected a digit in the exponent)");
       while (digit())
-        ++pos_;
+        take();
     }
-    const char* first = text_.data() + start;
-    const char* last = text_.data() + pos_;
+    const char* first = text.data();
+    const char* last = text.data() + text.size();
     if (integral) {
       std::int64_t i = 0;
       const auto [ptr, ec] = std::from_chars(first, last, i);
@@ -309,10 +449,15 @@ class Parser {
     return Value(d);
   }
 
-  std::string_view text_;
+  ByteInput& in_;
   const std::string& name_;
   std::size_t max_depth_;
-  std::size_t pos_ = 0;
+  TraceEntrySink* sink_;
+  State state_ = kStart;
+  Value top_;
+  Value devices_;
+  std::size_t device_ = 0;
+  std::size_t entry_ = 0;
 };
 
 // ---- writer ------------------------------------------------------------------------------
@@ -468,8 +613,21 @@ class Writer {
 
 }  // namespace
 
+std::unique_ptr<ValueParser> json_parser(ByteInput& in, const std::string& name,
+                                         std::size_t max_depth, TraceEntrySink* sink) {
+  return std::make_unique<Parser>(in, name, max_depth, sink);
+}
+
+Value parse_json(ByteInput& in, const std::string& name, std::size_t max_depth) {
+  Parser parser(in, name, max_depth, nullptr);
+  while (parser.step()) {
+  }
+  return parser.result();
+}
+
 Value parse_json(std::string_view text, const std::string& name, std::size_t max_depth) {
-  return Parser(text, name, max_depth).run();
+  ByteInput in(text);
+  return parse_json(in, name, max_depth);
 }
 
 std::string write_json(const Value& v) {

@@ -7,9 +7,11 @@
 #include <cstring>
 #include <limits>
 #include <unordered_map>
+#include <variant>
 #include <vector>
 
 #include "ccalloc/errors.hpp"
+#include "io/byte_input.hpp"
 #include "io/flat_map.hpp"
 
 namespace ccalloc::io {
@@ -134,34 +136,47 @@ struct Meta {
   std::uint64_t size = 1;
   std::uint32_t height = 0;
   bool sealed = false;
+  // Streaming (with a sink): the device_traces list, or one device's list (its entries go
+  // to the sink), or an entry handed to the sink (its memo slot is released).
+  enum Role : std::uint8_t { kPlain, kTracesRoot, kDeviceList } role = kPlain;
+  std::uint32_t device = 0;    // of a kDeviceList
+  std::uint64_t streamed = 0;  // entries handed out, of a kDeviceList; devices, of the root
+  std::uint64_t memo_slot = std::numeric_limits<std::uint64_t>::max();  // last PUT
 };
 constexpr std::uint32_t kScalarMeta = 0;
 constexpr std::uint32_t kUnsetMeta = std::numeric_limits<std::uint32_t>::max();
+// A memo slot whose value was a streamed trace entry, released.
+constexpr std::uint32_t kReleasedMeta = kUnsetMeta - 1;
 
 struct Entry {
   Value v;
   std::uint32_t meta = kScalarMeta;
 };
 
-class Reader {
+constexpr std::size_t kNoRoot = std::numeric_limits<std::size_t>::max();
+
+class Reader final : public ValueParser {
  public:
-  Reader(std::string_view data, const std::string& name, const PickleLimits& limits)
-      : data_(data), name_(name), limits_(limits) {
+  Reader(ByteInput& in, const std::string& name, const PickleLimits& limits, TraceEntrySink* sink)
+      : in_(in), name_(name), limits_(limits), sink_(sink) {
     metas_.push_back(Meta{});  // kScalarMeta
   }
 
-  Value run() {
-    for (;;) {
-      if (pos_ >= data_.size()) {
-        op_pos_ = pos_;
-        fail("the data ends without a STOP opcode (truncated pickle?)");
-      }
-      op_pos_ = pos_;
-      const auto op = static_cast<std::uint8_t>(data_[pos_++]);
-      if (op == kStop) return stop();
-      step(op);
+  bool step() override {
+    if (done_) return false;
+    op_pos_ = in_.offset();
+    if (!in_.ensure(1)) fail("the data ends without a STOP opcode (truncated pickle?)");
+    op_ = static_cast<std::uint8_t>(in_.peek());
+    in_.skip(1);
+    if (op_ == kStop) {
+      result_ = stop();
+      done_ = true;
+      return false;
     }
+    step(op_);
+    return true;
   }
+  Value result() override { return std::move(result_); }
 
  private:
   // ---- errors --------------------------------------------------------------------------
@@ -171,22 +186,23 @@ class Reader {
     throw FormatError(name_ + ": byte " + std::to_string(offset) + ": " + what);
   }
   std::string current_op() const {
-    const char* n = op_name(static_cast<std::uint8_t>(data_[op_pos_]));
+    const char* n = op_name(op_);
     return n != nullptr ? n : "?";
   }
 
   // ---- input ---------------------------------------------------------------------------
 
-  void need(std::size_t n) const {
-    if (n > data_.size() - pos_) {
+  void need(std::size_t n) {
+    if (!in_.ensure(n)) {
       fail(current_op() + " needs " + std::to_string(n) + " byte(s) of argument, but only " +
-           std::to_string(data_.size() - pos_) + " remain (truncated pickle?)");
+           std::to_string(in_.available()) + " remain (truncated pickle?)");
     }
   }
+  // Valid until the next read.
   const unsigned char* take(std::size_t n) {
     need(n);
-    const auto* p = reinterpret_cast<const unsigned char*>(data_.data() + pos_);
-    pos_ += n;
+    const auto* p = reinterpret_cast<const unsigned char*>(in_.here());
+    in_.skip(n);
     return p;
   }
   std::uint8_t u8() { return *take(1); }
@@ -199,21 +215,44 @@ class Reader {
   }
   std::int32_t i32() { return static_cast<std::int32_t>(static_cast<std::uint32_t>(uint_le(4))); }
   // The argument of a text opcode: up to the next newline (not included).
+  // Valid until the next read.
   std::string_view line() {
-    const std::size_t nl = data_.find('\n', pos_);
-    if (nl == std::string_view::npos) fail(current_op() + " has no terminating newline");
-    const std::string_view s = data_.substr(pos_, nl - pos_);
-    pos_ = nl + 1;
-    return s;
+    std::size_t searched = 0;
+    for (;;) {
+      const std::string_view window(in_.here(), in_.available());
+      const std::size_t nl = window.find('\n', searched);
+      if (nl != std::string_view::npos) {
+        in_.skip(nl + 1);
+        return window.substr(0, nl);
+      }
+      searched = window.size();
+      if (!in_.ensure(searched + 1)) fail(current_op() + " has no terminating newline");
+    }
   }
-  // A length argument: it must fit in the rest of the input, so no length can make the
-  // reader reserve more memory than the input justifies.
+  // A length argument. In memory it must fit in the rest of the input up front; streamed,
+  // the bytes are read as they come, so no length can make the reader hold more memory
+  // than the input has.
   std::size_t length(std::uint64_t n) {
-    if (n > data_.size() - pos_) {
+    const std::optional<std::uint64_t> total = in_.total();
+    const std::uint64_t left = total ? *total - in_.offset() : 0;
+    if (total && n > left) {
       fail(current_op() + " announces " + std::to_string(n) + " bytes, but only " +
-           std::to_string(data_.size() - pos_) + " remain (truncated or corrupt pickle)");
+           std::to_string(left) + " remain (truncated or corrupt pickle)");
+    }
+    if (n > std::numeric_limits<std::size_t>::max() / 2) {
+      fail(current_op() + " announces " + std::to_string(n) + " bytes (corrupt pickle)");
     }
     return static_cast<std::size_t>(n);
+  }
+  // The `n` bytes of a string argument (after length()); valid until the next read.
+  std::string_view bytes(std::size_t n) {
+    if (!in_.ensure(n)) {
+      fail(current_op() + " announces " + std::to_string(n) + " bytes, but only " +
+           std::to_string(in_.available()) + " remain (truncated or corrupt pickle)");
+    }
+    const std::string_view s(in_.here(), n);
+    in_.skip(n);
+    return s;
   }
 
   // ---- the stack -----------------------------------------------------------------------
@@ -256,7 +295,13 @@ class Reader {
     stack_.push_back(e);
   }
   std::uint32_t new_meta() {
-    if (metas_.size() >= kUnsetMeta) fail("too many containers");
+    if (!free_metas_.empty()) {
+      const std::uint32_t meta = free_metas_.back();
+      free_metas_.pop_back();
+      metas_[meta] = Meta{1, 1, false};
+      return meta;
+    }
+    if (metas_.size() >= kReleasedMeta) fail("too many containers");
     metas_.push_back(Meta{1, 1, false});
     return static_cast<std::uint32_t>(metas_.size() - 1);
   }
@@ -321,6 +366,13 @@ class Reader {
   }
 
   void append_items(Entry& target, std::size_t first, std::size_t last) {
+    if (sink_ != nullptr) {
+      if (metas_[target.meta].role == Meta::kDeviceList) return stream_items(target, first, last);
+      if (metas_[target.meta].role == Meta::kTracesRoot) {
+        for (std::size_t i = first; i < last; ++i)
+          stream_device(target, stack_[i]);
+      }
+    }
     List& list = target.v.mutable_list();
     grow(list, last - first);
     for (std::size_t i = first; i < last; ++i) {
@@ -345,6 +397,99 @@ class Reader {
       dict.emplace_back(std::move(stack_[i].v), std::move(stack_[i + 1].v));
     }
   }
+  // ---- streaming of device_traces entries -------------------------------------------
+
+  // Whether the list about to be pushed at stack_[p] is the value of the top-level dict's
+  // key "device_traces": the dict is stack_[0], with its items (SETITEM) or a MARK and
+  // key/value pairs (SETITEMS) above it, the key being the string just below.
+  bool traces_value_at(std::size_t p) const {
+    if (p < 2 || !stack_[0].v.is_dict()) return false;
+    const Value& key = stack_[p - 1].v;
+    if (!key.is_string() || key.as_string() != "device_traces") return false;
+    if (marks_.empty()) return p == 2;
+    return marks_.size() == 1 && marks_[0] == 1 && p % 2 == 0;
+  }
+  // A new EMPTY_LIST: the device_traces list, or one device's list directly above it
+  // (after a MARK, and after the devices before it).
+  void classify_list() {
+    const std::size_t p = stack_.size() - 1;
+    if (traces_root_ != kNoRoot &&
+        (traces_root_ >= p || metas_[stack_[traces_root_].meta].role != Meta::kTracesRoot)) {
+      traces_root_ = kNoRoot;
+    }
+    if (traces_root_ == kNoRoot) {
+      if (traces_value_at(p)) {
+        metas_[stack_[p].meta].role = Meta::kTracesRoot;
+        traces_root_ = p;
+      }
+      return;
+    }
+    const std::size_t r = traces_root_;
+    bool device = p == r + 1;
+    if (!device && !marks_.empty() && marks_.back() == r + 1) {
+      const Entry& before = stack_[p - 1];
+      device = (before.meta == kScalarMeta && before.v.is_none()) ||
+               (before.meta != kScalarMeta && metas_[before.meta].role == Meta::kDeviceList);
+    }
+    if (!device) return;
+    Meta& m = metas_[stack_[p].meta];
+    m.role = Meta::kDeviceList;
+    m.device = static_cast<std::uint32_t>(metas_[stack_[r].meta].streamed + (p - r - 1));
+  }
+  // Items appended to a device's list go to the sink; the list stays empty.
+  void stream_items(Entry& target, std::size_t first, std::size_t last) {
+    Meta& t = metas_[target.meta];
+    for (std::size_t i = first; i < last; ++i) {
+      Entry& child = stack_[i];
+      check_child(target, child);
+      if (child.meta != kScalarMeta) {
+        Meta& c = metas_[child.meta];
+        c.sealed = true;
+        if (c.height + 1 > limits_.max_depth) adopt(target.meta, child);  // fails
+        release_memo(child.meta);
+        // Nothing else holds the entry (no memo slot, no stack copy): its record is free.
+        if (sole_owner(child.v)) free_metas_.push_back(child.meta);
+      }
+      sink_->entry(t.device, t.streamed++, std::move(child.v));
+    }
+  }
+  // A device's list appended to the device_traces list: one built item by item was
+  // streamed already; one built otherwise (LIST) is streamed now and kept empty.
+  void stream_device(Entry& root, Entry& device) {
+    Meta& r = metas_[root.meta];
+    const auto d = static_cast<std::uint32_t>(r.streamed++);
+    if (!device.v.is_list() || device.meta == kScalarMeta ||
+        metas_[device.meta].role == Meta::kDeviceList) {
+      return;
+    }
+    List items = std::move(device.v.mutable_list());
+    device.v.mutable_list().clear();
+    for (std::size_t i = 0; i < items.size(); ++i)
+      sink_->entry(d, i, std::move(items[i]));
+  }
+  static bool sole_owner(const Value& v) {
+    return std::visit(
+        [](const auto& x) {
+          if constexpr (requires { x.use_count(); }) {
+            return x.use_count() == 1;
+          } else {
+            return false;
+          }
+        },
+        v.storage());
+  }
+  // A streamed entry leaves the memo: a later reference to it is an error.
+  void release_memo(std::uint32_t meta) {
+    const std::uint64_t slot = metas_[meta].memo_slot;
+    Entry* e = nullptr;
+    if (slot < memo_.size()) {
+      e = &memo_[slot];
+    } else if (const auto it = sparse_memo_.find(slot); it != sparse_memo_.end()) {
+      e = &it->second;
+    }
+    if (e != nullptr && e->meta == meta) *e = Entry{Value(), kReleasedMeta};
+  }
+
   // Replaces stack_[first, end) by a new tuple or list of those values.
   void collect(std::size_t first, bool tuple) {
     const std::uint32_t meta = new_meta();
@@ -396,6 +541,7 @@ class Reader {
            "variable CCALLOC_MAX_PICKLE_MEMO");
     }
     if (top.v.is_string()) count_string(top.v.as_string().size());
+    if (top.meta != kScalarMeta) metas_[top.meta].memo_slot = index;
     *slot = top;
   }
   void memo_get(std::uint64_t index) {
@@ -407,6 +553,11 @@ class Reader {
     }
     if (e == nullptr || e->meta == kUnsetMeta) {
       fail(current_op() + " of memo index " + std::to_string(index) + ", which was never stored");
+    }
+    if (e->meta == kReleasedMeta) {
+      fail(current_op() + " of memo index " + std::to_string(index) +
+           ", an entry of device_traces: entries are streamed and not kept, so they cannot be "
+           "referenced again");
     }
     push_copy(*e);
   }
@@ -471,10 +622,12 @@ class Reader {
         return;
       }
       case kFrame: {
+        // Frames only group opcodes for buffering; streamed, a short frame shows up as a
+        // truncated opcode instead.
         const std::uint64_t n = uint_le(8);
-        if (n > data_.size() - pos_) {
+        if (const auto total = in_.total(); total && n > *total - in_.offset()) {
           fail("FRAME of " + std::to_string(n) + " bytes, but only " +
-               std::to_string(data_.size() - pos_) + " remain (truncated pickle?)");
+               std::to_string(*total - in_.offset()) + " remain (truncated pickle?)");
         }
         return;
       }
@@ -546,32 +699,29 @@ class Reader {
       case kShortBinUnicode:
       case kShortBinString: {
         const std::size_t n = length(u8());
-        push_string(data_.substr(pos_, n));
-        pos_ += n;
+        push_string(bytes(n));
         return;
       }
       case kBinUnicode: {
         const std::size_t n = length(uint_le(4));
-        push_string(data_.substr(pos_, n));
-        pos_ += n;
+        push_string(bytes(n));
         return;
       }
       case kBinString: {
         const std::int32_t n = i32();
         if (n < 0) fail("BINSTRING with a negative length");
         const std::size_t len = length(static_cast<std::uint64_t>(n));
-        push_string(data_.substr(pos_, len));
-        pos_ += len;
+        push_string(bytes(len));
         return;
       }
       case kBinUnicode8: {
         const std::size_t n = length(uint_le(8));
-        push_string(data_.substr(pos_, n));
-        pos_ += n;
+        push_string(bytes(n));
         return;
       }
       case kEmptyList:
         push_container(Value::list());
+        if (sink_ != nullptr) classify_list();
         return;
       case kEmptyDict:
         push_container(Value::dict());
@@ -677,14 +827,19 @@ class Reader {
          "'): only plain data is accepted (None, bool, int, float, str, list, tuple, dict)");
   }
 
-  std::string_view data_;
+  ByteInput& in_;
   const std::string& name_;
   PickleLimits limits_;
-  std::size_t pos_ = 0;
-  std::size_t op_pos_ = 0;
+  TraceEntrySink* sink_;
+  std::uint64_t op_pos_ = 0;
+  std::uint8_t op_ = 0;
+  bool done_ = false;
+  Value result_;
+  std::size_t traces_root_ = kNoRoot;  // stack index of the device_traces list, while open
   std::vector<Entry> stack_;
   std::vector<std::size_t> marks_;
   std::vector<Meta> metas_;
+  std::vector<std::uint32_t> free_metas_;  // records of streamed entries, for reuse
   std::vector<Entry> memo_;
   std::unordered_map<std::uint64_t, Entry> sparse_memo_;
   std::size_t memo_count_ = 0;
@@ -898,8 +1053,21 @@ class Writer {
 
 }  // namespace
 
+std::unique_ptr<ValueParser> pickle_parser(ByteInput& in, const std::string& name,
+                                           const PickleLimits& limits, TraceEntrySink* sink) {
+  return std::make_unique<Reader>(in, name, limits, sink);
+}
+
+Value parse_pickle(ByteInput& in, const std::string& name, PickleLimits limits) {
+  Reader reader(in, name, limits, nullptr);
+  while (reader.step()) {
+  }
+  return reader.result();
+}
+
 Value parse_pickle(std::string_view data, const std::string& name, PickleLimits limits) {
-  return Reader(data, name, limits).run();
+  ByteInput in(data);
+  return parse_pickle(in, name, limits);
 }
 
 std::string write_pickle(const Value& v) {

@@ -256,6 +256,16 @@ auto located(const std::string& where, F&& f) -> decltype(f()) {
 
 class FromValue {
  public:
+  FromValue() = default;
+  explicit FromValue(bool with_frames) : with_frames_(with_frames) {}
+  // One trace entry without its frames; nullopt for an annotation.
+  std::optional<SnapshotTraceEntry> entry_only(const Value& v) {
+    std::vector<SnapshotTraceEntry> out;
+    trace_entry(v, out);
+    if (out.empty()) return std::nullopt;
+    return std::move(out.back());
+  }
+
   Snapshot run(const Value& v) {
     Snapshot s;
     if (v.is_list() || v.is_tuple()) {
@@ -410,7 +420,7 @@ class FromValue {
     e.size = static_cast<std::size_t>(req_uint(v, "size"));
     e.stream = stream_of(v);
     e.time_us = opt_int(v, "time_us", 0);
-    e.frames = stack(v, true);
+    if (with_frames_) e.frames = stack(v, true);
     e.user_metadata = opt_string(v, "user_metadata");
     out.push_back(std::move(e));
   }
@@ -498,6 +508,7 @@ class FromValue {
     return result;
   }
 
+  bool with_frames_ = true;
   Frames empty_;
   detail::FlatMap<const void*, Frames> by_identity_;
   std::unordered_map<std::size_t, std::vector<Frames>> by_content_;
@@ -510,28 +521,50 @@ SnapshotFormat format_for_path(const std::string& path) {
                                                                  : SnapshotFormat::kPickle;
 }
 
-Value read_value_file(const std::string& path) {
-  const ReadLimits limits = ReadLimits::from_environment();
-  const std::string data = read_file(path, limits);
+PickleLimits pickle_limits(const ReadLimits& limits) {
+  PickleLimits pickle;
+  pickle.max_depth = limits.max_nesting;
+  pickle.max_memo = limits.max_pickle_memo;
+  pickle.max_items = limits.max_pickle_values;
+  return pickle;
+}
+
+SnapshotFormat detect_value_format(ByteInput& in, const std::string& path) {
   std::size_t i = 0;
-  if (std::string_view(data).starts_with("\xef\xbb\xbf")) i = 3;
-  while (i < data.size() &&
-         (data[i] == ' ' || data[i] == '\t' || data[i] == '\n' || data[i] == '\r'))
+  if (in.ensure(3) && std::string_view(in.here(), 3) == "\xef\xbb\xbf") i = 3;
+  while (in.ensure(i + 1) && (in.here()[i] == ' ' || in.here()[i] == '\t' || in.here()[i] == '\n' ||
+                              in.here()[i] == '\r'))
     ++i;
-  if (i == data.size()) throw FormatError(path + ": empty file (expected a pickle or JSON)");
-  const auto first = static_cast<unsigned char>(data[i]);
-  if (first == '{' || first == '[') return parse_json(data, path, limits.max_nesting);
-  if (first == 0x80) {
-    PickleLimits pickle;
-    pickle.max_depth = limits.max_nesting;
-    pickle.max_memo = limits.max_pickle_memo;
-    pickle.max_items = limits.max_pickle_values;
-    return parse_pickle(data, path, pickle);
-  }
+  if (!in.ensure(i + 1)) throw FormatError(path + ": empty file (expected a pickle or JSON)");
+  const auto first = static_cast<unsigned char>(in.here()[i]);
+  if (first == '{' || first == '[') return SnapshotFormat::kJson;
+  if (first == 0x80) return SnapshotFormat::kPickle;
   static constexpr char kHex[] = "0123456789abcdef";
-  throw FormatError(path + ": byte " + std::to_string(i) +
+  throw FormatError(path + ": byte " + std::to_string(in.offset() + i) +
                     ": neither a pickle (byte 0x80) nor JSON ('{' or '['): got 0x" +
                     kHex[first >> 4] + kHex[first & 0xf]);
+}
+
+std::unique_ptr<ValueParser> value_parser(ByteInput& in, const std::string& path,
+                                          const ReadLimits& limits, TraceEntrySink* sink) {
+  if (detect_value_format(in, path) == SnapshotFormat::kJson) {
+    return json_parser(in, path, limits.max_nesting, sink);
+  }
+  return pickle_parser(in, path, pickle_limits(limits), sink);
+}
+
+Value read_value_file(const std::string& path) {
+  const ReadLimits limits = ReadLimits::from_environment();
+  ByteSource source(path, limits);
+  ByteInput in(source, {});
+  const std::unique_ptr<ValueParser> parser = value_parser(in, path, limits, nullptr);
+  while (parser->step()) {
+  }
+  return parser->result();
+}
+
+std::optional<SnapshotTraceEntry> trace_entry_of(const Value& v) {
+  return FromValue(false).entry_only(v);
 }
 
 void write_value_file(const std::string& path, const Value& v) {

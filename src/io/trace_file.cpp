@@ -1,7 +1,7 @@
 #include "io/trace_file.hpp"
 
-#include <algorithm>
 #include <cctype>
+#include <deque>
 #include <string_view>
 
 #include "ccalloc/errors.hpp"
@@ -49,6 +49,50 @@ std::string_view first_chunk(ByteSource& source) {
 
 }  // namespace
 
+// The snapshot being streamed: entries of every device are checked, those of `device` kept
+// until next() hands them out (one opcode or one JSON entry's worth at a time).
+struct TraceReader::Snapshot final : TraceEntrySink {
+  Snapshot(ByteSource& source, std::string_view first, const std::string& path, int dev,
+           const ReadLimits& limits)
+      : name(path), device(dev), input(source, first) {
+    parser = value_parser(input, path, limits, this);
+  }
+  void entry(std::size_t d, std::size_t index, Value v) override {
+    std::optional<SnapshotTraceEntry> e;
+    try {
+      e = trace_entry_of(v);
+    } catch (const FormatError& err) {
+      throw FormatError(name + ": device_traces[" + std::to_string(d) + "][" +
+                        std::to_string(index) + "]: " + err.what());
+    }
+    if (!e || device < 0 || d != static_cast<std::size_t>(device)) return;
+    ++kept;
+    queue.push_back({TraceEntry{e->action, e->addr, e->size, e->stream, e->time_us}, kept});
+  }
+  // The next record, or false once the document is through (and the rest checked).
+  bool next(TraceRecord& out) {
+    while (queue.empty()) {
+      if (done) return false;
+      if (!parser->step()) {
+        done = true;
+        // The rest of the snapshot (its device_traces lists now empty) must still be one.
+        (void)snapshot_from_value(parser->result(), name);
+      }
+    }
+    out = queue.front();
+    queue.pop_front();
+    return true;
+  }
+
+  std::string name;
+  int device;
+  ByteInput input;
+  std::unique_ptr<ValueParser> parser;
+  std::deque<TraceRecord> queue;
+  std::uint64_t kept = 0;
+  bool done = false;
+};
+
 FileKind detect_kind(const std::string& path) {
   ByteSource source(path, ReadLimits::from_environment());
   return kind_of(first_chunk(source), path);
@@ -82,9 +126,7 @@ TraceReader::TraceReader(const std::string& path, int device, const ReadLimits& 
     case FileKind::kSnapshotJson:
       break;
   }
-  source_.reset();  // read_snapshot opens the file again
-  snapshot_records_ = trace_records(read_snapshot(path), device);
-  std::reverse(snapshot_records_.begin(), snapshot_records_.end());  // handed out from the back
+  snapshot_ = std::make_unique<Snapshot>(*source_, first, path, device, limits);
 }
 
 TraceReader::~TraceReader() = default;
@@ -92,10 +134,8 @@ TraceReader::~TraceReader() = default;
 bool TraceReader::next(TraceRecord& out) {
   if (rows_) {
     if (!rows_->next(out)) return false;
-  } else {
-    if (snapshot_records_.empty()) return false;
-    out = snapshot_records_.back();
-    snapshot_records_.pop_back();
+  } else if (!snapshot_->next(out)) {
+    return false;
   }
   if (++count_ > limits_.max_entries) {
     throw FormatError(path_ + ":" + std::to_string(out.line) + ": more than " +

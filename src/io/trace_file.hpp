@@ -21,8 +21,11 @@ FileKind detect_kind(const std::string& path);
 const char* to_string(FileKind kind);
 
 // The trace entries of a file, one at a time: a trace CSV or RMM log is streamed (memory
-// stays at a few chunks and one line, whatever the file's length); a snapshot is a tree,
-// read whole under the limits, and its device trace (`device`) handed out. Throws
+// stays at a few chunks and one line, whatever the file's length); a snapshot is parsed as
+// it is read, its device_traces entries handed out as the parser completes each one and
+// not kept (memory: the rest of the snapshot plus the parser's bounded state; see
+// pickle.hpp for the memo). The snapshot's other keys are checked once the trace is
+// through, so a malformed segment shows up as an error from the last next(). Throws
 // FormatError with the file name and the line or byte offset, or the limit that was hit.
 class TraceReader {
  public:
@@ -45,7 +48,8 @@ class TraceReader {
   std::unique_ptr<class ByteSource> source_;
   std::unique_ptr<class LineReader> lines_;
   std::unique_ptr<RecordReader> rows_;
-  std::vector<TraceRecord> snapshot_records_;  // for a snapshot
+  struct Snapshot;
+  std::unique_ptr<Snapshot> snapshot_;
   std::uint64_t count_ = 0;
 };
 
