@@ -341,7 +341,7 @@ std::string config_name(const ::testing::TestParamInfo<const char*>& param) {
 INSTANTIATE_TEST_SUITE_P(
     Configs, Stress,
     ::testing::Values("pytorch", "pytorch,garbage_collection_threshold:0.6,max_split_size_mb:40",
-                      "ccalloc", "ccalloc,garbage_collection_threshold:0.6"),
+                      "ccalloc,stitch_segments:True", "ccalloc,stitch_segments:True,garbage_collection_threshold:0.6"),
     config_name);
 
 // Eight threads free (and record_stream) the same already-freed pointer over and over while

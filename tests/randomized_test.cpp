@@ -66,10 +66,10 @@ constexpr RunSpec kRuns[] = {
     {"pytorch,garbage_collection_threshold:0.6", false},
     {"pytorch,per_process_memory_fraction:0.8,garbage_collection_threshold:0.5", true},
     // The `ccalloc` policy (stitching on virtual memory), at the same coverage.
-    {"ccalloc", false},
-    {"ccalloc,roundup_power2_divisions:4", false},
-    {"ccalloc,garbage_collection_threshold:0.6", false},
-    {"ccalloc,per_process_memory_fraction:0.8,garbage_collection_threshold:0.5", true},
+    {"ccalloc,stitch_segments:True", false},
+    {"ccalloc,stitch_segments:True,roundup_power2_divisions:4", false},
+    {"ccalloc,stitch_segments:True,garbage_collection_threshold:0.6", false},
+    {"ccalloc,stitch_segments:True,per_process_memory_fraction:0.8,garbage_collection_threshold:0.5", true},
 };
 constexpr std::uint64_t kSeeds[] = {1, 2, 3};
 constexpr std::uint64_t kOpsPerRun = 70'000;

@@ -643,13 +643,13 @@ TEST_F(ReplayCli, FitPrintsTheSmallestCapacityPerConfigVerified) {
              "free_requested,16777216,3145728,0,3\n"
              "free_completed,16777216,3145728,0,3\n"
              "alloc,50331648,5242880,0,4\n");
-  const CliResult r = run_cli("fit '" + csv + "' --conf ccalloc --conf pytorch --json", dir_);
+  const CliResult r = run_cli("fit '" + csv + "' --conf ccalloc,stitch_segments:True --conf pytorch --json", dir_);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.err, "");
   nlohmann::json j;
   ASSERT_NO_THROW(j = nlohmann::json::parse(r.out)) << r.out;
   ASSERT_EQ(j.size(), 2u);
-  EXPECT_EQ(j[0]["conf"], "ccalloc");
+  EXPECT_EQ(j[0]["conf"], "ccalloc,stitch_segments:True");
   EXPECT_EQ(j[0]["floor_bytes"], 8 * 1024 * 1024);
   EXPECT_EQ(j[0]["capacity_bytes"], 10 * 1024 * 1024);
   EXPECT_EQ(j[0]["ratio_to_floor"], 1.25);
@@ -657,7 +657,7 @@ TEST_F(ReplayCli, FitPrintsTheSmallestCapacityPerConfigVerified) {
   EXPECT_EQ(j[0]["verified"], true);
   EXPECT_EQ(j[1]["capacity_bytes"], 20 * 1024 * 1024);
   EXPECT_EQ(j[1]["verified"], true);
-  const CliResult text = run_cli("fit '" + csv + "' --conf ccalloc", dir_);
+  const CliResult text = run_cli("fit '" + csv + "' --conf ccalloc,stitch_segments:True", dir_);
   ASSERT_EQ(text.exit_code, 0) << text.err;
   EXPECT_NE(text.out.find("smallest capacity     10,485,760 (10.00 MiB)"), std::string::npos)
       << text.out;

@@ -27,7 +27,7 @@ using ccalloc_test::message_of;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 constexpr DevicePtr kVa = 0x600000000000;  // the simulated GPU's first reservation
-constexpr const char* kExact = "ccalloc";
+constexpr const char* kExact = "ccalloc,stitch_segments:True";
 
 struct Fixture {
   explicit Fixture(std::size_t capacity = 18 * kMiB, const char* conf = kExact)
@@ -44,11 +44,15 @@ struct Fixture {
   StitchEngine engine;
 };
 
-TEST(StitchPolicy, TheCcallocPresetSelectsItAndPytorchDoesNot) {
-  EXPECT_TRUE(Config::parse("").stitch_segments);
-  EXPECT_TRUE(Config::parse("ccalloc").stitch_segments);
+TEST(StitchPolicy, TheStitchSegmentsKeySelectsItAndNoPresetDoesYet) {
+  EXPECT_FALSE(Config::parse("").stitch_segments);
+  EXPECT_FALSE(Config::parse("ccalloc").stitch_segments);
   EXPECT_FALSE(Config::parse("pytorch").stitch_segments);
-  EXPECT_FALSE(Config::parse("pytorch,expandable_segments:True").stitch_segments);
+  EXPECT_TRUE(Config::parse("ccalloc,stitch_segments:True").stitch_segments);
+  EXPECT_TRUE(Config::parse("pytorch,stitch_segments:True").stitch_segments);
+  EXPECT_EQ(Config::parse("stitch_segments:True").to_string().find("stitch_segments:True") !=
+                std::string::npos,
+            true);
 }
 
 TEST(StitchPolicy, LargeRequestsPackContiguouslyInWholePages) {
@@ -78,7 +82,7 @@ TEST(StitchPolicy, SmallRequestsShareOneSmallPoolPage) {
 }
 
 TEST(StitchPolicy, NewMemoryIsAtLeastAChunkAndTheRestStaysSpare) {
-  Fixture f(1 * kGiB, "ccalloc");
+  Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
   f.engine.malloc(5 * kMiB, 0);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));
   EXPECT_EQ(f.engine.piece_counts().total, 10u);
@@ -196,7 +200,7 @@ TEST(StitchPolicy, OomWhenNothingIsLeftToReleaseNamesTheRequest) {
 }
 
 TEST(StitchPolicy, MemoryFractionCapsReservedAndFallsBackToExactGrowth) {
-  Fixture f(64 * kMiB, "ccalloc,per_process_memory_fraction:0.25");  // 16 MiB
+  Fixture f(64 * kMiB, "ccalloc,stitch_segments:True,per_process_memory_fraction:0.25");  // 16 MiB
   f.engine.malloc(10 * kMiB, 0);  // a 20 MiB chunk would pass the limit: exactly 10 MiB
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
   const std::string message =
@@ -210,7 +214,7 @@ TEST(StitchPolicy, MemoryFractionCapsReservedAndFallsBackToExactGrowth) {
 }
 
 TEST(StitchPolicy, GcThresholdReleasesTheCacheBeforeCreatingPastIt) {
-  Fixture f(64 * kMiB, "ccalloc,garbage_collection_threshold:0.5");
+  Fixture f(64 * kMiB, "ccalloc,stitch_segments:True,garbage_collection_threshold:0.5");
   f.engine.free(f.engine.malloc(20 * kMiB, 1));
   f.engine.malloc(16 * kMiB, 0);  // 20 + 16 > 32 MiB: stream 1's cache goes first
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one new 20 MiB chunk

@@ -32,7 +32,7 @@ TEST_P(StitchTrace, UsesLessMemoryThanPytorchWithinThreePercentOfTheFloor) {
       ccalloc::io::read_any_trace(std::string(CCALLOC_TRACES_DIR) + "/" + GetParam() + ".csv.gz");
   const auto floor =
       static_cast<double>(ccalloc::replay::recorded_figures(trace).peak_requested_bytes);
-  const auto ours = replay(trace, "ccalloc");
+  const auto ours = replay(trace, "ccalloc,stitch_segments:True");
   const auto expandable = replay(trace, "pytorch,expandable_segments:True");
   const auto native = replay(trace, "pytorch");
   const auto async = replay(trace, "pytorch,backend:cudaMallocAsync");
@@ -60,7 +60,7 @@ TEST_P(StitchTrace, ReplaysWithoutOomOnADeviceThreePercentAboveTheFloor) {
       ccalloc::io::read_any_trace(std::string(CCALLOC_TRACES_DIR) + "/" + GetParam() + ".csv.gz");
   const auto floor = ccalloc::replay::recorded_figures(trace).peak_requested_bytes;
   const auto capacity = static_cast<std::size_t>(static_cast<double>(floor) * 1.03);
-  const auto r = replay(trace, "ccalloc", capacity);
+  const auto r = replay(trace, "ccalloc,stitch_segments:True", capacity);
   EXPECT_EQ(r.ooms, 0);
   EXPECT_LE(r.peak_reserved_bytes, static_cast<std::int64_t>(capacity));
 }

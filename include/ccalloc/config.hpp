@@ -5,8 +5,9 @@
 // read from CCALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF. Whitespace
 // is ignored; booleans are exactly True/False. An optional bare preset name comes first:
 // `pytorch` is PyTorch's native behaviour exactly (also after ccalloc's own defaults
-// change); `ccalloc` (the default) is ccalloc's recommended behaviour: the stitching policy
-// on virtual memory (stitch_segments). Keys given after the preset override it.
+// change); `ccalloc` (the default) is ccalloc's recommended behaviour, today PyTorch's
+// policy; `stitch_segments:True` selects the stitching policy on virtual memory. Keys given
+// after the preset override it.
 #pragma once
 
 #include <array>
@@ -43,10 +44,10 @@ struct Config {
   double garbage_collection_threshold = 0.0;
   bool expandable_segments = false;
   // The `ccalloc` policy (src/core/stitch_engine.hpp): physical memory in pieces of the
-  // mapping granularity, stitched into the address ranges that need them. Set by the
-  // `ccalloc` preset, off under `pytorch`; no key of its own. The native backend only;
-  // `uncached` takes precedence.
-  bool stitch_segments = true;
+  // mapping granularity, stitched into the address ranges that need them
+  // (`stitch_segments:True`; off by default until it keeps the hot path's speed and thread
+  // scaling). The native backend only; `uncached` takes precedence.
+  bool stitch_segments = false;
   // Address space reserved for each expandable segment: a fraction of device memory, or an
   // absolute size; at most (and by default) 9/8 of device memory. 0: the default.
   double expandable_segments_reserve_fraction = 0.0;

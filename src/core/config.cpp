@@ -55,8 +55,7 @@ Config pytorch_defaults() {
 }
 
 // ccalloc's defaults are Config's member initialisers, so that `Config{}` and `parse("")`
-// agree whatever those become. They differ from pytorch_defaults() in the name and the
-// policy (stitch_segments).
+// agree whatever those become. Today they differ from pytorch_defaults() in the name only.
 Config ccalloc_defaults() {
   return Config{};
 }
@@ -85,13 +84,14 @@ constexpr std::string_view kKeyRegisterThreads = "pinned_num_register_threads";
 constexpr std::string_view kKeyBackgroundThreads = "pinned_use_background_threads";
 constexpr std::string_view kKeyReserveSegment = "pinned_reserve_segment_size_mb";
 constexpr std::string_view kKeyUncached = "uncached";
+constexpr std::string_view kKeyStitch = "stitch_segments";
 
 constexpr std::string_view kAllKeys[] = {
     kKeyBackend,         kKeyMaxSplit,          kKeyMaxNonSplitRounding, kKeyLargeSegment,
     kKeyRoundup,         kKeyGcThreshold,       kKeyExpandable,          kKeyReleaseLock,
     kKeyReleaseLockHip,  kKeyMemoryFraction,    kKeyGraphReuse,          kKeyHostRegister,
     kKeyHostRegisterHip, kKeyRegisterThreads,   kKeyBackgroundThreads,   kKeyReserveSegment,
-    kKeyUncached,        kKeyExpandableReserve,
+    kKeyUncached,        kKeyExpandableReserve, kKeyStitch,
 };
 
 bool is_known_key(std::string_view key) {
@@ -481,6 +481,8 @@ void set_value(Config& c, const Entry& e) {
     c.pinned_use_background_threads = scalar_bool(e);
   } else if (key == kKeyUncached) {
     c.uncached = scalar_bool(e);
+  } else if (key == kKeyStitch) {
+    c.stitch_segments = scalar_bool(e);
   }
 }
 
@@ -587,6 +589,7 @@ std::string Config::to_string() const {
     add(kKeyReserveSegment, std::to_string(pinned_reserve_segment_size_mb));
   }
   add(kKeyUncached, format_bool(uncached));
+  if (stitch_segments) add(kKeyStitch, format_bool(stitch_segments));
   return out;
 }
 
