@@ -2,9 +2,13 @@
 # Installs this build tree into a fresh prefix, then builds and runs two programs against
 # the installed files only: tests/install/consumer (CMake, find_package(ccalloc CONFIG)) and
 # tests/install/c_consumer (a C program, compiler flags from pkg-config).
-#   install_test.sh BUILD_DIR WORK_DIR VERSION CXX_COMPILER C_COMPILER
+#   install_test.sh BUILD_DIR WORK_DIR VERSION CXX_COMPILER C_COMPILER [SANITIZERS]
+# SANITIZERS (e.g. address,undefined) is the build's CCALLOC_SANITIZE: instrumented libraries
+# need the consumers compiled and linked with the same -fsanitize flags.
 set -euo pipefail
-build=$1 work=$2 version=$3 cxx=$4 cc=$5
+build=$1 work=$2 version=$3 cxx=$4 cc=$5 sanitize=${6:-}
+san_flags=""
+if [ -n "$sanitize" ]; then san_flags="-fsanitize=$sanitize"; fi
 here=$(cd "$(dirname "$0")" && pwd)
 prefix=$work/prefix
 rm -rf "$work"
@@ -24,7 +28,8 @@ step "CMake consumer (find_package(ccalloc CONFIG REQUIRED))"
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 run_logged consumer-configure.log cmake -S "$here/consumer" -B "$work/consumer" \
-  -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" "${launcher[@]}"
+  -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" "${launcher[@]}" \
+  -DCMAKE_CXX_FLAGS="$san_flags" -DCMAKE_EXE_LINKER_FLAGS="$san_flags"
 run_logged consumer-build.log cmake --build "$work/consumer"
 "$work/consumer/consumer" "$work/snapshot.pickle.gz"
 
@@ -38,6 +43,7 @@ if [ "$pc_version" != "$version" ]; then
 fi
 libdir=$(pkg-config --variable=libdir ccalloc)
 # shellcheck disable=SC2046  # pkg-config's flags are separate words
-"$cc" -std=c11 -Wall -Wextra -Werror -o "$work/c_consumer" "$here/c_consumer/main.c" \
+# shellcheck disable=SC2086  # no flags, or one
+"$cc" -std=c11 -Wall -Wextra -Werror $san_flags -o "$work/c_consumer" "$here/c_consumer/main.c" \
   $(pkg-config --cflags --libs ccalloc) -Wl,-rpath,"$libdir"
 "$work/c_consumer" "$version"
