@@ -300,7 +300,7 @@ TEST(SimMapRange, RejectsAnOffsetAndAPartOfAHandleAsCudaDoes) {
   EXPECT_NE(offset.find("offset must be 0"), std::string::npos) << offset;
   const std::string part =
       message_of<ccalloc::DriverError>([&] { gpu.map_range(r, 2 * kMiB, h, 0); });
-  EXPECT_NE(part.find("a mapping covers a whole handle"), std::string::npos) << part;
+  EXPECT_NE(part.find("a mapping covers a whole physical allocation"), std::string::npos) << part;
   const std::string odd =
       message_of<ccalloc::DriverError>([&] { gpu.map_range(r + 4096, 4 * kMiB, h, 0); });
   EXPECT_NE(odd.find("must be multiples of the granularity"), std::string::npos) << odd;

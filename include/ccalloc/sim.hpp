@@ -272,6 +272,11 @@ class SimDriver final : public Driver {
   DevicePtr place(std::size_t bytes);
   DevicePtr first_fit(DevicePtr start, std::size_t bytes, std::size_t alignment) const;
   bool overlaps_any(DevicePtr addr, DevicePtr end) const;
+  // The handle a mapping of [va, va + bytes) may use: the range aligned, inside one
+  // reservation and overlapping no mapping, the handle live and of exactly `bytes` bytes.
+  // Otherwise fail(what + reason).
+  Physical& mapping_target(const std::string& what, DevicePtr va, std::size_t bytes,
+                           PhysicalHandle handle);
   std::size_t device_used() const;
   bool event_done(const Event& e) const;
   Event& event_ref(EventId event);

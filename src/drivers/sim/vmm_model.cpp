@@ -104,11 +104,9 @@ void SimDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
   driver_us_ += options_.cost.physical_release_us;
 }
 
-void SimDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
+SimDriver::Physical& SimDriver::mapping_target(const std::string& what, DevicePtr va,
+                                               std::size_t bytes, PhysicalHandle handle) {
   const std::size_t g = options_.vm_granularity;
-  std::lock_guard lock(mutex_);
-  const std::string what =
-      "map of handle " + std::to_string(handle) + " at " + range_str(va, bytes);
   if (bytes == 0 || bytes % g != 0 || va % g != 0) {
     fail(what + ": the address and size must be multiples of the granularity (" + bytes_str(g) +
          ")");
@@ -128,15 +126,21 @@ void SimDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
   if (p == physical_.end()) {
     fail(what + ": no such physical allocation (never created, or already released)");
   }
-  if (p->second.mapped_at != 0) {
-    fail(what + ": the handle is already mapped at " + hex(p->second.mapped_at));
-  }
-  if (p->second.range_mappings != 0) fail(what + ": the handle is already mapped by map_range");
   if (p->second.bytes != bytes) {
     fail(what + ": the handle has " + bytes_str(p->second.bytes) +
          ", and a mapping covers a whole physical allocation");
   }
-  p->second.mapped_at = va;
+  return p->second;
+}
+
+void SimDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
+  std::lock_guard lock(mutex_);
+  const std::string what =
+      "map of handle " + std::to_string(handle) + " at " + range_str(va, bytes);
+  Physical& p = mapping_target(what, va, bytes, handle);
+  if (p.mapped_at != 0) fail(what + ": the handle is already mapped at " + hex(p.mapped_at));
+  if (p.range_mappings != 0) fail(what + ": the handle is already mapped by map_range");
+  p.mapped_at = va;
   mappings_.emplace(va, Mapping{bytes, handle});
   ++counters_.maps;
   driver_us_ += options_.cost.map_us + options_.cost.set_access_us;
@@ -188,40 +192,15 @@ void SimDriver::unmap(DevicePtr va, std::size_t bytes) {
 
 void SimDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                           std::size_t offset) {
-  const std::size_t g = options_.vm_granularity;
   std::lock_guard lock(mutex_);
   const std::string what = "map_range of handle " + std::to_string(handle) + " (offset " +
                            bytes_str(offset) + ") at " + range_str(va, bytes);
-  if (bytes == 0 || bytes % g != 0 || va % g != 0) {
-    fail(what + ": the address and size must be multiples of the granularity (" +
-         bytes_str(g) + ")");
-  }
   // cuMemMap answers CUDA_ERROR_NOT_SUPPORTED for a non-zero offset (measured on H100 with
   // CUDA 13, bench/gpu/vmm_cost.cpp): a mapping always covers a whole handle from its start.
   if (offset != 0) fail(what + ": CUDA maps a handle from its start only (offset must be 0)");
-  if (bytes > kMaxPtr - va) fail(what + ": the range passes the end of the address space");
-  const auto r = reservations_.upper_bound(va);
-  if (r == reservations_.begin() || std::prev(r)->first + std::prev(r)->second < va + bytes) {
-    fail(what + ": the range is not inside one reserved address range");
-  }
-  auto m = mappings_.lower_bound(va);
-  if (m != mappings_.begin() && std::prev(m)->first + std::prev(m)->second.bytes > va) --m;
-  if (m != mappings_.end() && m->first < va + bytes) {
-    fail(what + ": it overlaps the mapping " + range_str(m->first, m->second.bytes) +
-         " of handle " + std::to_string(m->second.handle));
-  }
-  const auto p = physical_.find(handle);
-  if (p == physical_.end()) {
-    fail(what + ": no such physical allocation (never created, or already released)");
-  }
-  if (p->second.mapped_at != 0) {
-    fail(what + ": the handle is mapped by map() at " + hex(p->second.mapped_at));
-  }
-  if (p->second.bytes != bytes) {
-    fail(what + ": the handle has " + bytes_str(p->second.bytes) +
-         ", and a mapping covers a whole handle");
-  }
-  ++p->second.range_mappings;
+  Physical& p = mapping_target(what, va, bytes, handle);
+  if (p.mapped_at != 0) fail(what + ": the handle is mapped by map() at " + hex(p.mapped_at));
+  ++p.range_mappings;
   mappings_.emplace(va, Mapping{bytes, handle, offset, true});
   ++counters_.maps;
   driver_us_ += options_.cost.map_us + options_.cost.set_access_us;
