@@ -12,24 +12,6 @@
 using namespace ccalloc;
 using namespace ccalloc::io;
 
-namespace {
-
-// The same bytes handed to the parser 3 at a time.
-ccalloc::io::Value parse_in_chunks(std::string_view text, const auto& parse) {
-  ccalloc::io::detail::test_chunk_cap = 3;
-  try {
-    ccalloc::io::ByteInput in(text);
-    ccalloc::io::Value v = parse(in);
-    ccalloc::io::detail::test_chunk_cap = 0;
-    return v;
-  } catch (...) {
-    ccalloc::io::detail::test_chunk_cap = 0;
-    throw;
-  }
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   Value v;
   // In chunks: the same value, or the same error at the same offset.
@@ -39,14 +21,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const FormatError& e) {
     std::string streamed = "accepted";
     try {
-      parse_in_chunks(fuzz::as_text(data, size), chunked);
+      fuzz::parse_in_chunks(fuzz::as_text(data, size), chunked);
     } catch (const FormatError& f) {
       streamed = f.what();
     }
     fuzz::check(streamed == e.what(), "the parse in chunks fails differently");
     return 0;
   }
-  fuzz::check(parse_in_chunks(fuzz::as_text(data, size), chunked) == v,
+  fuzz::check(fuzz::parse_in_chunks(fuzz::as_text(data, size), chunked) == v,
               "the parse in chunks differs");
   // A parsed document has no NaN, infinity or non-string key: writing cannot fail.
   const std::string text = write_json(v);
