@@ -862,6 +862,30 @@ BlockState state_of(bool allocated, bool pending) {
   return pending ? BlockState::kActivePendingFree : BlockState::kInactive;
 }
 
+// A segment (SegmentInfo or SnapshotSegment) of a space's run of blocks starting at `first`.
+template <class Segment, class Block>
+void start_segment(Segment& seg, int device, const Block& first, StreamId stream, bool small) {
+  seg.device = device;
+  seg.address = first.ptr;
+  seg.stream = stream;
+  seg.is_small = small;
+  seg.is_expandable = true;
+}
+
+// Adds a non-void block to its segment's totals; returns the block's state.
+template <class Segment, class Block>
+BlockState count_block(Segment& seg, const Block& b) {
+  const bool allocated = b.kind == Block::Kind::kAllocated;
+  const bool pending = b.kind == Block::Kind::kPending;
+  seg.total_size += b.size;
+  if (allocated) seg.allocated_size += b.size;
+  if (allocated || pending) {
+    seg.active_size += b.size;
+    seg.requested_size += b.requested;
+  }
+  return state_of(allocated, pending);
+}
+
 }  // namespace
 
 // Each run of non-void blocks of a space is one segment (void pages hold no memory of
@@ -879,24 +903,10 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
             continue;
           }
           if (seg == nullptr) {
-            out.emplace_back();
-            seg = &out.back();
-            seg->device = device();
-            seg->address = b->ptr;
-            seg->stream = arena->stream;
-            seg->is_small = s->small;
-            seg->is_expandable = true;
+            seg = &out.emplace_back();
+            start_segment(*seg, device(), *b, arena->stream, s->small);
           }
-          const bool allocated = b->kind == Block::Kind::kAllocated;
-          const bool pending = b->kind == Block::Kind::kPending;
-          seg->total_size += b->size;
-          if (allocated) seg->allocated_size += b->size;
-          if (allocated || pending) {
-            seg->active_size += b->size;
-            seg->requested_size += b->requested;
-          }
-          seg->blocks.push_back(
-              BlockInfo{b->ptr, b->size, b->requested, state_of(allocated, pending)});
+          seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, count_block(*seg, *b)});
         }
       }
     }
@@ -929,29 +939,16 @@ Snapshot StitchEngine::snapshot() {
               continue;
             }
             if (seg == nullptr) {
-              segs.emplace_back();
-              seg = &segs.back().first;
-              seg->device = device();
-              seg->address = b->ptr;
-              seg->stream = arena->stream;
-              seg->is_small = sp->small;
-              seg->is_expandable = true;
-            }
-            const bool allocated = b->kind == Block::Kind::kAllocated;
-            const bool pending = b->kind == Block::Kind::kPending;
-            seg->total_size += b->size;
-            if (allocated) seg->allocated_size += b->size;
-            if (allocated || pending) {
-              seg->active_size += b->size;
-              seg->requested_size += b->requested;
+              seg = &segs.emplace_back().first;
+              start_segment(*seg, device(), *b, arena->stream, sp->small);
             }
             SnapshotBlock block;
             block.address = b->ptr;
             block.size = b->size;
             block.requested_size = b->requested;
-            block.state = state_of(allocated, pending);
+            block.state = count_block(*seg, *b);
             seg->blocks.push_back(block);
-            segs.back().second.push_back(allocated || pending ? b->stack : 0);
+            segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : 0);
           }
         }
       }
