@@ -13,11 +13,13 @@
 // contend on the hot path.
 #pragma once
 
+#include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,6 +53,37 @@ struct BlockInfo {
   BlockState state = BlockState::kInactive;
 };
 
+// A private memory pool (PyTorch's MempoolId_t): {capture id, 0} for a CUDA graph's own
+// pool, {0, uid} for a torch.cuda.MemPool or graph_pool_handle(). {0, 0} is the default
+// pool, which holds every allocation made outside private pools.
+struct PoolId {
+  std::uint64_t first = 0;
+  std::uint64_t second = 0;
+  bool is_default() const { return first == 0 && second == 0; }
+  friend auto operator<=>(const PoolId&, const PoolId&) = default;
+};
+std::string to_string(PoolId id);  // "(first, second)"
+
+// Where a private pool's segments come from instead of the device (PyTorch's
+// MemPool(allocator=...)): allocate returns 0 when it has no memory; free gets back exactly
+// what allocate returned, with the size asked for.
+struct SegmentSource {
+  std::function<DevicePtr(std::size_t bytes)> allocate;
+  std::function<void(DevicePtr ptr, std::size_t bytes)> free;
+};
+
+// The state of a private pool at one moment (checkpoint_pool), to be restored later.
+class PoolCheckpoint {
+ public:
+  virtual ~PoolCheckpoint() = default;
+};
+// What restore_pool changed: allocations that no longer exist, and allocations that exist
+// again (the caller owns them, as if malloc had returned them).
+struct PoolRestore {
+  std::vector<DevicePtr> freed;
+  std::vector<DevicePtr> allocated;
+};
+
 struct SegmentInfo {
   int device = 0;
   DevicePtr address = 0;
@@ -61,6 +94,7 @@ struct SegmentInfo {
   StreamId stream = 0;
   bool is_small = false;  // small pool (<= 1 MiB requests)
   bool is_expandable = false;
+  PoolId pool;                    // the private pool that owns it; {0, 0}: the default pool
   std::vector<BlockInfo> blocks;  // address order, tiling the segment
 };
 
@@ -89,8 +123,53 @@ class Allocator {
   // `stream` up to the free has completed.
   void record_stream(DevicePtr ptr, StreamId stream);
   // Returns every cached, wholly free segment to the device (after waiting for pending
-  // cross-stream frees).
+  // cross-stream frees), including those of private pools whose use count is 0. Does
+  // nothing while a capture is underway (begin_allocate_to_pool).
   void empty_cache();
+
+  // --- Private memory pools (CUDA graph capture, torch.cuda.MemPool) ---
+  // A private pool has its own segments: its blocks never serve requests outside it (but
+  // see set_pool_use_on_oom) and default-pool blocks never serve it. It lives while its use
+  // count is positive; at 0 its cached segments go back to the device at the next
+  // empty_cache() (or empty_cache(id), or OOM retry), and the pool disappears once it holds
+  // no segment. Backends without pools (stitching policy) throw Error.
+  //
+  // Creates pool `id` with use count 1 and segments from `source` (the device if none), or
+  // adds a use to the existing pool (whose source cannot change then). Throws Error for the
+  // default id.
+  void create_pool(PoolId id, std::optional<SegmentSource> source = std::nullopt);
+  // Drops one use (Error if the pool does not exist or has none left).
+  void release_pool(PoolId id);
+  int pool_use_count(PoolId id) const;
+  // When a default-pool request would raise OutOfMemoryError, it may take a free block of
+  // this pool instead.
+  void set_pool_use_on_oom(PoolId id, bool use_on_oom);
+  // Blocks of this pool are never split: each allocation takes a whole free block.
+  void set_pool_no_split(PoolId id);
+  // From now until end_allocate_to_pool(id), requests on streams for which `filter` is true
+  // come from pool `id` (created or incref'd as by create_pool). While any such capture is
+  // underway the allocator queries and records no events and returns no memory to the
+  // device: frees of blocks used on other streams wait until no capture is underway, and
+  // the OOM steps that free memory are skipped. Error if `id` is already being allocated to.
+  using StreamFilter = std::function<bool(StreamId)>;
+  void begin_allocate_to_pool(PoolId id, StreamFilter filter);
+  void end_allocate_to_pool(PoolId id);
+  // As PyTorch's emptyCache(mempool_id): returns the cached, wholly free segments of pool
+  // `id` if its use count is 0 ({0, 0}: as empty_cache()).
+  void empty_cache(PoolId id);
+  // The live allocations of pool `id`, by address.
+  std::vector<DevicePtr> pool_live_allocations(PoolId id) const;
+  // The segments of pool `id`, sorted by address.
+  std::vector<SegmentInfo> pool_segments(PoolId id) const;
+  // The pool owning the segment that contains `address` ({0, 0}: the default pool or none).
+  PoolId segment_pool(DevicePtr address) const;
+  // The layout of pool `id`'s segments and which of its blocks are allocated (cudagraph
+  // trees). No capture may be underway for it.
+  std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id);
+  // Frees every live allocation of the checkpoint's pool, then re-creates the checkpoint's
+  // blocks: those allocated then are allocated again (their addresses in `allocated`).
+  // Every segment of the checkpoint must still be in the pool.
+  PoolRestore restore_pool(const PoolCheckpoint& checkpoint);
 
   DeviceStats stats() const;
   std::map<std::string, std::int64_t> memory_stats() const { return stats().to_map(); }

@@ -20,7 +20,11 @@ Engine::~Engine() {
       std::size_t size = 0;
       for (const Block* b : blocks)
         size += b->size;
-      driver_.free(blocks.front()->ptr, size);
+      if (arena->pool != nullptr && arena->pool->source) {
+        arena->pool->source->free(blocks.front()->ptr, size);
+      } else {
+        driver_.free(blocks.front()->ptr, size);
+      }
     }
     for (const auto& [stream, queue] : arena->pending) {
       for (const PendingFree& f : queue)
@@ -157,9 +161,84 @@ Driver& Allocator::driver() const {
   return impl_->driver();
 }
 
+std::string to_string(PoolId id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+void Allocator::create_pool(PoolId id, std::optional<SegmentSource> source) {
+  impl_->create_pool(id, std::move(source));
+}
+void Allocator::release_pool(PoolId id) {
+  impl_->release_pool(id);
+}
+int Allocator::pool_use_count(PoolId id) const {
+  return impl_->pool_use_count(id);
+}
+void Allocator::set_pool_use_on_oom(PoolId id, bool use_on_oom) {
+  impl_->set_pool_use_on_oom(id, use_on_oom);
+}
+void Allocator::set_pool_no_split(PoolId id) {
+  impl_->set_pool_no_split(id);
+}
+void Allocator::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
+  if (!filter) throw Error("ccalloc: begin_allocate_to_pool needs a stream filter");
+  impl_->begin_allocate_to_pool(id, std::move(filter));
+}
+void Allocator::end_allocate_to_pool(PoolId id) {
+  impl_->end_allocate_to_pool(id);
+}
+void Allocator::empty_cache(PoolId id) {
+  if (id.is_default()) {
+    impl_->empty_cache();
+  } else {
+    impl_->empty_cache(id);
+  }
+}
+std::vector<DevicePtr> Allocator::pool_live_allocations(PoolId id) const {
+  return impl_->pool_live_allocations(id);
+}
+std::vector<SegmentInfo> Allocator::pool_segments(PoolId id) const {
+  return impl_->pool_segments(id);
+}
+PoolId Allocator::segment_pool(DevicePtr address) const {
+  return impl_->segment_pool(address);
+}
+std::shared_ptr<const PoolCheckpoint> Allocator::checkpoint_pool(PoolId id) {
+  return impl_->checkpoint_pool(id);
+}
+PoolRestore Allocator::restore_pool(const PoolCheckpoint& checkpoint) {
+  return impl_->restore_pool(checkpoint);
+}
+
 }  // namespace ccalloc
 
 namespace ccalloc::core {
+
+namespace {
+[[noreturn]] void no_pools(const Backend& b, const char* what) {
+  throw Error(std::string("ccalloc: ") + b.backend_name() + " has no private memory pools (" +
+              what + "); use the native policy for CUDA graphs and MemPools");
+}
+}  // namespace
+
+void Backend::create_pool(PoolId, std::optional<SegmentSource>) { no_pools(*this, "create_pool"); }
+void Backend::release_pool(PoolId) { no_pools(*this, "release_pool"); }
+int Backend::pool_use_count(PoolId) const { no_pools(*this, "pool_use_count"); }
+void Backend::set_pool_use_on_oom(PoolId, bool) { no_pools(*this, "set_pool_use_on_oom"); }
+void Backend::set_pool_no_split(PoolId) { no_pools(*this, "set_pool_no_split"); }
+void Backend::begin_allocate_to_pool(PoolId, Allocator::StreamFilter) {
+  no_pools(*this, "begin_allocate_to_pool");
+}
+void Backend::end_allocate_to_pool(PoolId) { no_pools(*this, "end_allocate_to_pool"); }
+void Backend::empty_cache(PoolId) { no_pools(*this, "empty_cache of a pool"); }
+std::vector<DevicePtr> Backend::pool_live_allocations(PoolId) const {
+  no_pools(*this, "pool_live_allocations");
+}
+std::vector<SegmentInfo> Backend::pool_segments(PoolId) const { no_pools(*this, "pool_segments"); }
+PoolId Backend::segment_pool(DevicePtr) const { return PoolId{}; }
+std::shared_ptr<const PoolCheckpoint> Backend::checkpoint_pool(PoolId) {
+  no_pools(*this, "checkpoint_pool");
+}
+PoolRestore Backend::restore_pool(const PoolCheckpoint&) { no_pools(*this, "restore_pool"); }
 
 std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
   if (config.backend == ccalloc::BackendKind::kCudaMallocAsync) {

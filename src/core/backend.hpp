@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -36,6 +37,23 @@ class Backend {
   virtual void check_invariants() const = 0;
   virtual void set_check_invariants(bool on) = 0;
   virtual const Config& config() const = 0;
+
+  // Private pools (allocator.hpp). A backend without them throws Error naming itself.
+  virtual void create_pool(PoolId id, std::optional<SegmentSource> source);
+  virtual void release_pool(PoolId id);
+  virtual int pool_use_count(PoolId id) const;
+  virtual void set_pool_use_on_oom(PoolId id, bool use_on_oom);
+  virtual void set_pool_no_split(PoolId id);
+  virtual void begin_allocate_to_pool(PoolId id, Allocator::StreamFilter filter);
+  virtual void end_allocate_to_pool(PoolId id);
+  virtual void empty_cache(PoolId id);
+  virtual std::vector<DevicePtr> pool_live_allocations(PoolId id) const;
+  virtual std::vector<SegmentInfo> pool_segments(PoolId id) const;
+  virtual PoolId segment_pool(DevicePtr address) const;
+  virtual std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id);
+  virtual PoolRestore restore_pool(const PoolCheckpoint& checkpoint);
+  // For the messages of the defaults: "the stitching policy".
+  virtual const char* backend_name() const { return "this backend"; }
   virtual Driver& driver() const = 0;
   int device() const { return driver().device(); }
 };

@@ -65,9 +65,14 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
 }
 
 DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
-  if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
+  // During capture events may be neither queried nor recorded: pending frees wait.
+  const bool capture = capturing();
+  if (!capture && (pending_events_.load(std::memory_order_relaxed) > 0 ||
+                   deferred_frees_.load(std::memory_order_relaxed) > 0)) {
+    process_events_everywhere();
+  }
   const Request req = make_request(size, stream);
-  Arena& arena = arena_for(stream);
+  Arena& arena = capture ? arena_for_capture(stream) : arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
   const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
@@ -204,7 +209,10 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
   const StatType kinds[2] = {kAggregate, pool_stat(pool.is_small)};
 
   const bool expandable_block = block->segment != nullptr;
-  if (should_split(block->size, req.size, pool.is_small || expandable_block, config_)) {
+  const bool no_split = arena.pool != nullptr && arena.pool->no_split.load(std::memory_order_relaxed);
+  if (req.exact ? block->size > req.size
+                : !no_split && should_split(block->size, req.size,
+                                            pool.is_small || expandable_block, config_)) {
     Block* remaining = block;
     block = arena.blocks.make();
     block->ptr = remaining->ptr;
@@ -274,6 +282,13 @@ void Engine::release_allocation(Arena& arena, Block* block) {
   if (is_oversize(block->size, config_)) st.oversize_allocations.decrease(1);
   if (block->stream_uses.empty()) {
     free_block(arena, block);
+  } else if (capturing()) [[unlikely]] {
+    // Recording an event during capture is illegal: the events are recorded at the first
+    // operation after every capture has ended (PyTorch's
+    // needs_events_deferred_until_no_capture).
+    arena.deferred.push_back(block);
+    arena.deferred_count.fetch_add(1, std::memory_order_relaxed);
+    deferred_frees_.fetch_add(1, std::memory_order_relaxed);
   } else {
     insert_events(arena, block);
   }
@@ -288,7 +303,8 @@ void Engine::free_block(Arena& arena, Block* block) {
   const auto requested = block->requested_size;
   FreePool& pool = *block->pool;
   const auto is_free = [](const Block* b) {
-    return b != nullptr && b->mapped && !b->allocated && b->event_count == 0;
+    return b != nullptr && b->mapped && !b->allocated && b->event_count == 0 &&
+           b->stream_uses.empty();  // a deferred free still has its stream uses
   };
   Block* const prev = is_free(block->prev) ? block->prev : nullptr;
   Block* const next = is_free(block->next) ? block->next : nullptr;
@@ -376,26 +392,46 @@ Arena& Engine::arena_for(StreamId stream) {
     Lock lock(registry_mutex_);
     auto it = arena_by_stream_.find(stream);
     if (it == arena_by_stream_.end()) {
-      const std::size_t index = arenas_.size();
-      if (index + 1 > SegmentMap::kMaxOwner) {
-        throw Error("ccalloc: too many streams on device " + std::to_string(device()) + " (" +
-                    std::to_string(index) + ")");
-      }
-      arenas_.push_back(std::make_unique<Arena>(stream, index));
-      arena = arenas_.back().get();
-      auto& chunk_slot = arena_table_[index / kArenaChunk];
-      ArenaChunk* chunk = chunk_slot.load(std::memory_order_relaxed);
-      if (chunk == nullptr) {
-        arena_chunks_.push_back(std::make_unique<ArenaChunk>());
-        chunk = arena_chunks_.back().get();
-        chunk_slot.store(chunk, std::memory_order_release);
-      }
-      (*chunk)[index % kArenaChunk].store(arena, std::memory_order_release);
-      it = arena_by_stream_.emplace(stream, arena).first;
+      it = arena_by_stream_.emplace(stream, &make_arena(stream, nullptr)).first;
     }
     arena = it->second;
   }
   t_arena_cache[t_arena_cache_next++ % kArenaCacheSize] = {uid_, stream, arena};
+  return *arena;
+}
+
+Arena& Engine::arena_for_capture(StreamId stream) {
+  {
+    Lock lock(registry_mutex_);
+    for (const auto& [id, filter] : captures_) {
+      if (filter(stream)) return pool_arena(pool_of(id), stream);
+    }
+  }
+  return arena_for(stream);
+}
+
+Arena& Engine::pool_arena(PrivatePool& pool, StreamId stream) {
+  auto it = pool.arenas.find(stream);
+  if (it == pool.arenas.end()) it = pool.arenas.emplace(stream, &make_arena(stream, &pool)).first;
+  return *it->second;
+}
+
+Arena& Engine::make_arena(StreamId stream, PrivatePool* pool) {
+  const std::size_t index = arenas_.size();
+  if (index + 1 > SegmentMap::kMaxOwner) {
+    throw Error("ccalloc: too many streams on device " + std::to_string(device()) + " (" +
+                std::to_string(index) + ")");
+  }
+  arenas_.push_back(std::make_unique<Arena>(stream, index, pool));
+  Arena* arena = arenas_.back().get();
+  auto& chunk_slot = arena_table_[index / kArenaChunk];
+  ArenaChunk* chunk = chunk_slot.load(std::memory_order_relaxed);
+  if (chunk == nullptr) {
+    arena_chunks_.push_back(std::make_unique<ArenaChunk>());
+    chunk = arena_chunks_.back().get();
+    chunk_slot.store(chunk, std::memory_order_release);
+  }
+  (*chunk)[index % kArenaChunk].store(arena, std::memory_order_release);
   return *arena;
 }
 

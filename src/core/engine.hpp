@@ -36,9 +36,23 @@
 //   reserved_within_capacity   reserved <= the device's capacity. (Not the per-process limit:
 //                              set_memory_fraction may lower it below what is reserved.)
 //   live_allocations_disjoint  live allocations never overlap.
+//   private_pool_blocks        every arena of a private pool is listed by that pool (and
+//                              the default pool's arenas by no pool); a block lies in a
+//                              segment its own arena owns, so a private pool's blocks are
+//                              only in its arenas; a pool's segment count equals its
+//                              arenas' segments (plain segments plus expandable
+//                              reservations); deferred frees exist only for blocks with
+//                              stream uses, and only while a capture is underway or
+//                              before the next operation after it.
+//
+// Private pools (docs/design.md#private-pools): an arena per (pool, stream). The default
+// pool's arenas are found as before; only while a capture is underway
+// (captures_underway_ != 0, one relaxed load on the hot path) does malloc consult the
+// captures' stream filters under registry_mutex_.
 #pragma once
 
 #include <array>
+#include <map>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -64,6 +78,7 @@ struct Request {
   std::size_t segment_size = 0;  // size of a new segment for it
   bool small = false;            // small pool
   StreamId stream = 0;
+  bool exact = false;  // split off any remainder (restoring a checkpoint's block sizes)
 };
 
 // Driver events are costly to create: keep completed ones for reuse.
@@ -104,6 +119,22 @@ class Engine final : public Backend {
   void add_trace_observer(TraceObserver observer) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
+
+  // Private pools (pools.cpp).
+  void create_pool(PoolId id, std::optional<SegmentSource> source) override;
+  void release_pool(PoolId id) override;
+  int pool_use_count(PoolId id) const override;
+  void set_pool_use_on_oom(PoolId id, bool use_on_oom) override;
+  void set_pool_no_split(PoolId id) override;
+  void begin_allocate_to_pool(PoolId id, Allocator::StreamFilter filter) override;
+  void end_allocate_to_pool(PoolId id) override;
+  void empty_cache(PoolId id) override;
+  std::vector<DevicePtr> pool_live_allocations(PoolId id) const override;
+  std::vector<SegmentInfo> pool_segments(PoolId id) const override;
+  PoolId segment_pool(DevicePtr address) const override;
+  std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id) override;
+  PoolRestore restore_pool(const PoolCheckpoint& checkpoint) override;
+  const char* backend_name() const override { return "the native engine"; }
   const Config& config() const override { return config_; }
   Driver& driver() const override { return driver_; }
   void after_operation() const {
@@ -148,6 +179,10 @@ class Engine final : public Backend {
     ~AllArenasLock() NO_THREAD_SAFETY_ANALYSIS;
     // `arena` (one of the engine's) is locked while this object lives.
     void held(const Arena& arena) const ASSERT_CAPABILITY(arena.mutex) { arena.mutex.assert_held(); }
+    // The registry lock is held while this object lives.
+    void registry_held() const ASSERT_CAPABILITY(engine_.registry_mutex_) {
+      engine_.registry_mutex_.assert_held();
+    }
     AllArenasLock(const AllArenasLock&) = delete;
     AllArenasLock& operator=(const AllArenasLock&) = delete;
     // Arenas sorted by stream: PyTorch's pool order (stream, size, address).
@@ -160,6 +195,16 @@ class Engine final : public Backend {
   };
 
   Arena& arena_for(StreamId stream);
+  // The arena of a new malloc while a capture is underway: the capturing pool's arena for
+  // `stream` when a capture's filter takes the stream, else the default one.
+  Arena& arena_for_capture(StreamId stream) EXCLUDES(registry_mutex_);
+  // Creates an arena for `stream` in `pool` (nullptr: the default pool).
+  Arena& make_arena(StreamId stream, PrivatePool* pool) REQUIRES(registry_mutex_);
+  Arena& pool_arena(PrivatePool& pool, StreamId stream) REQUIRES(registry_mutex_);
+  PrivatePool& pool_of(PoolId id) const REQUIRES(registry_mutex_);  // throws for unknown ids
+  PrivatePool& create_or_incref_pool(PoolId id, std::optional<SegmentSource> source)
+      REQUIRES(registry_mutex_);
+  bool capturing() const { return captures_underway_.load(std::memory_order_acquire) != 0; }
   Request make_request(std::size_t size, StreamId stream) const;
 
   std::vector<Arena*> arena_list() const;
@@ -198,7 +243,10 @@ class Engine final : public Backend {
   void insert_events(Arena& arena, Block* block) REQUIRES(arena.mutex);
   void process_events(Arena& arena) REQUIRES(arena.mutex);
   void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);  // no lock held
-  void synchronize_and_free_events(const AllArenasLock& all);
+  // Records the events of the arena's deferred frees (no capture may be underway).
+  void insert_deferred_events(Arena& arena) REQUIRES(arena.mutex);
+  // Waits for the pending frees of every arena (only those of `pool`'s arenas if given).
+  void synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool = nullptr);
 
   // --- OOM ladder (oom_ladder.cpp) ---
   // Runs the ladder for a request the arena's pool could not serve; called with the
@@ -207,7 +255,13 @@ class Engine final : public Backend {
   Block* allocate_segment(Arena& arena, const Request& req, bool is_retry) REQUIRES(arena.mutex);
   void release_segment(Arena& arena, Block* block) REQUIRES(arena.mutex);
   bool release_oversize_blocks(Arena& arena, const Request& req) REQUIRES(arena.mutex);
-  void release_cached_segments(const AllArenasLock& all);
+  // Releases the cached segments of the default pool and of every pool whose use count is
+  // 0 (only pool `only`'s if given), then unlists pools left without segments.
+  void release_cached_segments(const AllArenasLock& all, const PrivatePool* only = nullptr);
+  void release_arena_cache(const AllArenasLock& all, Arena& arena, bool small);
+  // A use_on_oom pool's free block for a default-pool request that found nothing else:
+  // its address, or 0.
+  DevicePtr malloc_from_oom_pools(const AllArenasLock& all, const Request& req);
   void collect_garbage(const AllArenasLock& all);
   bool gc_enabled() const { return config_.garbage_collection_threshold > 0.0; }
   std::size_t memory_limit_locked() const REQUIRES(device_mutex_);
@@ -264,6 +318,7 @@ class Engine final : public Backend {
   void check_stats_match_blocks(const InvariantWalk& walk) const;
   void check_reserved_within_capacity() const;
   void check_live_allocations_disjoint(const InvariantWalk& walk) const;
+  void check_private_pool_blocks(const InvariantWalk& walk) const;
 
   // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp).
   friend struct EngineTestAccess;
@@ -272,7 +327,16 @@ class Engine final : public Backend {
 
   mutable Mutex registry_mutex_ ACQUIRED_BEFORE(device_mutex_, trace_mutex_);
   std::vector<std::unique_ptr<Arena>> arenas_ GUARDED_BY(registry_mutex_);
-  std::unordered_map<StreamId, Arena*> arena_by_stream_ GUARDED_BY(registry_mutex_);
+  std::unordered_map<StreamId, Arena*> arena_by_stream_ GUARDED_BY(registry_mutex_);  // default pool
+  // Private pools by id; pools that are gone stay alive in retired_pools_ (their arenas
+  // point at them).
+  std::map<PoolId, std::unique_ptr<PrivatePool>> pools_ GUARDED_BY(registry_mutex_);
+  std::vector<std::unique_ptr<PrivatePool>> retired_pools_ GUARDED_BY(registry_mutex_);
+  // Captures underway: the pool each allocates to and its stream filter (PyTorch's
+  // captures_underway), and their number, read without the lock.
+  std::vector<std::pair<PoolId, Allocator::StreamFilter>> captures_ GUARDED_BY(registry_mutex_);
+  std::atomic<int> captures_underway_{0};
+  std::atomic<std::int64_t> deferred_frees_{0};  // sum of Arena::deferred_count
 
   // Arenas by SegmentMap owner (creation index + 1), readable without a lock.
   static constexpr std::size_t kArenaChunk = 1024;

@@ -52,7 +52,21 @@ void Engine::insert_events(Arena& arena, Block* block) {
   block->stream_uses.swap(uses);  // keep the capacity, leave it empty
 }
 
+void Engine::insert_deferred_events(Arena& arena) {
+  if (arena.deferred.empty()) return;
+  const auto n = static_cast<std::int64_t>(arena.deferred.size());
+  for (Block* block : arena.deferred)
+    insert_events(arena, block);
+  arena.deferred.clear();
+  arena.deferred_count.fetch_sub(n, std::memory_order_relaxed);
+  deferred_frees_.fetch_sub(n, std::memory_order_relaxed);
+}
+
 void Engine::process_events(Arena& arena) {
+  // A capture that began after the caller looked may be underway: checked under the lock,
+  // which begin_allocate_to_pool() takes after raising the count.
+  if (capturing()) return;
+  insert_deferred_events(arena);
   if (arena.pending_events.load(std::memory_order_relaxed) == 0) return;
   std::int64_t completed = 0;
   for (auto& [stream, queue] : arena.pending) {
@@ -72,19 +86,24 @@ void Engine::process_events(Arena& arena) {
 
 void Engine::process_events_everywhere() {
   for (Arena* arena : arena_list()) {
-    if (arena->pending_events.load(std::memory_order_relaxed) == 0) continue;
+    if (arena->pending_events.load(std::memory_order_relaxed) == 0 &&
+        arena->deferred_count.load(std::memory_order_relaxed) == 0) {
+      continue;
+    }
     Lock lock(arena->mutex);
     process_events(*arena);
   }
 }
 
-void Engine::synchronize_and_free_events(const AllArenasLock& all) {
+void Engine::synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool) {
   {
     Lock lock(device_mutex_);
     ++device_stats_.num_sync_all_streams;
   }
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
+    if (pool != nullptr && arena->pool != pool) continue;
+    insert_deferred_events(*arena);
     std::int64_t completed = 0;
     for (auto& [stream, queue] : arena->pending) {
       for (const PendingFree& f : queue) {

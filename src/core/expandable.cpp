@@ -126,6 +126,7 @@ Block* Engine::find_expandable_block(Arena& arena, FreePool& pool, std::size_t s
   arena.expandable.push_back(std::make_unique<ExpandableSegment>(driver_, &arena, pool.is_small,
                                                                  page, expandable_reserve_bytes()));
   const ExpandableSegment& seg = *arena.expandable.back();
+  if (arena.pool != nullptr) arena.pool->segments.fetch_add(1, std::memory_order_relaxed);
   Block* b = arena.blocks.make();
   b->ptr = seg.base();
   b->size = seg.size();
@@ -178,7 +179,8 @@ bool Engine::map_block(Arena& arena, Block* b, std::size_t size) {
 // leave the pool.
 void Engine::merge_mapped_neighbours(Arena& arena, Block* b) {
   const auto free_mapped = [](const Block* n) {
-    return n != nullptr && n->mapped && !n->allocated && n->event_count == 0;
+    return n != nullptr && n->mapped && !n->allocated && n->event_count == 0 &&
+           n->stream_uses.empty();  // a deferred free still has its stream uses
   };
   if (free_mapped(b->prev)) {
     b->prev->pool->blocks.erase(b->prev);
@@ -210,6 +212,9 @@ Block* Engine::allocate_expandable(Arena& arena, const Request& req) {
 // stay mapped as free blocks. Returns the block now covering the unmapped range, or
 // nullptr if nothing was unmapped.
 Block* Engine::unmap_block(Arena& arena, Block* b) {
+  if (capturing()) {
+    throw Error("ccalloc internal error: pages would be unmapped while a capture is underway");
+  }
   FreePool& pool = *b->pool;
   const Range r = b->segment->unmap(Range{b->ptr, b->size});
   if (r.size == 0) return nullptr;
@@ -270,6 +275,7 @@ void Engine::release_expandable_segment(Arena& arena, Block* b) {
   const ExpandableSegment* seg = b->segment;
   arena.blocks.recycle(b);
   std::erase_if(arena.expandable, [seg](const auto& s) { return s.get() == seg; });
+  if (arena.pool != nullptr) arena.pool->segments.fetch_sub(1, std::memory_order_relaxed);
 }
 
 }  // namespace ccalloc::core

@@ -210,7 +210,7 @@ Snapshot Engine::snapshot() {
           sb.size = b->size;
           sb.requested_size = b->requested_size;
           sb.state = b->allocated         ? BlockState::kActiveAllocated
-                     : b->event_count > 0 ? BlockState::kActivePendingFree
+                     : b->event_count > 0 || !b->stream_uses.empty() ? BlockState::kActivePendingFree
                                           : BlockState::kInactive;
           seg.total_size += b->size;
           if (sb.state == BlockState::kActiveAllocated) seg.allocated_size += b->size;

@@ -22,7 +22,8 @@ namespace {
 
 BlockState state_of(const Block* b) {
   if (b->allocated) return BlockState::kActiveAllocated;
-  if (b->event_count > 0) return BlockState::kActivePendingFree;
+  // A free deferred during capture keeps its stream uses until its events are recorded.
+  if (b->event_count > 0 || !b->stream_uses.empty()) return BlockState::kActivePendingFree;
   return BlockState::kInactive;
 }
 
@@ -44,6 +45,8 @@ std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) c
     for (const PendingFree& f : queue)
       consider(f.block);
   }
+  for (const Block* b : arena.deferred)
+    consider(b);
   std::sort(heads.begin(), heads.end(),
             [](const Block* a, const Block* b) { return a->ptr < b->ptr; });
   heads.erase(std::unique(heads.begin(), heads.end()), heads.end());
@@ -92,6 +95,7 @@ std::vector<SegmentInfo> Engine::segments() const {
       seg.stream = arena->stream;
       seg.is_small = blocks.front()->pool->is_small;
       seg.is_expandable = blocks.front()->segment != nullptr;
+      if (arena->pool != nullptr) seg.pool = arena->pool->id;
       for (const Block* b : blocks) {
         const BlockState state = state_of(b);
         seg.total_size += b->size;
@@ -129,6 +133,7 @@ void Engine::check_invariants() const {
   check_stats_match_blocks(walk);
   check_reserved_within_capacity();
   check_live_allocations_disjoint(walk);
+  check_private_pool_blocks(walk);
 }
 
 void Engine::check_blocks_tile_segments(const InvariantWalk& walk) const {
@@ -221,6 +226,13 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
       for (const PendingFree& f : queue)
         ++pending_refs[f.block];
     }
+    for (const Block* b : arena->deferred) {  // a deferred free is held there, once
+      if (b->allocated || b->event_count != 0 || b->stream_uses.empty()) {
+        violation(kName, "deferred free 0x%" PRIxPTR " is allocated, waits for events or has no stream uses",
+                  b->ptr);
+      }
+      ++pending_refs[b];
+    }
     for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
       for (const Block* b : pool->blocks) {
         if (b->pool != pool) {
@@ -257,7 +269,7 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
                     static_cast<int>(state_of(b)), homes);
         }
         const auto refs = pending_refs.find(b);
-        if (state_of(b) == BlockState::kActivePendingFree &&
+        if (state_of(b) == BlockState::kActivePendingFree && b->event_count > 0 &&
             (refs == pending_refs.end() || refs->second != b->event_count)) {
           violation(kName, "block 0x%" PRIxPTR " waits for %d events but %d are queued", b->ptr,
                     b->event_count, refs == pending_refs.end() ? 0 : refs->second);
@@ -450,6 +462,75 @@ void Engine::check_live_allocations_disjoint(const InvariantWalk& walk) const {
                 "live allocations 0x%" PRIxPTR " (%zu bytes) and 0x%" PRIxPTR " overlap",
                 live[i - 1].first, live[i - 1].second, live[i].first);
     }
+  }
+}
+
+}  // namespace ccalloc::core
+
+namespace ccalloc::core {
+
+void Engine::check_private_pool_blocks(const InvariantWalk& walk) const {
+  constexpr const char* kName = "private_pool_blocks";
+  // The walk holds every arena lock and, through AllArenasLock, the registry.
+  registry_mutex_.assert_held();
+  std::unordered_map<const PrivatePool*, std::int64_t> segments;
+  std::int64_t deferred = 0;
+  for (const auto& [arena, chains] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    if (arena->pool != nullptr) {
+      const auto it = arena->pool->arenas.find(arena->stream);
+      if (it == arena->pool->arenas.end() || it->second != arena) {
+        violation(kName, "an arena of pool %s for stream %" PRIu64 " is not listed by the pool",
+                  to_string(arena->pool->id).c_str(), arena->stream);
+      }
+    } else {
+      const auto it = arena_by_stream_.find(arena->stream);
+      if (it == arena_by_stream_.end() || it->second != arena) {
+        violation(kName, "a default-pool arena for stream %" PRIu64 " is not listed", arena->stream);
+      }
+    }
+    std::int64_t n = 0;
+    for (const auto& blocks : chains) {
+      if (blocks.front()->segment == nullptr) ++n;  // expandable ones: counted below
+      for (const Block* b : blocks) {
+        if (b->pool->arena != arena) {
+          violation(kName, "block 0x%" PRIxPTR " of one arena returns to another's pool", b->ptr);
+        }
+        if (b->mapped && owners_.owner_of(b->ptr) != arena->owner) {
+          violation(kName, "block 0x%" PRIxPTR " lies in a segment its arena does not own", b->ptr);
+        }
+      }
+    }
+    n += static_cast<std::int64_t>(arena->expandable.size());
+    if (arena->pool != nullptr) segments[arena->pool] += n;
+    deferred += static_cast<std::int64_t>(arena->deferred.size());
+    if (static_cast<std::int64_t>(arena->deferred.size()) != arena->deferred_count.load()) {
+      violation(kName, "stream %" PRIu64 " counts %lld deferred frees but holds %zu", arena->stream,
+                static_cast<long long>(arena->deferred_count.load()), arena->deferred.size());
+    }
+  }
+  {
+    for (const auto& [id, pool] : pools_) {
+      const std::int64_t counted = pool->segments.load();
+      const std::int64_t held = segments.count(pool.get()) ? segments[pool.get()] : 0;
+      if (counted != held) {
+        violation(kName, "pool %s counts %lld segments but its arenas hold %lld",
+                  to_string(id).c_str(), static_cast<long long>(counted),
+                  static_cast<long long>(held));
+      }
+      if (pool->use_count < 0) {
+        violation(kName, "pool %s has use count %d", to_string(id).c_str(), pool->use_count);
+      }
+    }
+  }
+  for (const auto& pool : retired_pools_) {
+    if (segments.count(pool.get()) && segments[pool.get()] != 0) {
+      violation(kName, "pool %s is gone but holds segments", to_string(pool->id).c_str());
+    }
+  }
+  if (deferred != deferred_frees_.load()) {
+    violation(kName, "%lld deferred frees are counted but %lld are held",
+              static_cast<long long>(deferred_frees_.load()), static_cast<long long>(deferred));
   }
 }
 

@@ -10,8 +10,13 @@
 //      segment (counted as num_alloc_retries)
 //   6. the pool again: step 5 may have returned a fitting block. PyTorch omits this step
 //      and raises OOM with the block in the pool (pytorch/pytorch#189504).
-//   7. OutOfMemoryError, after OOM observers.
-// Steps 1, 3 and 4 need only this stream's arena; 2, 5 and 6 take every arena's lock.
+//   7. a free block of a use_on_oom private pool (default-pool requests only), as PyTorch
+//      does before giving up.
+//   8. OutOfMemoryError, after OOM observers.
+// Steps 1, 3 and 4 need only this stream's arena; 2, 5, 6 and 7 take every arena's lock.
+// While a capture is underway nothing goes back to the device (cudaFree and unmapping are
+// illegal then): steps 2, 4 and 5 are skipped, as PyTorch skips its release_cached_blocks
+// step (PyTorch still frees oversize blocks and collects garbage then; ccalloc does not).
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -45,7 +50,7 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
   }
   if (block == nullptr && !gc_enabled()) {
     block = allocate_segment(arena, req, /*is_retry=*/false);
-    if (block == nullptr && release_oversize_blocks(arena, req)) {
+    if (block == nullptr && !capturing() && release_oversize_blocks(arena, req)) {
       block = allocate_segment(arena, req, /*is_retry=*/false);
     }
   }
@@ -61,17 +66,25 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
   lock.unlock();
   auto all = std::make_unique<AllArenasLock>(*this);
   search_pool();
+  const bool capture = capturing();
   if (block == nullptr && gc_enabled()) {
-    collect_garbage(*all);
+    if (!capture) collect_garbage(*all);
     block = allocate_segment(arena, req, /*is_retry=*/false);
-    if (block == nullptr && release_oversize_blocks(arena, req)) {
+    if (block == nullptr && !capture && release_oversize_blocks(arena, req)) {
       block = allocate_segment(arena, req, /*is_retry=*/false);
     }
   }
-  if (block == nullptr) {
+  if (block == nullptr && !capture) {
     release_cached_segments(*all);
     block = allocate_segment(arena, req, /*is_retry=*/true);
     if (block == nullptr) search_pool();
+  }
+  if (block == nullptr && arena.pool == nullptr) {
+    if (const DevicePtr ptr = malloc_from_oom_pools(*all, req)) {
+      all.reset();
+      after_operation();
+      return ptr;
+    }
   }
   if (block == nullptr) raise_oom(arena, req, std::move(all));
   const DevicePtr ptr = hand_out(arena, block, pos, req);
@@ -90,11 +103,14 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
     if (limit_ && reserved_ + size > *limit_) return nullptr;
     if (!expandable()) reserved_ += size;  // claimed before the driver call: streams see it
   }
+  const SegmentSource* source =
+      arena.pool != nullptr && arena.pool->source ? &*arena.pool->source : nullptr;
   // Expandable segments map just the pages the request needs (map_block accounts them).
-  if (expandable()) return allocate_expandable(arena, req);
+  // A pool whose segments come from elsewhere takes them whole.
+  if (expandable() && source == nullptr) return allocate_expandable(arena, req);
   DevicePtr ptr = 0;
   try {
-    ptr = driver_.allocate(size);
+    ptr = source != nullptr ? source->allocate(size) : driver_.allocate(size);
   } catch (...) {
     Lock lock(device_mutex_);
     reserved_ -= size;
@@ -110,6 +126,7 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
     ++device_stats_.num_device_alloc;
     owners_.assign(ptr, size, arena.owner);
   }
+  if (arena.pool != nullptr) arena.pool->segments.fetch_add(1, std::memory_order_relaxed);
   Block* block = arena.blocks.make();
   block->ptr = ptr;
   block->size = size;
@@ -123,9 +140,17 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
 
 // Returns a free, unsplit segment (a block in its pool) to the device.
 void Engine::release_segment(Arena& arena, Block* block) {
+  if (capturing()) {
+    throw Error("ccalloc internal error: a segment would be freed while a capture is underway");
+  }
   block->pool->blocks.erase(block);
   record_trace(TraceAction::kSegmentFree, block->ptr, block->size, arena.stream, block);
-  driver_.free(block->ptr, block->size);
+  if (arena.pool != nullptr && arena.pool->source) {
+    arena.pool->source->free(block->ptr, block->size);
+  } else {
+    driver_.free(block->ptr, block->size);
+  }
+  if (arena.pool != nullptr) arena.pool->segments.fetch_sub(1, std::memory_order_relaxed);
   {
     Lock lock(device_mutex_);
     ++device_stats_.num_device_free;
@@ -187,30 +212,66 @@ bool Engine::release_oversize_blocks(Arena& arena, const Request& req) {
 }
 
 // Waits for every pending cross-stream free, then returns every free, unsplit segment of
-// every stream to the device: large pools first, streams in order.
-void Engine::release_cached_segments(const AllArenasLock& all) {
-  synchronize_and_free_events(all);
+// the default pool's streams and of the private pools whose use count is 0 to the device:
+// large pools first, streams in order. Private pools in use keep their cache (PyTorch's
+// release_cached_blocks); with `only`, just that pool's arenas (emptyCache(mempool_id)).
+void Engine::release_cached_segments(const AllArenasLock& all, const PrivatePool* only) {
+  all.registry_held();
+  synchronize_and_free_events(all, only);
   for (const bool small : {false, true}) {
     for (Arena* arena : all.by_stream()) {
       all.held(*arena);
-      FreePool& pool = arena->pool_for(small);
-      std::vector<Block*> to_unmap;  // unmapping changes the pool: gather first
-      for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
-        Block* block = *it++;
-        if (block->segment != nullptr) {
-          to_unmap.push_back(block);
-        } else if (!block->is_split()) {
-          release_segment(*arena, block);
-        }
+      if (only != nullptr ? arena->pool != only
+                          : arena->pool != nullptr && arena->pool->use_count > 0) {
+        continue;
       }
-      for (Block* block : to_unmap) {
-        Block* unmapped = unmap_block(*arena, block);
-        if (unmapped != nullptr && !unmapped->is_split()) {
-          release_expandable_segment(*arena, unmapped);
-        }
-      }
+      release_arena_cache(all, *arena, small);
     }
   }
+  // A pool nobody uses disappears with its last segment.
+  for (auto it = pools_.begin(); it != pools_.end();) {
+    PrivatePool& pool = *it->second;
+    if (pool.use_count == 0 && pool.segments.load(std::memory_order_relaxed) == 0) {
+      retired_pools_.push_back(std::move(it->second));
+      it = pools_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Engine::release_arena_cache(const AllArenasLock& all, Arena& arena, bool small) {
+  all.held(arena);
+  FreePool& pool = arena.pool_for(small);
+  std::vector<Block*> to_unmap;  // unmapping changes the pool: gather first
+  for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
+    Block* block = *it++;
+    if (block->segment != nullptr) {
+      to_unmap.push_back(block);
+    } else if (!block->is_split()) {
+      release_segment(arena, block);
+    }
+  }
+  for (Block* block : to_unmap) {
+    Block* unmapped = unmap_block(arena, block);
+    if (unmapped != nullptr && !unmapped->is_split()) {
+      release_expandable_segment(arena, unmapped);
+    }
+  }
+}
+
+DevicePtr Engine::malloc_from_oom_pools(const AllArenasLock& all, const Request& req) {
+  all.registry_held();
+  for (const auto& [id, pool] : pools_) {
+    if (!pool->use_on_oom) continue;
+    const auto it = pool->arenas.find(req.stream);
+    if (it == pool->arenas.end()) continue;
+    Arena& arena = *it->second;
+    all.held(arena);
+    const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/false);
+    if (pos != arena.pool_for(req.small).blocks.end()) return hand_out(arena, *pos, pos, req);
+  }
+  return 0;
 }
 
 // Age-based GC (garbage_collection_threshold): once reserved memory exceeds threshold x
@@ -237,6 +298,7 @@ void Engine::collect_garbage(const AllArenasLock& all) {
   std::size_t candidates = 0;
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
+    if (arena->pool != nullptr) continue;  // only the default pool, as PyTorch
     for (const Block* b : arena->large_pool.blocks) {
       if (!b->is_split() && b->segment == nullptr) {
         total_age += static_cast<double>(age(b));
@@ -251,6 +313,7 @@ void Engine::collect_garbage(const AllArenasLock& all) {
     freed_some = false;
     for (Arena* arena : all.by_stream()) {
       all.held(*arena);
+      if (arena->pool != nullptr) continue;
       auto& blocks = arena->large_pool.blocks;
       for (auto it = blocks.begin(); it != blocks.end();) {
         Block* b = *it++;
@@ -289,9 +352,9 @@ void Engine::empty_cache() {
   if (flags & kTraceHistory) {
     context.emplace(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
   }
-  {
+  if (!capturing()) {  // nothing goes back to the device during capture
     AllArenasLock all(*this);
-    release_cached_segments(all);
+    if (!capturing()) release_cached_segments(all);
   }
   after_operation();
 }

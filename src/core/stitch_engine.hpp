@@ -96,6 +96,7 @@ class StitchEngine final : public Backend {
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
   const Config& config() const override { return config_; }
+  const char* backend_name() const override { return "the stitching policy (stitch_segments)"; }
   Driver& driver() const override { return driver_; }
 
   // Physical pieces held: spare ones (live nowhere) and all; pages mapped dead.

@@ -34,6 +34,8 @@ class CAPABILITY("mutex") Mutex {
   void lock() ACQUIRE() { m_.lock(); }
   void unlock() RELEASE() { m_.unlock(); }
   bool try_lock() TRY_ACQUIRE(true) { return m_.try_lock(); }
+  // Tells the analysis the caller holds it (taken in a way it cannot follow).
+  void assert_held() const ASSERT_CAPABILITY(this) {}
 
  private:
   std::mutex m_;
