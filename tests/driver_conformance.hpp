@@ -255,6 +255,11 @@ TYPED_TEST_P(DriverConformance, ClockNeverRunsBackwards) {
 
 TYPED_TEST_P(DriverConformance, NameIsNotEmpty) { EXPECT_FALSE(this->d().name().empty()); }
 
+// Nothing captures here, so no stream (the legacy default stream included) is capturing.
+TYPED_TEST_P(DriverConformance, StreamsAreNotCapturingOutsideCapture) {
+  EXPECT_FALSE(this->d().is_capturing(0));
+}
+
 REGISTER_TYPED_TEST_SUITE_P(DriverConformance, AllocationsAreNonZeroAndDisjoint,
                             AllocateAndFreeMoveFreeMemory, AllocationBeyondTheDeviceIsNullNotAnError,
                             SynchronizedEventQueriesComplete, StreamSynchronizeCompletesItsEvents,
@@ -266,6 +271,6 @@ REGISTER_TYPED_TEST_SUITE_P(DriverConformance, AllocationsAreNonZeroAndDisjoint,
                             PoolKeepsFreedMemoryUntilTrimmed, PoolResetPeaksLowersHighsToCurrent,
                             StreamOrderedAllocationBeyondTheDeviceIsNull,
                             StreamWaitingOnACompletedEventProceeds, ClockNeverRunsBackwards,
-                            NameIsNotEmpty);
+                            NameIsNotEmpty, StreamsAreNotCapturingOutsideCapture);
 
 }  // namespace ccalloc::conformance

@@ -1,8 +1,10 @@
-// The engine side of pool_bridge.hpp as far as the engine goes today: it has one pool per
-// device (the default pool), so every segment belongs to it, and everything that needs a
-// private pool, a checkpoint, live reconfiguration or exportable physical pages throws
-// NotSupported naming what is missing.
+// The engine side of pool_bridge.hpp. Private pools, CUDA graph capture and pool
+// checkpoints are served by the engine's pool API (ccalloc::Allocator::create_pool and the
+// rest; a backend without pools throws ccalloc::Error naming itself). Live reconfiguration
+// and exportable physical pages throw NotSupported naming what is missing.
 #include "pool_bridge.hpp"
+
+#include <algorithm>
 
 namespace ccalloc::torch_bridge {
 namespace {
@@ -13,44 +15,73 @@ namespace {
 
 }  // namespace
 
-void create_or_incref_pool(Allocator&, PoolId, std::optional<SegmentSource>) {
-  missing("private memory pools");
+namespace {
+
+ccalloc::PoolId to_engine(PoolId id) {
+  return ccalloc::PoolId{id.first, id.second};
 }
-void release_pool(Allocator&, PoolId) {
-  missing("private memory pools");
+
+// The adapter's checkpoint handle around the engine's.
+struct BridgeCheckpoint final : PoolCheckpoint {
+  explicit BridgeCheckpoint(std::shared_ptr<const ccalloc::PoolCheckpoint> c) : engine(std::move(c)) {}
+  std::shared_ptr<const ccalloc::PoolCheckpoint> engine;
+};
+
+}  // namespace
+
+void create_or_incref_pool(Allocator& allocator, PoolId id, std::optional<SegmentSource> source) {
+  std::optional<ccalloc::SegmentSource> engine_source;
+  if (source) {
+    // PyTorch's raw_delete takes only the pointer.
+    engine_source = ccalloc::SegmentSource{
+        std::move(source->allocate),
+        [free = std::move(source->free)](DevicePtr ptr, std::size_t) { free(ptr); }};
+  }
+  allocator.create_pool(to_engine(id), std::move(engine_source));
 }
-int pool_use_count(Allocator&, PoolId) {
-  missing("private memory pools");
+void release_pool(Allocator& allocator, PoolId id) {
+  allocator.release_pool(to_engine(id));
 }
-void set_use_on_oom(Allocator&, PoolId, bool) {
-  missing("private memory pools");
+int pool_use_count(Allocator& allocator, PoolId id) {
+  return allocator.pool_use_count(to_engine(id));
 }
-void set_no_split(Allocator&, PoolId) {
-  missing("private memory pools");
+void set_use_on_oom(Allocator& allocator, PoolId id, bool use_on_oom) {
+  allocator.set_pool_use_on_oom(to_engine(id), use_on_oom);
 }
-void begin_allocate_to_pool(Allocator&, PoolId, std::function<bool(StreamId)>) {
-  missing("private memory pools (CUDA graph capture allocates to one)");
+void set_no_split(Allocator& allocator, PoolId id) {
+  allocator.set_pool_no_split(to_engine(id));
 }
-void end_allocate_to_pool(Allocator&, PoolId) {
-  missing("private memory pools (CUDA graph capture allocates to one)");
+void begin_allocate_to_pool(Allocator& allocator, PoolId id, std::function<bool(StreamId)> filter) {
+  allocator.begin_allocate_to_pool(to_engine(id), std::move(filter));
 }
-void empty_pool_cache(Allocator&, PoolId) {
-  missing("private memory pools");
+void end_allocate_to_pool(Allocator& allocator, PoolId id) {
+  allocator.end_allocate_to_pool(to_engine(id));
 }
-bool pool_live_allocations_are(Allocator&, PoolId, const std::vector<DevicePtr>&) {
-  missing("private memory pools");
+void empty_pool_cache(Allocator& allocator, PoolId id) {
+  allocator.empty_cache(to_engine(id));
 }
-std::vector<SegmentInfo> pool_segments(Allocator&, PoolId) {
-  missing("private memory pools");
+bool pool_live_allocations_are(Allocator& allocator, PoolId id,
+                               const std::vector<DevicePtr>& expected) {
+  std::vector<DevicePtr> want = expected;
+  std::sort(want.begin(), want.end());
+  want.erase(std::unique(want.begin(), want.end()), want.end());
+  return allocator.pool_live_allocations(to_engine(id)) == want;
 }
-PoolId segment_pool(Allocator&, DevicePtr) {
-  return kDefaultPool;
+std::vector<SegmentInfo> pool_segments(Allocator& allocator, PoolId id) {
+  return allocator.pool_segments(to_engine(id));
 }
-std::shared_ptr<PoolCheckpoint> checkpoint_pool(Allocator&, PoolId) {
-  missing("pool checkpoints");
+PoolId segment_pool(Allocator& allocator, DevicePtr segment_address) {
+  const ccalloc::PoolId id = allocator.segment_pool(segment_address);
+  return {id.first, id.second};
 }
-PoolRestore restore_pool(Allocator&, const PoolCheckpoint&) {
-  missing("pool checkpoints");
+std::shared_ptr<PoolCheckpoint> checkpoint_pool(Allocator& allocator, PoolId id) {
+  return std::make_shared<BridgeCheckpoint>(allocator.checkpoint_pool(to_engine(id)));
+}
+PoolRestore restore_pool(Allocator& allocator, const PoolCheckpoint& checkpoint) {
+  const auto* c = dynamic_cast<const BridgeCheckpoint*>(&checkpoint);
+  if (c == nullptr || !c->engine) throw Error("ccalloc: restore_pool: not a ccalloc checkpoint");
+  ccalloc::PoolRestore r = allocator.restore_pool(*c->engine);
+  return PoolRestore{std::move(r.freed), std::move(r.allocated)};
 }
 void reconfigure(Allocator&, const Config&) {
   missing("live reconfiguration of an allocator");

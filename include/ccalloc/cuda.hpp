@@ -65,6 +65,7 @@ class CudaDriver final : public Driver {
   bool query_event(EventId event) override;
   void synchronize_event(EventId event) override;
   void synchronize_stream(StreamId stream) override;
+  bool is_capturing(StreamId stream) override;
   std::int64_t now_us() override;
   std::size_t vm_granularity() override;
   DevicePtr reserve_address_range(std::size_t bytes) override;

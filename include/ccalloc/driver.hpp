@@ -64,6 +64,12 @@ class Driver {
   // Blocks until the event has completed.
   virtual void synchronize_event(EventId event) = 0;
   virtual void synchronize_stream(StreamId stream) = 0;
+  // True while `stream` is being captured into a CUDA graph (cudaStreamIsCapturing): a
+  // stream filter for Allocator::begin_allocate_to_pool. A driver without graphs says no.
+  virtual bool is_capturing(StreamId stream) {
+    (void)stream;
+    return false;
+  }
 
   // --- Virtual memory, for expandable segments (cuMem*). ---
   // The mapping granularity: reservations, physical allocations and mappings are

@@ -160,6 +160,15 @@ class SimDriver final : public Driver {
   // True once the oracle was abandoned because a size differed.
   bool oracle_diverged() const;
 
+  // CUDA graph capture: while any stream is marked capturing, what capture forbids throws
+  // DriverError (querying, recording or synchronizing events, synchronizing streams or the
+  // device, freeing device memory, unmapping or releasing physical memory or address
+  // ranges, trimming the pool), so tests prove an allocator never does it then.
+  // Stream-ordered allocations and frees stay legal.
+  void begin_capture(StreamId stream);
+  void end_capture(StreamId stream);
+  bool is_capturing(StreamId stream) override;
+
   void complete_event(EventId event);
   void complete_stream(StreamId stream);
   void complete_all();
@@ -215,6 +224,8 @@ class SimDriver final : public Driver {
   std::string name() const override;
 
  private:
+  // Throws when a capture is underway; `what` names the call. mutex_ held.
+  void forbid_during_capture(const char* what) const;
   struct Event {
     bool recorded = false;
     StreamId stream = 0;
@@ -296,6 +307,7 @@ class SimDriver final : public Driver {
 
   const Options options_;
   mutable std::mutex mutex_;
+  std::vector<StreamId> capturing_;  // streams being captured (guarded by mutex_)
   std::map<DevicePtr, std::size_t> live_;  // address -> size
   std::size_t used_ = 0;
   std::vector<OracleEntry> oracle_;

@@ -48,6 +48,8 @@ AsyncBackend::AsyncBackend(Driver& driver, Config config)
 AsyncBackend::~AsyncBackend() {
   std::lock_guard lock(mutex_);
   try {
+    capture_underway_ = false;
+    release_deferred();
     for (const auto& [ptr, usage] : ptr_info_)
       release(ptr, usage);
     ptr_info_.clear();
@@ -66,6 +68,7 @@ DevicePtr AsyncBackend::malloc(std::size_t size, StreamId stream) {
       capture_on_malloc_.load(std::memory_order_relaxed) ? stack_table().capture(1) : 0;
   for (bool retried = false;; retried = true) {
     std::unique_lock lock(mutex_);
+    release_deferred();
     // The limit applies to the bytes handed out, checked before the pool is asked.
     const bool over_limit = limit_ && (size > *limit_ || used_bytes_ > *limit_ - size);
     const DevicePtr ptr = over_limit ? 0 : driver_.allocate_async(size, stream);
@@ -103,7 +106,13 @@ void AsyncBackend::free(DevicePtr ptr) {
       throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
     }
     const PtrUsage& usage = it->second;
-    release(ptr, usage);
+    release_deferred();
+    if (capture_underway_ && !usage.recorded_streams.empty()) {
+      // Events may not be recorded during capture: freed once the capture has ended.
+      deferred_.emplace_back(ptr, usage);
+    } else {
+      release(ptr, usage);
+    }
     used_bytes_ -= usage.size;
     allocations_.decrease(1);
     // The pool owns the memory from here: the free is requested and complete at once.
@@ -151,9 +160,42 @@ void AsyncBackend::record_stream(DevicePtr ptr, StreamId stream) {
 }
 
 // Every free completes at the synchronize, so the trim can release all unused memory.
+void AsyncBackend::release_deferred() {
+  if (capture_underway_ || deferred_.empty()) return;
+  for (const auto& [ptr, usage] : deferred_)
+    release(ptr, usage);
+  deferred_.clear();
+}
+
+void AsyncBackend::begin_allocate_to_pool(PoolId, Allocator::StreamFilter) {
+  std::lock_guard lock(mutex_);
+  if (capture_underway_) {
+    throw Error("ccalloc: backend:cudaMallocAsync allows only one capture at a time in a process");
+  }
+  capture_underway_ = true;
+}
+
+void AsyncBackend::end_allocate_to_pool(PoolId) {
+  std::lock_guard lock(mutex_);
+  if (!capture_underway_) {
+    throw Error("ccalloc: end_allocate_to_pool with backend:cudaMallocAsync, but no capture is "
+                "underway");
+  }
+  capture_underway_ = false;
+}
+
+// The graph's allocations are the graph's: nothing to release (as PyTorch).
+void AsyncBackend::release_pool(PoolId) {}
+
+void AsyncBackend::empty_cache(PoolId) {
+  empty_cache();
+}
+
 void AsyncBackend::empty_cache() {
   {
     std::lock_guard lock(mutex_);
+    if (capture_underway_) return;  // synchronizing would break the capture
+    release_deferred();
     driver_.synchronize_device();
     driver_.pool_trim(0);
   }

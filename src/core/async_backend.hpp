@@ -72,6 +72,18 @@ class AsyncBackend final : public Backend {
   const Config& config() const override { return config_; }
   Driver& driver() const override { return driver_; }
 
+  // CUDA graph capture as PyTorch's CudaMallocAsync backend does it: allocations during
+  // capture are stream-ordered allocations on the capturing stream (the graph owns them),
+  // so there are no private pools; one capture at a time. Frees of pointers used on other
+  // streams made during capture wait until it has ended (no events during capture), and
+  // empty_cache() does nothing then. The pool functions PyTorch lacks throw Error.
+  void begin_allocate_to_pool(PoolId id, Allocator::StreamFilter filter) override;
+  void end_allocate_to_pool(PoolId id) override;
+  void release_pool(PoolId id) override;
+  void empty_cache(PoolId id) override;
+  std::vector<SegmentInfo> pool_segments(PoolId) const override { return {}; }
+  const char* backend_name() const override { return "backend:cudaMallocAsync"; }
+
  private:
   struct PtrUsage {
     std::size_t size = 0;  // as requested
@@ -81,6 +93,8 @@ class AsyncBackend final : public Backend {
 
   // All require mutex_.
   void release(DevicePtr ptr, const PtrUsage& usage);
+  // Releases the frees deferred during capture, once none is underway.
+  void release_deferred();
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
                     StackTable::Id stack);
   // Counts the OOM, traces it, calls the OOM observers (after unlocking) and throws.
@@ -106,6 +120,8 @@ class AsyncBackend final : public Backend {
   Stat allocations_;
   std::int64_t num_ooms_ = 0;
   std::vector<EventId> spare_events_;  // for cross-stream frees
+  bool capture_underway_ = false;
+  std::vector<std::pair<DevicePtr, PtrUsage>> deferred_;  // cross-stream frees during capture
   std::vector<TraceObserver> trace_observers_;
   std::vector<Allocator::OomObserver> oom_observers_;
   std::vector<Allocator::FreeMemoryCallback> free_memory_callbacks_;

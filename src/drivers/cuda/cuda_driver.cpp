@@ -297,6 +297,13 @@ void CudaDriver::synchronize_stream(StreamId stream) {
   check(cudaStreamSynchronize(to_stream(stream)), "cudaStreamSynchronize", device_);
 }
 
+bool CudaDriver::is_capturing(StreamId stream) {
+  DeviceGuard guard(device_);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(to_stream(stream), &status), "cudaStreamIsCapturing", device_);
+  return status != cudaStreamCaptureStatusNone;
+}
+
 // --- Virtual memory (driver API) ---
 
 std::size_t CudaDriver::vm_granularity() {
@@ -532,6 +539,9 @@ void CudaDriver::synchronize_event(EventId) {
   unavailable();
 }
 void CudaDriver::synchronize_stream(StreamId) {
+  unavailable();
+}
+bool CudaDriver::is_capturing(StreamId) {
   unavailable();
 }
 std::size_t CudaDriver::vm_granularity() {

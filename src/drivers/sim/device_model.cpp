@@ -117,6 +117,7 @@ DevicePtr SimDriver::allocate(std::size_t bytes) {
 
 void SimDriver::free(DevicePtr ptr, std::size_t bytes) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("free of device memory");
   const auto it = live_.find(ptr);
   if (it == live_.end() || it->second != bytes) {
     char buf[320];
@@ -162,6 +163,7 @@ void SimDriver::destroy_event(EventId event) {
 
 void SimDriver::record_event(EventId event, StreamId stream) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("record_event");
   Event& e = event_ref(event);
   StreamState& s = streams_[stream];
   // Re-recording moves the event to the stream's tail, as cudaEventRecord does: it then
@@ -176,10 +178,41 @@ void SimDriver::record_event(EventId event, StreamId stream) {
 
 bool SimDriver::query_event(EventId event) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("query_event");
   const Event& e = event_ref(event);
   ++counters_.event_queries;
   driver_us_ += options_.cost.event_query_us;
   return event_done(e);
+}
+
+void SimDriver::begin_capture(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  if (std::find(capturing_.begin(), capturing_.end(), stream) != capturing_.end()) {
+    throw DriverError("simulated GPU: stream " + std::to_string(stream) + " is already capturing");
+  }
+  capturing_.push_back(stream);
+}
+
+void SimDriver::end_capture(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  const auto it = std::find(capturing_.begin(), capturing_.end(), stream);
+  if (it == capturing_.end()) {
+    throw DriverError("simulated GPU: end_capture of stream " + std::to_string(stream) +
+                      ", which is not capturing");
+  }
+  capturing_.erase(it);
+}
+
+bool SimDriver::is_capturing(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  return std::find(capturing_.begin(), capturing_.end(), stream) != capturing_.end();
+}
+
+void SimDriver::forbid_during_capture(const char* what) const {
+  if (capturing_.empty()) return;
+  throw DriverError(std::string("simulated GPU: ") + what + " while stream " +
+                    std::to_string(capturing_.front()) +
+                    " is being captured into a CUDA graph (illegal during capture)");
 }
 
 void SimDriver::complete_event(EventId event) {
@@ -201,6 +234,7 @@ void SimDriver::complete_all() {
 
 void SimDriver::synchronize_event(EventId event) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("synchronize_event");
   complete_through(streams_, event_ref(event));
   ++counters_.event_synchronizes;
   driver_us_ += options_.cost.synchronize_us;
@@ -208,6 +242,7 @@ void SimDriver::synchronize_event(EventId event) {
 
 void SimDriver::synchronize_stream(StreamId stream) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("synchronize_stream");
   const auto it = streams_.find(stream);
   if (it != streams_.end()) it->second.completed = it->second.recorded;
   ++counters_.stream_synchronizes;

@@ -302,6 +302,7 @@ void SimDriver::free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) {
 void SimDriver::pool_trim(std::size_t keep_bytes) {
   const std::size_t g = options_.vm_granularity;
   std::lock_guard lock(mutex_);
+  forbid_during_capture("pool_trim");
   ++counters_.pool_trims;
   const std::size_t before = pool_pages_;
   for (auto it = free_pages_.begin(); it != free_pages_.end();) {

@@ -88,6 +88,7 @@ std::string SimDriver::name() const {
 
 void SimDriver::synchronize_device() {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("synchronize_device");
   for (auto& [id, s] : streams_)
     s.completed = s.recorded;
   // Every free has completed: freed pool ranges are plain address space again.

@@ -39,6 +39,7 @@ DevicePtr SimDriver::reserve_address_range(std::size_t bytes) {
 
 void SimDriver::free_address_range(DevicePtr base, std::size_t bytes) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("free_address_range");
   const auto it = reservations_.find(base);
   if (it == reservations_.end()) {
     fail("free_address_range of " + range_str(base, bytes) + ": no reservation starts at " +
@@ -80,6 +81,7 @@ PhysicalHandle SimDriver::create_physical(std::size_t bytes) {
 
 void SimDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("release_physical");
   const auto it = physical_.find(handle);
   const std::string what =
       "release_physical of handle " + std::to_string(handle) + " (" + bytes_str(bytes) + ")";
@@ -148,6 +150,7 @@ void SimDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
 
 void SimDriver::unmap(DevicePtr va, std::size_t bytes) {
   std::lock_guard lock(mutex_);
+  forbid_during_capture("unmap");
   const std::string what = "unmap of " + range_str(va, bytes);
   if (bytes == 0) fail(what + ": the size must be positive");
   if (bytes > kMaxPtr - va) fail(what + ": the range passes the end of the address space");
