@@ -162,9 +162,10 @@ class SimDriver final : public Driver {
 
   // CUDA graph capture: while any stream is marked capturing, what capture forbids throws
   // DriverError (querying, recording or synchronizing events, synchronizing streams or the
-  // device, freeing device memory, unmapping or releasing physical memory or address
-  // ranges, trimming the pool), so tests prove an allocator never does it then.
-  // Stream-ordered allocations and frees stay legal.
+  // device, freeing device memory, unmapping pages or freeing address ranges, trimming the
+  // pool), so tests prove an allocator never does it then. Stream-ordered allocations and
+  // frees stay legal, and so does releasing a physical allocation (an expandable segment
+  // gives back the pages it created but could not map).
   void begin_capture(StreamId stream);
   void end_capture(StreamId stream);
   bool is_capturing(StreamId stream) override;

@@ -81,7 +81,6 @@ PhysicalHandle SimDriver::create_physical(std::size_t bytes) {
 
 void SimDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
   std::lock_guard lock(mutex_);
-  forbid_during_capture("release_physical");
   const auto it = physical_.find(handle);
   const std::string what =
       "release_physical of handle " + std::to_string(handle) + " (" + bytes_str(bytes) + ")";
