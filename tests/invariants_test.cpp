@@ -6,6 +6,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "ccalloc/config.hpp"
@@ -19,6 +20,9 @@ namespace ccalloc::core {
 struct EngineTestAccess {
   static Arena& arena(Engine& e, StreamId stream) { return e.arena_for(stream); }
   static std::size_t& capacity(Engine& e) { return e.capacity_; }
+  static PrivatePool& pool(Engine& e, ccalloc::PoolId id) NO_THREAD_SAFETY_ANALYSIS {
+    return *e.pools_.at(id);
+  }
 };
 
 }  // namespace ccalloc::core
@@ -74,6 +78,25 @@ TEST(Invariants, HealthyStatePassesEveryCheck) {
   rig.engine.malloc(3 << 20, 0);
   rig.engine.free(a);
   EXPECT_EQ(rig.failure(), "");
+}
+
+TEST(Invariants, PoolSegmentCountThatDisagreesBreaksPrivatePoolBlocks) {
+  Rig rig;
+  const ccalloc::PoolId id{0, 1};
+  rig.engine.create_pool(id, std::nullopt);
+  rig.engine.begin_allocate_to_pool(id, [](ccalloc::StreamId) { return true; });
+  const DevicePtr a = rig.engine.malloc(512, 0);
+  rig.engine.end_allocate_to_pool(id);
+  EXPECT_EQ(rig.failure(), "");
+  ccalloc::core::PrivatePool& pool = EngineTestAccess::pool(rig.engine, id);
+  pool.segments += 1;
+  const std::string message = rig.failure();
+  EXPECT_EQ(message,
+            "ccalloc invariant private_pool_blocks violated: pool (0, 1) counts 2 segments but "
+            "its arenas hold 1");
+  pool.segments -= 1;
+  EXPECT_EQ(rig.failure(), "");
+  rig.engine.free(a);
 }
 
 TEST(Invariants, BlockThatOverrunsItsNeighbourBreaksTiling) {

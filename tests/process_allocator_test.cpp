@@ -147,6 +147,30 @@ TEST(CApi, NullArgumentsAreInvalidValues) {
   EXPECT_EQ(ccalloc_mem_get_info(0, nullptr, nullptr), CCALLOC_ERROR_INVALID_VALUE);
 }
 
+TEST(CApi, PoolCallsCheckTheirArguments) {
+  int count = -1;
+  EXPECT_EQ(ccalloc_pool_create(0, ccalloc_pool_id{0, 0}), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc_pool_create: pool id {0, 0} is the default pool, not a private pool");
+  EXPECT_EQ(ccalloc_pool_use_count(0, ccalloc_pool_id{0, 1}, nullptr), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc_pool_use_count: count is NULL");
+  if (ccalloc::cuda::device_count() > 0) {
+    // An unknown pool is an invalid value, named in the message.
+    EXPECT_EQ(ccalloc_pool_use_count(0, ccalloc_pool_id{0, 987654}, &count),
+              CCALLOC_ERROR_INVALID_VALUE);
+    EXPECT_STREQ(ccalloc_last_error(), "ccalloc: no private pool (0, 987654) on device 0");
+    ASSERT_EQ(ccalloc_pool_begin_allocate(0, ccalloc_pool_id{0, 987654}, nullptr, nullptr),
+              CCALLOC_SUCCESS);
+    EXPECT_EQ(ccalloc_pool_use_count(0, ccalloc_pool_id{0, 987654}, &count), CCALLOC_SUCCESS);
+    EXPECT_EQ(count, 1);
+    EXPECT_EQ(ccalloc_pool_end_allocate(0, ccalloc_pool_id{0, 987654}), CCALLOC_SUCCESS);
+    EXPECT_EQ(ccalloc_pool_release(0, ccalloc_pool_id{0, 987654}), CCALLOC_SUCCESS);
+    EXPECT_EQ(ccalloc_pool_empty_cache(0, ccalloc_pool_id{0, 987654}), CCALLOC_SUCCESS);
+  } else {
+    EXPECT_EQ(ccalloc_pool_create(0, ccalloc_pool_id{0, 1}), CCALLOC_ERROR_DRIVER);
+  }
+}
+
 TEST(CApi, FreeOfNullSucceeds) {
   EXPECT_EQ(ccalloc_free(nullptr), CCALLOC_SUCCESS);
 }

@@ -60,6 +60,30 @@ ccalloc_status ccalloc_dump_snapshot(const char* path);
 /* Marks the start (start != 0) or end of a named region in the history of `device`. */
 ccalloc_status ccalloc_annotate(int device, const char* name, int start);
 
+/* Private memory pools (CUDA graph capture, MemPools), as ccalloc::Allocator's create_pool
+ * and the rest: a pool's segments serve only allocations made to it. Pool ids are PyTorch's
+ * MempoolId_t; {0, 0} (the default pool) is an invalid value here. */
+typedef struct {
+  uint64_t first;
+  uint64_t second;
+} ccalloc_pool_id;
+/* Creates the pool with use count 1, or adds one use. */
+ccalloc_status ccalloc_pool_create(int device, ccalloc_pool_id pool);
+/* Drops one use; at 0 the pool's cached segments go back at the next empty cache. */
+ccalloc_status ccalloc_pool_release(int device, ccalloc_pool_id pool);
+ccalloc_status ccalloc_pool_use_count(int device, ccalloc_pool_id pool, int* count);
+/* Returns nonzero when an allocation on `stream` should come from the pool. */
+typedef int (*ccalloc_stream_filter)(void* stream, void* user_data);
+/* Until ccalloc_pool_end_allocate, allocations on the streams `filter` accepts come from the
+ * pool (created or given a use). filter NULL: the streams being captured into a CUDA graph
+ * (cudaStreamIsCapturing). Call it before cudaStreamBeginCapture: while allocating to a
+ * pool the allocator records and queries no events and frees no device memory. */
+ccalloc_status ccalloc_pool_begin_allocate(int device, ccalloc_pool_id pool,
+                                           ccalloc_stream_filter filter, void* user_data);
+ccalloc_status ccalloc_pool_end_allocate(int device, ccalloc_pool_id pool);
+/* Returns the pool's cached, wholly free segments if its use count is 0. */
+ccalloc_status ccalloc_pool_empty_cache(int device, ccalloc_pool_id pool);
+
 /* The entry points torch.cuda.memory.CUDAPluggableAllocator calls:
  *   CUDAPluggableAllocator("libccalloc.so", "ccalloc_torch_alloc", "ccalloc_torch_free")
  * ccalloc_torch_alloc returns NULL on failure (the reason in ccalloc_last_error()). */

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <new>
 #include <string>
+#include <typeinfo>
 
 #include "ccalloc/ccalloc.h"
 #include "ccalloc/process.hpp"
@@ -65,6 +66,27 @@ ccalloc_status copy_out(const std::string& text, char* buffer, size_t capacity, 
   return CCALLOC_SUCCESS;
 }
 
+// Pool misuse (an unknown pool, a use count already 0, ...) is a plain ccalloc::Error: an
+// invalid value here, not an internal error.
+template <typename Fn>
+ccalloc_status pool_call(const char* name, ccalloc_pool_id pool, Fn&& fn) noexcept {
+  if (pool.first == 0 && pool.second == 0) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                (std::string(name) + ": pool id {0, 0} is the default pool, not a private pool")
+                    .c_str());
+  }
+  ccalloc_status misuse = CCALLOC_SUCCESS;
+  const ccalloc_status s = guarded([&] {
+    try {
+      fn(ccalloc::PoolId{pool.first, pool.second});
+    } catch (const ccalloc::Error& e) {
+      if (typeid(e) != typeid(ccalloc::Error)) throw;
+      misuse = fail(CCALLOC_ERROR_INVALID_VALUE, e.what());
+    }
+  });
+  return s != CCALLOC_SUCCESS ? s : misuse;
+}
+
 }  // namespace
 
 extern "C" {
@@ -96,6 +118,59 @@ ccalloc_status ccalloc_record_stream(void* ptr, void* stream) {
 
 ccalloc_status ccalloc_empty_cache(int device) {
   return guarded([&] { process().empty_cache(device); });
+}
+
+
+ccalloc_status ccalloc_pool_create(int device, ccalloc_pool_id pool) {
+  return pool_call("ccalloc_pool_create", pool, [&](ccalloc::PoolId id) {
+    process().allocator(device).create_pool(id);
+  });
+}
+
+ccalloc_status ccalloc_pool_release(int device, ccalloc_pool_id pool) {
+  return pool_call("ccalloc_pool_release", pool, [&](ccalloc::PoolId id) {
+    process().allocator(device).release_pool(id);
+  });
+}
+
+ccalloc_status ccalloc_pool_use_count(int device, ccalloc_pool_id pool, int* count) {
+  if (count == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_pool_use_count: count is NULL");
+  }
+  return pool_call("ccalloc_pool_use_count", pool, [&](ccalloc::PoolId id) {
+    *count = process().allocator(device).pool_use_count(id);
+  });
+}
+
+ccalloc_status ccalloc_pool_begin_allocate(int device, ccalloc_pool_id pool,
+                                           ccalloc_stream_filter filter, void* user_data) {
+  return pool_call("ccalloc_pool_begin_allocate", pool,
+                   [&](ccalloc::PoolId id) {
+                     ccalloc::Allocator& a = process().allocator(device);
+                     ccalloc::Allocator::StreamFilter f;
+                     if (filter != nullptr) {
+                       f = [filter, user_data](ccalloc::StreamId s) {
+                         return filter(reinterpret_cast<void*>(s), user_data) != 0;
+                       };
+                     } else {
+                       f = [&driver = a.driver()](ccalloc::StreamId s) {
+                         return driver.is_capturing(s);
+                       };
+                     }
+                     a.begin_allocate_to_pool(id, std::move(f));
+                   });
+}
+
+ccalloc_status ccalloc_pool_end_allocate(int device, ccalloc_pool_id pool) {
+  return pool_call("ccalloc_pool_end_allocate", pool, [&](ccalloc::PoolId id) {
+    process().allocator(device).end_allocate_to_pool(id);
+  });
+}
+
+ccalloc_status ccalloc_pool_empty_cache(int device, ccalloc_pool_id pool) {
+  return pool_call("ccalloc_pool_empty_cache", pool, [&](ccalloc::PoolId id) {
+    process().allocator(device).empty_cache(id);
+  });
 }
 
 ccalloc_status ccalloc_get_stat(int device, const char* key, int64_t* value) {
