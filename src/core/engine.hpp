@@ -179,10 +179,6 @@ class Engine final : public Backend {
     ~AllArenasLock() NO_THREAD_SAFETY_ANALYSIS;
     // `arena` (one of the engine's) is locked while this object lives.
     void held(const Arena& arena) const ASSERT_CAPABILITY(arena.mutex) { arena.mutex.assert_held(); }
-    // The registry lock is held while this object lives.
-    void registry_held() const ASSERT_CAPABILITY(engine_.registry_mutex_) {
-      engine_.registry_mutex_.assert_held();
-    }
     AllArenasLock(const AllArenasLock&) = delete;
     AllArenasLock& operator=(const AllArenasLock&) = delete;
     // Arenas sorted by stream: PyTorch's pool order (stream, size, address).
@@ -194,6 +190,11 @@ class Engine final : public Backend {
     std::vector<Arena*> by_stream_;
   };
 
+  // `all` holds the registry lock too: tells the analysis.
+  void registry_held(const AllArenasLock& all) const ASSERT_CAPABILITY(registry_mutex_) {
+    (void)all;
+    registry_mutex_.assert_held();
+  }
   Arena& arena_for(StreamId stream);
   // The arena of a new malloc while a capture is underway: the capturing pool's arena for
   // `stream` when a capture's filter takes the stream, else the default one.

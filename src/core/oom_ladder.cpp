@@ -216,7 +216,7 @@ bool Engine::release_oversize_blocks(Arena& arena, const Request& req) {
 // large pools first, streams in order. Private pools in use keep their cache (PyTorch's
 // release_cached_blocks); with `only`, just that pool's arenas (emptyCache(mempool_id)).
 void Engine::release_cached_segments(const AllArenasLock& all, const PrivatePool* only) {
-  all.registry_held();
+  registry_held(all);
   synchronize_and_free_events(all, only);
   for (const bool small : {false, true}) {
     for (Arena* arena : all.by_stream()) {
@@ -261,7 +261,7 @@ void Engine::release_arena_cache(const AllArenasLock& all, Arena& arena, bool sm
 }
 
 DevicePtr Engine::malloc_from_oom_pools(const AllArenasLock& all, const Request& req) {
-  all.registry_held();
+  registry_held(all);
   for (const auto& [id, pool] : pools_) {
     if (!pool->use_on_oom) continue;
     const auto it = pool->arenas.find(req.stream);

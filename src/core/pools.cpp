@@ -160,7 +160,7 @@ void Engine::empty_cache(PoolId id) {
   if (config_.uncached) return;
   if (!capturing()) {
     AllArenasLock all(*this);
-    all.registry_held();
+    registry_held(all);
     const auto it = pools_.find(id);
     // As PyTorch: only a pool nobody uses any more gives its cache back.
     if (!capturing() && it != pools_.end() && it->second->use_count == 0) {
@@ -174,7 +174,7 @@ std::vector<DevicePtr> Engine::pool_live_allocations(PoolId id) const {
   check_not_default(id, "pool_live_allocations");
   std::vector<DevicePtr> out;
   const AllArenasLock all(*this);
-  all.registry_held();
+  registry_held(all);
   for (const auto& [stream, arena] : pool_of(id).arenas) {
     all.held(*arena);
     arena->live.for_each([&out](DevicePtr ptr, const Block*) { out.push_back(ptr); });
@@ -203,7 +203,7 @@ std::shared_ptr<const PoolCheckpoint> Engine::checkpoint_pool(PoolId id) {
   cp->id = id;
   {
     AllArenasLock all(*this);
-    all.registry_held();
+    registry_held(all);
     PrivatePool& pool = pool_of(id);
     if (pool.use_count == 0) {
       throw Error("ccalloc: checkpoint_pool: pool " + to_string(id) + " was released");
@@ -240,7 +240,7 @@ PoolRestore Engine::restore_pool(const PoolCheckpoint& checkpoint) {
   PoolRestore out;
   {
     AllArenasLock all(*this);
-    all.registry_held();
+    registry_held(all);
     PrivatePool& pool = pool_of(cp->id);
     if (pool.use_count == 0) {
       throw Error("ccalloc: restore_pool: pool " + to_string(cp->id) + " was released");
