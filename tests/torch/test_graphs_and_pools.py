@@ -90,3 +90,77 @@ emit(**result)
         "inside_in_pool": True, "outside_in_pool": False,
         "default_pool_reused_pool_memory": False, "pool_reused_its_block": True}
     assert_same(pytorch, ccalloc, "MemPool isolation")
+
+
+def test_graphs_sharing_a_pool_reuse_its_memory_and_give_it_back_after_reset():
+    # torch.cuda.graph(g2, pool=g1.pool()): the second capture allocates from the first's
+    # private pool (a second use of it), may reuse what the first freed, and the pool's
+    # memory returns to the device only after both graphs are reset and the cache emptied.
+    pytorch, ccalloc = both("""
+MiB = 1 << 20
+static = torch.ones(MiB, device="cuda")
+torch.cuda.synchronize()
+reserved_before = torch.cuda.memory_reserved()
+g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+with torch.cuda.graph(g1):
+    tmp = static * 2
+    tmp_ptr = tmp.data_ptr()
+    out1 = tmp + 1
+    del tmp
+with torch.cuda.graph(g2, pool=g1.pool()):
+    out2 = out1 * 3
+g1.replay()
+g2.replay()
+torch.cuda.synchronize()
+def pool_of(ptr):
+    for s in torch.cuda.memory._snapshot()["segments"]:
+        if s["address"] <= ptr < s["address"] + s["total_size"]:
+            return list(s.get("segment_pool_id", (0, 0)))
+    return None
+result = dict(out2=out2[0].item(), out2_reuses_tmp=out2.data_ptr() == tmp_ptr,
+              out1_pool_is_g1=pool_of(out1.data_ptr()) == list(g1.pool()),
+              out2_pool_is_g1=pool_of(out2.data_ptr()) == list(g1.pool()),
+              static_in_default=pool_of(static.data_ptr()) == [0, 0],
+              reserved_with_graphs=torch.cuda.memory_reserved() - reserved_before)
+del out1, out2
+g1.reset()
+torch.cuda.empty_cache()
+result["reserved_with_one_graph"] = torch.cuda.memory_reserved() - reserved_before
+g2.reset()
+torch.cuda.empty_cache()
+result["reserved_after_reset"] = torch.cuda.memory_reserved() - reserved_before
+emit(**result)
+""")
+    assert pytorch["out2"] == 9.0 and pytorch["out1_pool_is_g1"] and pytorch["out2_pool_is_g1"]
+    assert pytorch["reserved_after_reset"] == 0
+    assert_same(pytorch, ccalloc, "graphs sharing a pool")
+
+
+def test_mempool_with_an_allocator_takes_its_segments_from_it():
+    # MemPool(allocator=...): the pool's segments come from another allocator's raw_alloc /
+    # raw_delete; here libccalloc.so's C entry points through CUDAPluggableAllocator.
+    import os
+    import pytest
+    lib_dir = os.environ.get("CCALLOC_LIBRARY_DIR")
+    if not lib_dir or not os.path.exists(os.path.join(lib_dir, "libccalloc.so")):
+        pytest.skip("CCALLOC_LIBRARY_DIR does not hold libccalloc.so")
+    pytorch, ccalloc = both(f"""
+import gc
+MiB = 1 << 20
+lib = os.path.join({lib_dir!r}, "libccalloc.so")
+other = torch.cuda.memory.CUDAPluggableAllocator(lib, "ccalloc_torch_alloc", "ccalloc_torch_free")
+pool = torch.cuda.MemPool(other.allocator())
+with torch.cuda.use_mem_pool(pool):
+    x = torch.ones(3 * MiB, dtype=torch.uint8, device="cuda")
+segments = pool.snapshot()
+emit(total=int(x.sum()), pool_segments=len(segments),
+     x_in_pool=any(s["address"] <= x.data_ptr() < s["address"] + s["total_size"] for s in segments),
+     use_count=pool.use_count())
+del x
+del pool
+gc.collect()
+torch.cuda.empty_cache()
+emit(done=True)
+""")
+    assert pytorch["x_in_pool"] and pytorch["total"] == 3 * (1 << 20)
+    assert_same(pytorch, ccalloc, "MemPool with an allocator")
