@@ -370,6 +370,29 @@ TEST(PrivatePools, CheckpointRestoresTheLayoutAndTheLiveBlocks) {
   }
 }
 
+TEST(PrivatePools, NestedPoolContextsAllocateToTheInnermost) {
+  Fixture f;
+  const PoolId outer{0, 1};
+  const PoolId inner{0, 2};
+  f.alloc.begin_allocate_to_pool(outer, [](StreamId) { return true; });
+  const DevicePtr a = f.alloc.malloc(4096, 0);
+  f.alloc.begin_allocate_to_pool(inner, [](StreamId) { return true; });
+  const DevicePtr b = f.alloc.malloc(4096, 0);
+  f.alloc.end_allocate_to_pool(inner);
+  const DevicePtr c = f.alloc.malloc(4096, 0);
+  f.alloc.end_allocate_to_pool(outer);
+  const DevicePtr d = f.alloc.malloc(4096, 0);
+  EXPECT_EQ(f.alloc.segment_pool(a), outer);
+  EXPECT_EQ(f.alloc.segment_pool(b), inner);
+  EXPECT_EQ(f.alloc.segment_pool(c), outer);
+  EXPECT_EQ(c, a + 4096);
+  EXPECT_EQ(f.alloc.segment_pool(d), PoolId{});
+  EXPECT_EQ(f.alloc.pool_live_allocations(outer), (std::vector<DevicePtr>{a, c}));
+  EXPECT_EQ(f.alloc.pool_live_allocations(inner), std::vector<DevicePtr>{b});
+  for (const DevicePtr p : {a, b, c, d})
+    f.alloc.free(p);
+}
+
 TEST(PrivatePools, MisuseIsReportedByName) {
   Fixture f;
   EXPECT_EQ(message_of<Error>([&] { f.alloc.create_pool(PoolId{}); }),

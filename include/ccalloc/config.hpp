@@ -57,7 +57,8 @@ struct Config {
   bool release_lock_on_cudamalloc = false;
   // Reserved memory is capped at this fraction of device capacity (1.0 = no cap).
   double per_process_memory_fraction = 1.0;
-  // Accepted for compatibility; CUDA graph capture is not modelled.
+  // Accepted for compatibility: frees of blocks used on other streams during capture always
+  // wait until no capture is underway (docs/design.md#private-pools).
   bool graph_capture_record_stream_reuse = false;
   // Pinned-host allocator options: accepted and reported, not used (no host allocator).
   bool pinned_use_cuda_host_register = false;

@@ -403,8 +403,10 @@ Arena& Engine::arena_for(StreamId stream) {
 Arena& Engine::arena_for_capture(StreamId stream) {
   {
     Lock lock(registry_mutex_);
-    for (const auto& [id, filter] : captures_) {
-      if (filter(stream)) return pool_arena(pool_of(id), stream);
+    // The most recently begun capture that takes the stream wins, so nested
+    // use_mem_pool contexts allocate to the innermost pool.
+    for (auto it = captures_.rbegin(); it != captures_.rend(); ++it) {
+      if (it->second(stream)) return pool_arena(pool_of(it->first), stream);
     }
   }
   return arena_for(stream);
