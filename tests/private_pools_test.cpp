@@ -77,7 +77,7 @@ TEST(PrivatePools, CapturedAllocationsComeFromThePoolsOwnSegments) {
   const DevicePtr a = f.alloc.malloc(4096, 1);  // default pool, small segment at 0
   f.alloc.free(a);                              // cached there, free
   f.begin(kGraphPool, 1);
-  const DevicePtr b = f.alloc.malloc(4096, 1);  // not the cached block: a pool segment
+  const DevicePtr b = f.alloc.malloc(4096, 1);      // not the cached block: a pool segment
   const DevicePtr other = f.alloc.malloc(4096, 2);  // stream 2 is not captured: default
   f.end(kGraphPool, 1);
   EXPECT_EQ(a, At(0));
@@ -208,37 +208,40 @@ TEST(PrivatePools, NoSplitGivesEachAllocationAWholeBlock) {
 }
 
 TEST(PrivatePools, ASegmentSourceProvidesAndTakesBackThePoolsSegments) {
-  Fixture f;
-  std::vector<std::pair<DevicePtr, std::size_t>> given;
-  std::vector<std::pair<DevicePtr, std::size_t>> taken;
-  SegmentSource source{[&](std::size_t bytes) {
-                         const DevicePtr p = f.driver.allocate(bytes);
-                         given.emplace_back(p, bytes);
-                         return p;
-                       },
-                       [&](DevicePtr p, std::size_t bytes) {
-                         taken.emplace_back(p, bytes);
-                         f.driver.free(p, bytes);
-                       }};
-  f.alloc.create_pool(kPool, source);
-  EXPECT_EQ(message_of<Error>([&] { f.alloc.create_pool(kPool, source); }),
-            "ccalloc: pool (0, 1) already exists: its segment source cannot be given again");
-  f.alloc.begin_allocate_to_pool(kPool, [](StreamId) { return true; });
-  const DevicePtr a = f.alloc.malloc(4096, 0);
-  const DevicePtr b = f.alloc.malloc(12 * kMiB, 0);
-  f.alloc.end_allocate_to_pool(kPool);
-  const DevicePtr c = f.alloc.malloc(4096, 0);  // default pool: from the device
-  EXPECT_EQ(given, (std::vector<std::pair<DevicePtr, std::size_t>>{{At(0), 2 * kMiB},
-                                                                    {At(2), 12 * kMiB}}));
-  f.alloc.free(a);
-  f.alloc.free(b);
-  f.alloc.free(c);
-  f.alloc.release_pool(kPool);  // use_mem_pool's exit: begin's use
-  f.alloc.release_pool(kPool);  // the MemPool's own
-  f.alloc.empty_cache();
-  EXPECT_EQ(taken, (std::vector<std::pair<DevicePtr, std::size_t>>{{At(2), 12 * kMiB},
-                                                                    {At(0), 2 * kMiB}}));
-  EXPECT_EQ(f.reserved(), 0);
+  for (const std::string conf : {"", "expandable_segments:True"}) {
+    SCOPED_TRACE(conf);
+    Fixture f(conf);
+    std::vector<std::pair<DevicePtr, std::size_t>> given;
+    std::vector<std::pair<DevicePtr, std::size_t>> taken;
+    SegmentSource source{[&](std::size_t bytes) {
+                           const DevicePtr p = f.driver.allocate(bytes);
+                           given.emplace_back(p, bytes);
+                           return p;
+                         },
+                         [&](DevicePtr p, std::size_t bytes) {
+                           taken.emplace_back(p, bytes);
+                           f.driver.free(p, bytes);
+                         }};
+    f.alloc.create_pool(kPool, source);
+    EXPECT_EQ(message_of<Error>([&] { f.alloc.create_pool(kPool, source); }),
+              "ccalloc: pool (0, 1) already exists: its segment source cannot be given again");
+    f.alloc.begin_allocate_to_pool(kPool, [](StreamId) { return true; });
+    const DevicePtr a = f.alloc.malloc(4096, 0);
+    const DevicePtr b = f.alloc.malloc(12 * kMiB, 0);
+    f.alloc.end_allocate_to_pool(kPool);
+    const DevicePtr c = f.alloc.malloc(4096, 0);  // default pool: from the device
+    EXPECT_EQ(given, (std::vector<std::pair<DevicePtr, std::size_t>>{{At(0), 2 * kMiB},
+                                                                     {At(2), 12 * kMiB}}));
+    f.alloc.free(a);
+    f.alloc.free(b);
+    f.alloc.free(c);
+    f.alloc.release_pool(kPool);  // use_mem_pool's exit: begin's use
+    f.alloc.release_pool(kPool);  // the MemPool's own
+    f.alloc.empty_cache();
+    EXPECT_EQ(taken, (std::vector<std::pair<DevicePtr, std::size_t>>{{At(2), 12 * kMiB},
+                                                                     {At(0), 2 * kMiB}}));
+    EXPECT_EQ(f.reserved(), 0);
+  }
 }
 
 TEST(PrivatePools, CrossStreamFreesDuringCaptureWaitUntilItEnds) {
@@ -402,9 +405,8 @@ TEST(PrivatePools, MisuseIsReportedByName) {
   EXPECT_EQ(message_of<Error>([&] { f.alloc.release_pool(kPool); }),
             "ccalloc: no private pool (0, 1) on device 0");
   f.alloc.begin_allocate_to_pool(kPool, [](StreamId) { return false; });
-  EXPECT_EQ(message_of<Error>([&] {
-              f.alloc.begin_allocate_to_pool(kPool, [](StreamId) { return false; });
-            }),
+  EXPECT_EQ(message_of<Error>(
+                [&] { f.alloc.begin_allocate_to_pool(kPool, [](StreamId) { return false; }); }),
             "ccalloc: begin_allocate_to_pool: already allocating to pool (0, 1)");
   f.alloc.end_allocate_to_pool(kPool);
   EXPECT_EQ(f.alloc.pool_use_count(kPool), 1);
@@ -429,7 +431,9 @@ TEST(PrivatePools, CudaMallocAsyncCapturesOnTheCapturingStream) {
   f.alloc.free(before);  // used on stream 4: waits for the capture's end
   f.alloc.free(p);
   f.alloc.empty_cache();  // no synchronization during capture
-  EXPECT_EQ(message_of<Error>([&] { f.alloc.begin_allocate_to_pool(PoolId{8, 0}, nullptr); }),
+  EXPECT_EQ(message_of<Error>([&] {
+              f.alloc.begin_allocate_to_pool(PoolId{8, 0}, nullptr);
+            }),
             "ccalloc: begin_allocate_to_pool needs a stream filter");
   EXPECT_EQ(message_of<Error>([&] {
               f.alloc.begin_allocate_to_pool(PoolId{8, 0}, [](StreamId) { return true; });
@@ -469,8 +473,7 @@ TEST(PrivatePools, RandomizedOperationsKeepPoolsApart) {
         const StreamId stream = rng() % 2;
         try {
           const DevicePtr p = f.alloc.malloc(size, stream);
-          const PoolId expected =
-              capturing && stream == capture_stream ? *capturing : PoolId{};
+          const PoolId expected = capturing && stream == capture_stream ? *capturing : PoolId{};
           ASSERT_EQ(f.alloc.segment_pool(p), expected);
           live.push_back({p, expected});
         } catch (const OutOfMemoryError&) {

@@ -23,7 +23,8 @@ ccalloc::PoolId to_engine(PoolId id) {
 
 // The adapter's checkpoint handle around the engine's.
 struct BridgeCheckpoint final : PoolCheckpoint {
-  explicit BridgeCheckpoint(std::shared_ptr<const ccalloc::PoolCheckpoint> c) : engine(std::move(c)) {}
+  explicit BridgeCheckpoint(std::shared_ptr<const ccalloc::PoolCheckpoint> c)
+      : engine(std::move(c)) {}
   std::shared_ptr<const ccalloc::PoolCheckpoint> engine;
 };
 

@@ -71,9 +71,9 @@ ccalloc_status copy_out(const std::string& text, char* buffer, size_t capacity, 
 template <typename Fn>
 ccalloc_status pool_call(const char* name, ccalloc_pool_id pool, Fn&& fn) noexcept {
   if (pool.first == 0 && pool.second == 0) {
-    return fail(CCALLOC_ERROR_INVALID_VALUE,
-                (std::string(name) + ": pool id {0, 0} is the default pool, not a private pool")
-                    .c_str());
+    return fail(
+        CCALLOC_ERROR_INVALID_VALUE,
+        (std::string(name) + ": pool id {0, 0} is the default pool, not a private pool").c_str());
   }
   ccalloc_status misuse = CCALLOC_SUCCESS;
   const ccalloc_status s = guarded([&] {
@@ -120,17 +120,14 @@ ccalloc_status ccalloc_empty_cache(int device) {
   return guarded([&] { process().empty_cache(device); });
 }
 
-
 ccalloc_status ccalloc_pool_create(int device, ccalloc_pool_id pool) {
-  return pool_call("ccalloc_pool_create", pool, [&](ccalloc::PoolId id) {
-    process().allocator(device).create_pool(id);
-  });
+  return pool_call("ccalloc_pool_create", pool,
+                   [&](ccalloc::PoolId id) { process().allocator(device).create_pool(id); });
 }
 
 ccalloc_status ccalloc_pool_release(int device, ccalloc_pool_id pool) {
-  return pool_call("ccalloc_pool_release", pool, [&](ccalloc::PoolId id) {
-    process().allocator(device).release_pool(id);
-  });
+  return pool_call("ccalloc_pool_release", pool,
+                   [&](ccalloc::PoolId id) { process().allocator(device).release_pool(id); });
 }
 
 ccalloc_status ccalloc_pool_use_count(int device, ccalloc_pool_id pool, int* count) {
@@ -144,21 +141,18 @@ ccalloc_status ccalloc_pool_use_count(int device, ccalloc_pool_id pool, int* cou
 
 ccalloc_status ccalloc_pool_begin_allocate(int device, ccalloc_pool_id pool,
                                            ccalloc_stream_filter filter, void* user_data) {
-  return pool_call("ccalloc_pool_begin_allocate", pool,
-                   [&](ccalloc::PoolId id) {
-                     ccalloc::Allocator& a = process().allocator(device);
-                     ccalloc::Allocator::StreamFilter f;
-                     if (filter != nullptr) {
-                       f = [filter, user_data](ccalloc::StreamId s) {
-                         return filter(reinterpret_cast<void*>(s), user_data) != 0;
-                       };
-                     } else {
-                       f = [&driver = a.driver()](ccalloc::StreamId s) {
-                         return driver.is_capturing(s);
-                       };
-                     }
-                     a.begin_allocate_to_pool(id, std::move(f));
-                   });
+  return pool_call("ccalloc_pool_begin_allocate", pool, [&](ccalloc::PoolId id) {
+    ccalloc::Allocator& a = process().allocator(device);
+    ccalloc::Allocator::StreamFilter f;
+    if (filter != nullptr) {
+      f = [filter, user_data](ccalloc::StreamId s) {
+        return filter(reinterpret_cast<void*>(s), user_data) != 0;
+      };
+    } else {
+      f = [&driver = a.driver()](ccalloc::StreamId s) { return driver.is_capturing(s); };
+    }
+    a.begin_allocate_to_pool(id, std::move(f));
+  });
 }
 
 ccalloc_status ccalloc_pool_end_allocate(int device, ccalloc_pool_id pool) {
@@ -168,9 +162,8 @@ ccalloc_status ccalloc_pool_end_allocate(int device, ccalloc_pool_id pool) {
 }
 
 ccalloc_status ccalloc_pool_empty_cache(int device, ccalloc_pool_id pool) {
-  return pool_call("ccalloc_pool_empty_cache", pool, [&](ccalloc::PoolId id) {
-    process().allocator(device).empty_cache(id);
-  });
+  return pool_call("ccalloc_pool_empty_cache", pool,
+                   [&](ccalloc::PoolId id) { process().allocator(device).empty_cache(id); });
 }
 
 ccalloc_status ccalloc_get_stat(int device, const char* key, int64_t* value) {

@@ -220,25 +220,45 @@ namespace {
 }
 }  // namespace
 
-void Backend::create_pool(PoolId, std::optional<SegmentSource>) { no_pools(*this, "create_pool"); }
-void Backend::release_pool(PoolId) { no_pools(*this, "release_pool"); }
-int Backend::pool_use_count(PoolId) const { no_pools(*this, "pool_use_count"); }
-void Backend::set_pool_use_on_oom(PoolId, bool) { no_pools(*this, "set_pool_use_on_oom"); }
-void Backend::set_pool_no_split(PoolId) { no_pools(*this, "set_pool_no_split"); }
+void Backend::create_pool(PoolId, std::optional<SegmentSource>) {
+  no_pools(*this, "create_pool");
+}
+void Backend::release_pool(PoolId) {
+  no_pools(*this, "release_pool");
+}
+int Backend::pool_use_count(PoolId) const {
+  no_pools(*this, "pool_use_count");
+}
+void Backend::set_pool_use_on_oom(PoolId, bool) {
+  no_pools(*this, "set_pool_use_on_oom");
+}
+void Backend::set_pool_no_split(PoolId) {
+  no_pools(*this, "set_pool_no_split");
+}
 void Backend::begin_allocate_to_pool(PoolId, Allocator::StreamFilter) {
   no_pools(*this, "begin_allocate_to_pool");
 }
-void Backend::end_allocate_to_pool(PoolId) { no_pools(*this, "end_allocate_to_pool"); }
-void Backend::empty_cache(PoolId) { no_pools(*this, "empty_cache of a pool"); }
+void Backend::end_allocate_to_pool(PoolId) {
+  no_pools(*this, "end_allocate_to_pool");
+}
+void Backend::empty_cache(PoolId) {
+  no_pools(*this, "empty_cache of a pool");
+}
 std::vector<DevicePtr> Backend::pool_live_allocations(PoolId) const {
   no_pools(*this, "pool_live_allocations");
 }
-std::vector<SegmentInfo> Backend::pool_segments(PoolId) const { no_pools(*this, "pool_segments"); }
-PoolId Backend::segment_pool(DevicePtr) const { return PoolId{}; }
+std::vector<SegmentInfo> Backend::pool_segments(PoolId) const {
+  no_pools(*this, "pool_segments");
+}
+PoolId Backend::segment_pool(DevicePtr) const {
+  return PoolId{};
+}
 std::shared_ptr<const PoolCheckpoint> Backend::checkpoint_pool(PoolId) {
   no_pools(*this, "checkpoint_pool");
 }
-PoolRestore Backend::restore_pool(const PoolCheckpoint&) { no_pools(*this, "restore_pool"); }
+PoolRestore Backend::restore_pool(const PoolCheckpoint&) {
+  no_pools(*this, "restore_pool");
+}
 
 std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
   if (config.backend == ccalloc::BackendKind::kCudaMallocAsync) {

@@ -209,7 +209,8 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
   const StatType kinds[2] = {kAggregate, pool_stat(pool.is_small)};
 
   const bool expandable_block = block->segment != nullptr;
-  const bool no_split = arena.pool != nullptr && arena.pool->no_split.load(std::memory_order_relaxed);
+  const bool no_split =
+      arena.pool != nullptr && arena.pool->no_split.load(std::memory_order_relaxed);
   if (req.exact ? block->size > req.size
                 : !no_split && should_split(block->size, req.size,
                                             pool.is_small || expandable_block, config_)) {

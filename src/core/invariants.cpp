@@ -228,7 +228,9 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
     }
     for (const Block* b : arena->deferred) {  // a deferred free is held there, once
       if (b->allocated || b->event_count != 0 || b->stream_uses.empty()) {
-        violation(kName, "deferred free 0x%" PRIxPTR " is allocated, waits for events or has no stream uses",
+        violation(kName,
+                  "deferred free 0x%" PRIxPTR
+                  " is allocated, waits for events or has no stream uses",
                   b->ptr);
       }
       ++pending_refs[b];
@@ -486,7 +488,8 @@ void Engine::check_private_pool_blocks(const InvariantWalk& walk) const {
     } else {
       const auto it = arena_by_stream_.find(arena->stream);
       if (it == arena_by_stream_.end() || it->second != arena) {
-        violation(kName, "a default-pool arena for stream %" PRIu64 " is not listed", arena->stream);
+        violation(kName, "a default-pool arena for stream %" PRIu64 " is not listed",
+                  arena->stream);
       }
     }
     std::int64_t n = 0;

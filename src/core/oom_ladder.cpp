@@ -97,17 +97,18 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
 // refuses it. The segment's single block is in no pool yet.
 Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry) {
   const std::size_t size = req.segment_size;
-  {
-    Lock lock(device_mutex_);
-    if (is_retry) ++device_stats_.num_alloc_retries;
-    if (limit_ && reserved_ + size > *limit_) return nullptr;
-    if (!expandable()) reserved_ += size;  // claimed before the driver call: streams see it
-  }
   const SegmentSource* source =
       arena.pool != nullptr && arena.pool->source ? &*arena.pool->source : nullptr;
   // Expandable segments map just the pages the request needs (map_block accounts them).
   // A pool whose segments come from elsewhere takes them whole.
-  if (expandable() && source == nullptr) return allocate_expandable(arena, req);
+  const bool whole = !expandable() || source != nullptr;
+  {
+    Lock lock(device_mutex_);
+    if (is_retry) ++device_stats_.num_alloc_retries;
+    if (limit_ && reserved_ + size > *limit_) return nullptr;
+    if (whole) reserved_ += size;  // claimed before the driver call: streams see it
+  }
+  if (!whole) return allocate_expandable(arena, req);
   DevicePtr ptr = 0;
   try {
     ptr = source != nullptr ? source->allocate(size) : driver_.allocate(size);

@@ -118,15 +118,15 @@ void Engine::set_pool_no_split(PoolId id) {
 void Engine::begin_allocate_to_pool(PoolId id, Allocator::StreamFilter filter) {
   check_not_default(id, "begin_allocate_to_pool");
   if (config_.uncached) {
-    throw Error("ccalloc: begin_allocate_to_pool: uncached mode has no pools (every malloc is "
-                "a device allocation)");
+    throw Error(
+        "ccalloc: begin_allocate_to_pool: uncached mode has no pools (every malloc is "
+        "a device allocation)");
   }
   {
     Lock lock(registry_mutex_);
     for (const auto& [underway, f] : captures_) {
       if (underway == id) {
-        throw Error("ccalloc: begin_allocate_to_pool: already allocating to pool " +
-                    to_string(id));
+        throw Error("ccalloc: begin_allocate_to_pool: already allocating to pool " + to_string(id));
       }
     }
     create_or_incref_pool(id, std::nullopt);
@@ -268,12 +268,15 @@ PoolRestore Engine::restore_pool(const PoolCheckpoint& checkpoint) {
     const auto fail = [&](const char* what, DevicePtr ptr) {
       char buf[64];
       std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(ptr));
-      throw Error("ccalloc: restore_pool: pool " + to_string(cp->id) + " no longer matches its "
-                  "checkpoint: " + what + " at " + buf);
+      throw Error("ccalloc: restore_pool: pool " + to_string(cp->id) +
+                  " no longer matches its "
+                  "checkpoint: " +
+                  what + " at " + buf);
     };
     for (const auto& seg : cp->segments) {
       const auto ait = pool.arenas.find(seg.stream);
-      if (ait == pool.arenas.end() || seg.blocks.empty()) fail("no segment", seg.blocks.front().ptr);
+      if (ait == pool.arenas.end() || seg.blocks.empty())
+        fail("no segment", seg.blocks.front().ptr);
       Arena& arena = *ait->second;
       all.held(arena);
       FreePool& fp = arena.pool_for(seg.small);
