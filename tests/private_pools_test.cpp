@@ -23,6 +23,7 @@
 #include "ccalloc/config.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
+#include "ccalloc/snapshot.hpp"
 #include "ccalloc/stats.hpp"
 #include "test_support.hpp"
 
@@ -97,6 +98,10 @@ TEST(PrivatePools, CapturedAllocationsComeFromThePoolsOwnSegments) {
   ASSERT_EQ(all.size(), 3u);
   EXPECT_EQ(all[1].pool, kGraphPool);
   EXPECT_EQ(all[0].pool, PoolId{});
+  const Snapshot snap = f.alloc.snapshot();  // PyTorch's segment_pool_id
+  ASSERT_EQ(snap.segments.size(), 3u);
+  EXPECT_EQ(snap.segments[1].pool_id, (std::pair<std::int64_t, std::int64_t>{7, 0}));
+  EXPECT_EQ(snap.segments[0].pool_id, (std::pair<std::int64_t, std::int64_t>{0, 0}));
   EXPECT_EQ(f.alloc.pool_use_count(kGraphPool), 1);
   f.alloc.free(c);
   f.alloc.free(d);

@@ -203,6 +203,10 @@ Snapshot Engine::snapshot() {
         seg.stream = arena->stream;
         seg.is_small = blocks.front()->pool->is_small;
         seg.is_expandable = blocks.front()->segment != nullptr;
+        if (arena->pool != nullptr) {
+          seg.pool_id = {static_cast<std::int64_t>(arena->pool->id.first),
+                         static_cast<std::int64_t>(arena->pool->id.second)};
+        }
         std::vector<StackTable::Id> stacks{blocks.front()->segment_stack};
         for (const Block* b : blocks) {
           SnapshotBlock sb;
