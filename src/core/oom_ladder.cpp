@@ -393,6 +393,7 @@ struct OomFacts {
   std::size_t largest_free_same_stream = 0;  // in the pool the request needs
   std::size_t largest_free_anywhere = 0;
   std::size_t free_other_streams = 0;
+  std::size_t free_in_other_pools = 0;  // cached in private pools other than the request's
   bool expandable = false;
 };
 
@@ -418,6 +419,11 @@ std::string oom_message(const OomFacts& f) {
     m += " (" + format_size(f.largest_free_anywhere) + " on another stream)";
   }
   m += ". ";
+  if (f.free_in_other_pools > 0) {
+    m += format_size(f.free_in_other_pools) +
+         " of the unallocated memory is cached in private pools (CUDA graphs, MemPools), which "
+         "this request cannot use. ";
+  }
 
   const bool limit_binds =
       f.limit && f.reserved + f.segment_size > *f.limit && f.device_free >= f.segment_size;
@@ -470,9 +476,14 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
       for (const Block* b : pool->blocks)
         free_bytes += b->size;
       const std::size_t largest = pool->blocks.empty() ? 0 : (*pool->blocks.rbegin())->size;
-      f.largest_free_anywhere = std::max(f.largest_free_anywhere, largest);
+      if (a->pool == arena.pool)
+        f.largest_free_anywhere = std::max(f.largest_free_anywhere, largest);
       if (a == &arena && pool->is_small == req.small) f.largest_free_same_stream = largest;
-      if (a != &arena) f.free_other_streams += free_bytes;
+      if (a != &arena && a->pool != arena.pool) {
+        f.free_in_other_pools += free_bytes;  // never usable by this request
+      } else if (a != &arena) {
+        f.free_other_streams += free_bytes;
+      }
     }
   }
   {
