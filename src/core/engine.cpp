@@ -454,8 +454,10 @@ Engine::AllArenasLock::AllArenasLock(const Engine& engine)
     a->mutex.lock();
     by_stream_.push_back(a.get());
   }
-  std::sort(by_stream_.begin(), by_stream_.end(),
-            [](const Arena* x, const Arena* y) { return x->stream < y->stream; });
+  // A stream's default arena first, then its private pools' arenas by creation.
+  std::sort(by_stream_.begin(), by_stream_.end(), [](const Arena* x, const Arena* y) {
+    return x->stream != y->stream ? x->stream < y->stream : x->order < y->order;
+  });
 }
 
 Engine::AllArenasLock::~AllArenasLock() {

@@ -123,26 +123,28 @@ void Engine::begin_allocate_to_pool(PoolId id, Allocator::StreamFilter filter) {
         "a device allocation)");
   }
   {
-    Lock lock(registry_mutex_);
+    // Every arena lock: an operation holding one sees the count unchanged until it lets go,
+    // and one that saw no capture is done before the caller begins capturing.
+    AllArenasLock all(*this);
+    registry_held(all);
     for (const auto& [underway, f] : captures_) {
       if (underway == id) {
-        throw Error("ccalloc: begin_allocate_to_pool: already allocating to pool " + to_string(id));
+        throw Error("ccalloc: begin_allocate_to_pool: already allocating to pool " +
+                    to_string(id));
       }
     }
     create_or_incref_pool(id, std::nullopt);
     captures_.emplace_back(id, std::move(filter));
     captures_underway_.fetch_add(1, std::memory_order_acq_rel);
   }
-  // Operations that began before the count rose and hold an arena lock finish before the
-  // caller starts its capture; later ones see the count under their arena lock.
-  { const AllArenasLock barrier(*this); }
   after_operation();
 }
 
 void Engine::end_allocate_to_pool(PoolId id) {
   check_not_default(id, "end_allocate_to_pool");
   {
-    Lock lock(registry_mutex_);
+    AllArenasLock all(*this);  // as in begin_allocate_to_pool
+    registry_held(all);
     const auto it = std::find_if(captures_.begin(), captures_.end(),
                                  [id](const auto& c) { return c.first == id; });
     if (it == captures_.end()) {

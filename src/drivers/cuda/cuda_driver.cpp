@@ -162,6 +162,21 @@ cudaMemPool_t to_pool(void* p) {
   return static_cast<cudaMemPool_t>(p);
 }
 
+// Obtaining new memory may happen while a CUDA graph is being captured (allocations to a
+// private pool): in relaxed capture mode cudaMalloc and the cuMem* calls that back an
+// expandable segment are legal and stay out of the graph (PyTorch's
+// cudaMallocMaybeCapturing). The calling thread's mode is restored afterwards.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 }  // namespace
 
 int device_count() {
@@ -239,6 +254,7 @@ CudaDriver::~CudaDriver() = default;
 
 DevicePtr CudaDriver::allocate(std::size_t bytes) {
   DeviceGuard guard(device_);
+  const RelaxedCaptureMode relaxed;
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
@@ -323,6 +339,7 @@ std::size_t CudaDriver::vm_granularity() {
 DevicePtr CudaDriver::reserve_address_range(std::size_t bytes) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
+  const RelaxedCaptureMode relaxed;
   CUdeviceptr base = 0;
   cu_check(api, api.address_reserve(&base, bytes, 0, 0, 0),
            "cuMemAddressReserve(" + std::to_string(bytes) + " bytes)", device_);
@@ -339,6 +356,7 @@ void CudaDriver::free_address_range(DevicePtr base, std::size_t bytes) {
 PhysicalHandle CudaDriver::create_physical(std::size_t bytes) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
+  const RelaxedCaptureMode relaxed;
   const CUmemAllocationProp prop = device_allocation(device_);
   CUmemGenericAllocationHandle handle = 0;
   const CUresult r = api.create(&handle, bytes, &prop, 0);
@@ -353,6 +371,7 @@ PhysicalHandle CudaDriver::create_physical(std::size_t bytes) {
 void CudaDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
+  const RelaxedCaptureMode relaxed;
   cu_check(api, api.release(static_cast<CUmemGenericAllocationHandle>(handle)),
            "cuMemRelease(handle of " + std::to_string(bytes) + " bytes)", device_);
 }
@@ -360,6 +379,7 @@ void CudaDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
 void CudaDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
+  const RelaxedCaptureMode relaxed;
   const auto ptr = static_cast<CUdeviceptr>(va);
   cu_check(api, api.map(ptr, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0),
            "cuMemMap(" + range_args(va, bytes) + ")", device_);
