@@ -31,6 +31,15 @@ TEST(PrivatePoolsConcurrency, CapturesBesideBusyStreamsStayApartAndSafe) {
     std::atomic<bool> stop{false};
     std::atomic<int> failures{0};
     std::atomic<long> operations{0};
+    const PoolId pool{0, 1};
+    constexpr int kRounds = 500;
+    // The pool's segments exist before the workers start, so captures never need the
+    // device (which busy workers may exhaust while frees wait for captures to end).
+    alloc.create_pool(pool);
+    alloc.begin_allocate_to_pool(pool, [](StreamId s) { return s == kCaptured; });
+    alloc.free(alloc.malloc(4096, kCaptured));
+    alloc.free(alloc.malloc(5 << 20, kCaptured));
+    alloc.end_allocate_to_pool(pool);
     std::vector<std::thread> workers;
     for (int w = 0; w < 3; ++w) {
       workers.emplace_back([&, w] {
@@ -67,28 +76,30 @@ TEST(PrivatePoolsConcurrency, CapturesBesideBusyStreamsStayApartAndSafe) {
         }
       });
     }
-    const PoolId pool{0, 1};
-    constexpr int kRounds = 500;
-    for (int round = 0; round < kRounds; ++round) {
-      alloc.begin_allocate_to_pool(pool, [](StreamId s) { return s == kCaptured; });
-      driver.begin_capture(kCaptured);
-      const DevicePtr a = alloc.malloc(4096, kCaptured);
-      const DevicePtr b = alloc.malloc(5 << 20, kCaptured);
-      EXPECT_EQ(alloc.segment_pool(a), pool);
-      EXPECT_EQ(alloc.segment_pool(b), pool);
-      alloc.free(a);
-      alloc.free(b);
-      // The capture ends on the device before the engine may touch events again.
-      driver.end_capture(kCaptured);
-      alloc.end_allocate_to_pool(pool);
-      driver.complete_all();
-      std::this_thread::sleep_for(std::chrono::microseconds(50));  // time outside capture
+    try {
+      for (int round = 0; round < kRounds; ++round) {
+        alloc.begin_allocate_to_pool(pool, [](StreamId s) { return s == kCaptured; });
+        driver.begin_capture(kCaptured);
+        const DevicePtr a = alloc.malloc(4096, kCaptured);
+        const DevicePtr b = alloc.malloc(5 << 20, kCaptured);
+        EXPECT_EQ(alloc.segment_pool(a), pool);
+        EXPECT_EQ(alloc.segment_pool(b), pool);
+        alloc.free(a);
+        alloc.free(b);
+        // The capture ends on the device before the engine may touch events again.
+        driver.end_capture(kCaptured);
+        alloc.end_allocate_to_pool(pool);
+        driver.complete_all();
+        std::this_thread::sleep_for(std::chrono::microseconds(50));  // time outside capture
+      }
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "capturing thread: " << e.what();
     }
     stop.store(true);
     for (std::thread& t : workers)
       t.join();
     EXPECT_EQ(failures.load(), 0);
-    EXPECT_EQ(alloc.pool_use_count(pool), kRounds);
+    EXPECT_EQ(alloc.pool_use_count(pool), kRounds + 2);
     EXPECT_GT(operations.load(), 100);
     alloc.check_invariants();
     EXPECT_EQ(alloc.stats().allocation[kAggregate].current, 0);
