@@ -13,7 +13,6 @@
 // contend on the hot path.
 #pragma once
 
-#include <compare>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -60,7 +59,14 @@ struct PoolId {
   std::uint64_t first = 0;
   std::uint64_t second = 0;
   bool is_default() const { return first == 0 && second == 0; }
-  friend auto operator<=>(const PoolId&, const PoolId&) = default;
+  // Spelled out (not a defaulted <=>) so that every compiler, nvcc's included, accepts them.
+  friend bool operator==(const PoolId& a, const PoolId& b) {
+    return a.first == b.first && a.second == b.second;
+  }
+  friend bool operator!=(const PoolId& a, const PoolId& b) { return !(a == b); }
+  friend bool operator<(const PoolId& a, const PoolId& b) {
+    return a.first != b.first ? a.first < b.first : a.second < b.second;
+  }
 };
 std::string to_string(PoolId id);  // "(first, second)"
 

@@ -552,6 +552,78 @@ TEST_P(GpuAllocatorTest, BlockFreedWhileAnotherStreamStillUsesItIsNotReusedEarly
   }
 }
 
+// k. CUDA graph capture in global mode, as torch.cuda.graph does it: the captured
+// allocations come from a private pool (a new segment is obtained in relaxed capture mode), a
+// block used on another stream and freed during the capture waits for it to end, nothing the
+// allocator does invalidates the capture, and replays write the captured addresses, which a
+// default-pool allocation made while the graph lives never shares. The stitching policy has
+// no private pools.
+TEST_P(GpuAllocatorTest, GraphCaptureAllocatesFromAPrivatePoolAndReplays) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const ccalloc::Config config = ccalloc::Config::parse(GetParam());
+  const bool async = config.backend == ccalloc::BackendKind::kCudaMallocAsync;
+  if (config.stitch_segments && !async) GTEST_SKIP() << "the stitching policy has no pools";
+  ccalloc::cuda::CudaDriver driver(0);
+  ccalloc::Allocator alloc(driver, config);
+  cudaStream_t s = nullptr;
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  const auto sid = reinterpret_cast<StreamId>(s);
+  const DevicePtr before = alloc.malloc(kMiB, sid);
+  ASSERT_EQ(launch_fill(before, kMiB, 1, s), cudaSuccess);
+  alloc.record_stream(before, reinterpret_cast<StreamId>(other));
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+
+  const ccalloc::PoolId pool{1, 0};
+  alloc.begin_allocate_to_pool(pool, [&driver](StreamId st) { return driver.is_capturing(st); });
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const DevicePtr a = alloc.malloc(3 * kMiB, sid);
+  const DevicePtr b = alloc.malloc(64 * kMiB, sid);
+  EXPECT_EQ(launch_fill(a, 3 * kMiB, 2, s), cudaSuccess);
+  EXPECT_EQ(launch_fill(b, 64 * kMiB, 3, s), cudaSuccess);
+  alloc.free(before);  // used on `other`: its event waits for the capture's end
+  alloc.free(a);
+  alloc.end_allocate_to_pool(pool);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess) << "the capture was invalidated";
+  cudaGraphExec_t exec = nullptr;
+  // The async backend's captured allocations are graph memory nodes that the graph does not
+  // free: relaunching frees them first, as PyTorch instantiates such graphs.
+  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph,
+                                          async ? cudaGraphInstantiateFlagAutoFreeOnLaunch : 0),
+            cudaSuccess);
+
+  const DevicePtr outside = alloc.malloc(64 * kMiB, sid);
+  if (!async) {
+    EXPECT_EQ(alloc.segment_pool(b), pool);
+    EXPECT_EQ(alloc.segment_pool(outside), ccalloc::PoolId{});
+    EXPECT_NE(outside, b);
+  }
+  ASSERT_EQ(launch_fill(outside, 64 * kMiB, 4, s), cudaSuccess);
+  for (int replay = 0; replay < 3; ++replay)
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+  DeviceCounters mismatches(2);
+  ASSERT_EQ(launch_verify(b, 64 * kMiB, 3, s, mismatches.at(0)), cudaSuccess);
+  ASSERT_EQ(launch_verify(outside, 64 * kMiB, 4, s, mismatches.at(1)), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(mismatches.read(), (std::vector<unsigned long long>{0, 0}));
+
+  alloc.free(outside);
+  alloc.free(b);
+  ASSERT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  alloc.release_pool(pool);
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.stats().allocation[kAggregate].current, 0);
+  if (!async) {
+    EXPECT_EQ(alloc.stats().reserved_bytes[kAggregate].current, 0);
+    alloc.check_invariants();
+  }
+  ASSERT_EQ(cudaStreamDestroy(other), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(s), cudaSuccess);
+}
+
 // c. A real OOM: 1 GiB blocks until the device is full. The error says what was asked for;
 // afterwards the allocator gives the memory back and serves 1 GiB again. With expandable
 // segments the device fills page by page inside one reservation; with the async backend
