@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
+#include "ccalloc/ipc.hpp"
 #include "ccalloc/snapshot.hpp"
 
 namespace ccalloc::core {
@@ -37,6 +38,9 @@ class Backend {
   virtual void set_check_invariants(bool on) = 0;
   virtual const Config& config() const = 0;
   virtual Driver& driver() const = 0;
+  // The memory another process maps to see the live allocation `ptr` (ipc.hpp). The
+  // default: this backend cannot share, Error naming it.
+  virtual ipc::SharedRegion shared_region(DevicePtr ptr) const;
   int device() const { return driver().device(); }
 };
 

@@ -99,6 +99,7 @@ class Engine final : public Backend {
   double memory_fraction() const override;
   std::vector<SegmentInfo> segments() const override;
   std::size_t allocation_size(DevicePtr ptr) const override;
+  ipc::SharedRegion shared_region(DevicePtr ptr) const override;  // expandable.cpp
   void add_oom_observer(OomObserver observer) override;
   void add_free_memory_callback(FreeMemoryCallback callback) override;
   void add_trace_observer(TraceObserver observer) override;

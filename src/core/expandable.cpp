@@ -95,6 +95,14 @@ Range ExpandableSegment::unmap(Range r) {
   return Range{base_ + begin * page_, (end - begin) * page_};
 }
 
+DevicePtr ExpandableSegment::pages_covering(Range r, std::vector<PhysicalHandle>& handles) const {
+  const std::size_t begin = (r.ptr - base_) / page_;
+  const std::size_t end = (r.ptr + r.size - base_ + page_ - 1) / page_;
+  handles.assign(pages_.begin() + static_cast<std::ptrdiff_t>(begin),
+                 pages_.begin() + static_cast<std::ptrdiff_t>(end));
+  return base_ + begin * page_;
+}
+
 // ---------------------------------------------------------------------------------------
 // The engine's side: finding room in a segment, mapping and unmapping blocks.
 
@@ -270,6 +278,34 @@ void Engine::release_expandable_segment(Arena& arena, Block* b) {
   const ExpandableSegment* seg = b->segment;
   arena.blocks.recycle(b);
   std::erase_if(arena.expandable, [seg](const auto& s) { return s.get() == seg; });
+}
+
+// A native segment is shared whole (cudaIpcGetMemHandle takes the start of a cudaMalloc
+// range); an expandable one as the pages under the block, which stay mapped while the block
+// is live (a page is unmapped only when wholly free).
+ipc::SharedRegion Engine::shared_region(DevicePtr ptr) const {
+  Arena* arena = arena_of(ptr);
+  if (arena == nullptr) throw_not_live("sharing", ptr);
+  Lock lock(arena->mutex);
+  const Block* b = arena->live.find(ptr);
+  if (b == nullptr) throw_not_live("sharing", ptr);
+  ipc::SharedRegion region;
+  region.allocation = b->ptr;
+  region.allocation_size = b->size;
+  if (b->segment == nullptr) {
+    const Block* head = b;
+    while (head->prev != nullptr) head = head->prev;
+    region.kind = ipc::RegionKind::kSegment;
+    region.base = head->ptr;
+    for (const Block* x = head; x != nullptr; x = x->next)
+      region.size += x->size;
+    return region;
+  }
+  region.kind = ipc::RegionKind::kPages;
+  region.page_size = b->segment->page();
+  region.base = b->segment->pages_covering(Range{b->ptr, b->size}, region.pages);
+  region.size = region.pages.size() * region.page_size;
+  return region;
 }
 
 }  // namespace ccalloc::core
