@@ -1,7 +1,7 @@
 // The engine side of pool_bridge.hpp as far as the engine goes today: it has one pool per
 // device (the default pool), so every segment belongs to it, and everything that needs a
-// private pool, a checkpoint, live reconfiguration or exportable physical pages throws
-// NotSupported naming what is missing.
+// private pool, a checkpoint or live reconfiguration throws NotSupported naming what is
+// missing. Sharing expandable segments is in ipc_bridge.cpp.
 #include "pool_bridge.hpp"
 
 namespace ccalloc::torch_bridge {
@@ -54,12 +54,6 @@ PoolRestore restore_pool(Allocator&, const PoolCheckpoint&) {
 }
 void reconfigure(Allocator&, const Config&) {
   missing("live reconfiguration of an allocator");
-}
-SharedRange share_expandable(Allocator&, DevicePtr, std::size_t) {
-  missing("exportable expandable segments (IPC of expandable_segments memory)");
-}
-std::shared_ptr<void> open_expandable(int, std::string_view) {
-  missing("import of expandable segments shared by another process");
 }
 
 }  // namespace ccalloc::torch_bridge

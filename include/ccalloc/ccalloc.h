@@ -60,6 +60,18 @@ ccalloc_status ccalloc_dump_snapshot(const char* path);
 /* Marks the start (start != 0) or end of a named region in the history of `device`. */
 ccalloc_status ccalloc_annotate(int device, const char* name, int start);
 
+/* Sharing an allocation with another process (docs/ipc.md). ccalloc_ipc_export writes the
+ * handle of the live allocation `ptr` (as ccalloc_malloc returned it): at most `capacity`
+ * bytes into `handle`, its full length into `*length` (call with capacity 0 to size it; a
+ * handle is a few hundred bytes at most for a few pages). The exporter keeps the
+ * allocation live while others use it. ccalloc_ipc_open maps a handle from another process
+ * on `device` (-1: current) and gives its address here, valid until ccalloc_ipc_close.
+ * A malformed handle (truncated, another version, another device) is
+ * CCALLOC_ERROR_INVALID_VALUE with the reason in ccalloc_last_error(). */
+ccalloc_status ccalloc_ipc_export(void* ptr, void* handle, size_t capacity, size_t* length);
+ccalloc_status ccalloc_ipc_open(const void* handle, size_t length, int device, void** ptr);
+ccalloc_status ccalloc_ipc_close(void* ptr);
+
 /* The entry points torch.cuda.memory.CUDAPluggableAllocator calls:
  *   CUDAPluggableAllocator("libccalloc.so", "ccalloc_torch_alloc", "ccalloc_torch_free")
  * ccalloc_torch_alloc returns NULL on failure (the reason in ccalloc_last_error()). */

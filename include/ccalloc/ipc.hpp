@@ -92,8 +92,9 @@ class OpenedMemory {
   DevicePtr region_base() const { return base_; }
   std::size_t region_size() const { return region_size_; }
   bool is_open() const { return driver_ != nullptr; }
-  // Unmaps the memory; ptr() is invalid afterwards. Throws DriverError; closing a closed
-  // one does nothing.
+  // Unmaps the memory (pages: after synchronizing the device, since unmapping does not wait
+  // for work that uses them); ptr() is invalid afterwards. Throws DriverError; closing a
+  // closed one does nothing.
   void close();
 
  private:

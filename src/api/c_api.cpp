@@ -1,12 +1,16 @@
 // The C API: ProcessAllocator behind status codes. Every entry point catches everything;
 // the message of the last failure is kept per thread.
 #include <algorithm>
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <new>
 #include <string>
 
 #include "ccalloc/ccalloc.h"
+#include "ccalloc/ipc.hpp"
 #include "ccalloc/process.hpp"
 #include "ccalloc/snapshot.hpp"
 #include "io/snapshot_io.hpp"
@@ -63,6 +67,23 @@ ccalloc_status copy_out(const std::string& text, char* buffer, size_t capacity, 
     buffer[n] = '\0';
   }
   return CCALLOC_SUCCESS;
+}
+
+// Memory of other processes opened by ccalloc_ipc_open, by the address handed out. A
+// multimap: CUDA may hand out one address for two opens of one segment.
+struct OpenedTable {
+  std::mutex mutex;
+  std::multimap<ccalloc::DevicePtr, ccalloc::ipc::OpenedMemory> entries;
+};
+OpenedTable& opened() {
+  static auto* table = new OpenedTable;  // never destroyed: closes may come from exit handlers
+  return *table;
+}
+
+std::string pointer_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, reinterpret_cast<std::uintptr_t>(p));
+  return buf;
 }
 
 }  // namespace
@@ -185,6 +206,72 @@ ccalloc_status ccalloc_dump_snapshot(const char* path) {
 ccalloc_status ccalloc_annotate(int device, const char* name, int start) {
   if (name == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_annotate: name is NULL");
   return guarded([&] { process().allocator(device).annotate(name, start != 0); });
+}
+
+ccalloc_status ccalloc_ipc_export(void* ptr, void* handle, size_t capacity, size_t* length) {
+  if (length == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_export: length is NULL");
+  if (capacity > 0 && handle == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_export: handle is NULL");
+  }
+  std::string bytes;
+  const ccalloc_status s = guarded([&] {
+    const auto p = reinterpret_cast<ccalloc::DevicePtr>(ptr);
+    const int device = process().device_of(p);
+    if (device < 0) {
+      throw ccalloc::InvalidPointerError("ccalloc_ipc_export: pointer " + pointer_text(ptr) +
+                                             " is not a live allocation of any device",
+                                         p);
+    }
+    bytes = ccalloc::ipc::export_handle(process().allocator(device), p);
+  });
+  if (s != CCALLOC_SUCCESS) return s;
+  *length = bytes.size();
+  if (capacity == 0) return CCALLOC_SUCCESS;
+  if (capacity < bytes.size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_ipc_export: the handle has " + std::to_string(bytes.size()) +
+                 " bytes, the buffer " + std::to_string(capacity))
+                    .c_str());
+  }
+  std::memcpy(handle, bytes.data(), bytes.size());
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_ipc_open(const void* handle, size_t length, int device, void** ptr) {
+  if (ptr == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_open: ptr is NULL");
+  *ptr = nullptr;
+  if (handle == nullptr && length > 0) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_open: handle is NULL");
+  }
+  return guarded([&] {
+    const std::string_view bytes(static_cast<const char*>(handle), length);
+    ccalloc::ipc::OpenedMemory m =
+        ccalloc::ipc::open_handle(process().allocator(device).driver(), bytes);
+    const ccalloc::DevicePtr p = m.ptr();
+    OpenedTable& t = opened();
+    std::lock_guard lock(t.mutex);
+    t.entries.emplace(p, std::move(m));
+    *ptr = reinterpret_cast<void*>(p);
+  });
+}
+
+ccalloc_status ccalloc_ipc_close(void* ptr) {
+  return guarded([&] {
+    ccalloc::ipc::OpenedMemory m;
+    {
+      OpenedTable& t = opened();
+      std::lock_guard lock(t.mutex);
+      const auto it = t.entries.find(reinterpret_cast<ccalloc::DevicePtr>(ptr));
+      if (it == t.entries.end()) {
+        throw ccalloc::InvalidPointerError("ccalloc_ipc_close: pointer " + pointer_text(ptr) +
+                                               " was not opened by ccalloc_ipc_open (or is closed)",
+                                           reinterpret_cast<ccalloc::DevicePtr>(ptr));
+      }
+      m = std::move(it->second);
+      t.entries.erase(it);
+    }
+    m.close();
+  });
 }
 
 void* ccalloc_torch_alloc(size_t size, int device, void* stream) {

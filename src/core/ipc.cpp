@@ -262,6 +262,7 @@ void OpenedMemory::close() {
   if (kind_ == RegionKind::kSegment) {
     d.close_allocation(base_);
   } else {
+    d.synchronize_device();  // unmapping does not wait for work that uses the pages
     d.unmap(base_, region_size_);
     for (const PhysicalHandle h : pages_)
       d.release_physical(h, page_size_);
