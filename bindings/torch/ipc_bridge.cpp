@@ -8,10 +8,11 @@
 // size_t num_handles}), then one handle per page covering the block: an int file
 // descriptor of the exporting process (the importer copies it with pidfd_getfd), or a
 // 64-byte CUmemFabricHandle when c10's expandable_segments_handle_type is FABRIC_HANDLE.
-// Both sides pick the handle kind from that process-wide setting, as PyTorch does; it
-// stays UNSPECIFIED (read as POSIX descriptors) in a process where ccalloc serves every
-// allocation, and becomes FABRIC_HANDLE in a PyTorch process only where fabric memory can
-// be created (an NVLink fabric with IMEX).
+// PyTorch picks the kind from that process-wide setting on both sides; it stays
+// UNSPECIFIED (POSIX descriptors) in a process where ccalloc serves every allocation, and
+// becomes FABRIC_HANDLE in a PyTorch process only where fabric memory can be created (an
+// NVLink fabric with IMEX). ccalloc writes by the setting, as PyTorch, but reads by the
+// handles' size, so it also opens what a PyTorch process on a fabric sends.
 #include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -105,17 +106,21 @@ std::shared_ptr<void> open_expandable(int device, std::string_view payload) {
   }
   ShareHeader header;
   std::memcpy(&header, payload.data(), sizeof header);
-  const ShareKind kind = torch_share_kind();
-  const std::size_t each = share_kind_bytes(kind);
-  if (header.num_handles == 0 ||
-      payload.size() - sizeof header != header.num_handles * each) {
+  // The handles' size says their kind: PyTorch reads them by its own process's setting,
+  // which can differ from the exporter's; the length cannot.
+  const std::size_t handle_bytes = payload.size() - sizeof header;
+  const std::size_t each = header.num_handles == 0 ? 0 : handle_bytes / header.num_handles;
+  if (header.num_handles == 0 || handle_bytes % header.num_handles != 0 ||
+      (each != share_kind_bytes(ShareKind::kPosixFd) &&
+       each != share_kind_bytes(ShareKind::kFabric))) {
     throw FormatError("ccalloc: PyTorch expandable-segment handle of process " +
-                      std::to_string(header.pid) + " has " +
-                      std::to_string(payload.size() - sizeof header) + " bytes of handles for " +
-                      std::to_string(header.num_handles) + " pages, expected " +
-                      std::to_string(each) + " per page (" + kind_text(kind) +
-                      ", from this process's expandable segments handle type)");
+                      std::to_string(header.pid) + " has " + std::to_string(handle_bytes) +
+                      " bytes of handles for " + std::to_string(header.num_handles) +
+                      " pages: expected 4 per page (POSIX file descriptors) or 64 (fabric "
+                      "handles)");
   }
+  const ShareKind kind =
+      each == share_kind_bytes(ShareKind::kPosixFd) ? ShareKind::kPosixFd : ShareKind::kFabric;
   std::vector<std::string> handles;
   for (std::size_t i = 0; i < header.num_handles; ++i)
     handles.emplace_back(payload.substr(sizeof header + i * each, each));
