@@ -138,7 +138,9 @@ std::string export_handle(Allocator& allocator, DevicePtr ptr, ShareKind kind) {
       handles.push_back(driver.export_physical(h, kind));
   }
   const std::size_t each = handles.front().size();
-  std::string out(kMagic, sizeof kMagic);
+  std::string out;
+  out.reserve(kHeaderBytes + handles.size() * each);
+  out.append(kMagic, sizeof kMagic);
   put(out, kHandleVersion, 1);
   put(out, static_cast<std::uint8_t>(r.kind), 1);
   put(out, r.kind == RegionKind::kPages ? static_cast<std::uint8_t>(kind) : 0, 1);
