@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
+#include "ccalloc/ccalloc.h"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/ipc.hpp"
 #include "ccalloc/sim.hpp"
@@ -375,6 +376,27 @@ TEST(Ipc, OpenedMemoryMovesOwnership) {
   EXPECT_NE(message_of<DriverError>([&] { p.importer_gpu.close_allocation(at); }).find("no allocation of another process is open"),
             std::string::npos);
   p.exporter.free(ptr);
+}
+
+// The C API's checks that need no device (the round trip through it runs on a GPU, in
+// tests/gpu/ipc_gpu_test.cpp).
+TEST(IpcCApi, ArgumentsAndUnknownPointersAreNamed) {
+  std::size_t length = 0;
+  EXPECT_EQ(ccalloc_ipc_export(reinterpret_cast<void*>(0x1000), nullptr, 0, nullptr),
+            CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc_ipc_export: length is NULL");
+  EXPECT_EQ(ccalloc_ipc_export(reinterpret_cast<void*>(0x1000), nullptr, 16, &length),
+            CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc_ipc_export: handle is NULL");
+  EXPECT_EQ(ccalloc_ipc_open("ccIP", 4, 0, nullptr), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc_ipc_open: ptr is NULL");
+  void* out = reinterpret_cast<void*>(0x1);
+  EXPECT_EQ(ccalloc_ipc_open(nullptr, 8, 0, &out), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_EQ(out, nullptr);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc_ipc_open: handle is NULL");
+  EXPECT_EQ(ccalloc_ipc_close(reinterpret_cast<void*>(0x1000)), CCALLOC_ERROR_INVALID_POINTER);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc_ipc_close: pointer 0x1000 was not opened by ccalloc_ipc_open (or is closed)");
 }
 
 }  // namespace
