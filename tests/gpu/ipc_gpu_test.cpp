@@ -115,6 +115,13 @@ std::string read_line(std::FILE* f) {
 
 // --- The child's side (main() runs it when CCALLOC_IPC_CHILD is set). ---
 
+// One line to the parent, flushed at once: stdout is a pipe, fully buffered, and the
+// verdict must not depend on how the process ends.
+void say(const std::string& line) {
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
 // import: reads a handle, checks pattern 1, writes pattern 2, closes. import_c does the
 // same through the C API. export: allocates under CCALLOC_IPC_CONF, writes pattern 3,
 // prints the handle, waits for "checked" and then checks pattern 4.
@@ -128,7 +135,7 @@ int child_main(const std::string& mode) {
       void* opened = nullptr;
       if (mode == "import_c") {
         if (ccalloc_ipc_open(handle.data(), handle.size(), 0, &opened) != CCALLOC_SUCCESS) {
-          std::printf("error: ccalloc_ipc_open: %s\n", ccalloc_last_error());
+          say(std::string("error: ccalloc_ipc_open: ") + ccalloc_last_error());
           return 1;
         }
         p = reinterpret_cast<DevicePtr>(opened);
@@ -141,19 +148,19 @@ int child_main(const std::string& mode) {
         p = m.ptr();
       }
       if (const std::string bad = mismatch(p, 1, shared); !bad.empty()) {
-        std::printf("error: the importer read %s\n", bad.c_str());
+        say(std::string("error: the importer read ") + bad.c_str());
         return 1;
       }
       fill(p, 2, shared);
       check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 #if CCALLOC_GPU_TEST_HAVE_C_API
       if (opened != nullptr && ccalloc_ipc_close(opened) != CCALLOC_SUCCESS) {
-        std::printf("error: ccalloc_ipc_close: %s\n", ccalloc_last_error());
+        say(std::string("error: ccalloc_ipc_close: ") + ccalloc_last_error());
         return 1;
       }
 #endif
       m.close();
-      std::printf("ok\n");
+      say("ok");
       return 0;
     }
     if (mode == "export") {
@@ -166,24 +173,23 @@ int child_main(const std::string& mode) {
       const DevicePtr p = alloc.malloc(z.shared);
       fill(p, 3, z.shared);
       check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-      std::printf("%s\n", to_hex(ccalloc::ipc::export_handle(alloc, p)).c_str());
-      std::fflush(stdout);
+      say(to_hex(ccalloc::ipc::export_handle(alloc, p)));
       if (read_line(stdin) != "checked") {
-        std::printf("error: the parent did not answer\n");
+        say("error: the parent did not answer");
         return 1;
       }
       if (const std::string bad = mismatch(p, 4, z.shared); !bad.empty()) {
-        std::printf("error: the exporter read back %s\n", bad.c_str());
+        say(std::string("error: the exporter read back ") + bad.c_str());
         return 1;
       }
       alloc.free(p);
       alloc.free(first);
-      std::printf("ok\n");
+      say("ok");
       return 0;
     }
-    std::printf("error: unknown CCALLOC_IPC_CHILD mode %s\n", mode.c_str());
+    say(std::string("error: unknown CCALLOC_IPC_CHILD mode ") + mode.c_str());
   } catch (const std::exception& e) {
-    std::printf("error: %s\n", e.what());
+    say(std::string("error: ") + e.what());
   }
   return 1;
 }
