@@ -49,7 +49,7 @@ struct BlockInfo {
   std::size_t size = 0;
   std::size_t requested_size = 0;  // stale for inactive blocks, as in PyTorch
   BlockState state = BlockState::kInactive;
-  ContextHandle context;  // caller context of its allocation (active blocks; see HistoryOptions)
+  ContextHandle context = nullptr;  // caller context of its allocation (active blocks only)
 };
 
 struct SegmentInfo {
@@ -62,7 +62,7 @@ struct SegmentInfo {
   StreamId stream = 0;
   bool is_small = false;  // small pool (<= 1 MiB requests)
   bool is_expandable = false;
-  ContextHandle context;          // caller context of the device allocation (or first mapping)
+  ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<BlockInfo> blocks;  // address order, tiling the segment
 };
 

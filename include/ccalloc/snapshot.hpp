@@ -32,7 +32,7 @@ struct SnapshotBlock {
   std::size_t requested_size = 0;
   BlockState state = BlockState::kInactive;
   Frames frames;          // C++ stack of its allocation; null if none was recorded
-  ContextHandle context;  // caller context of its allocation; null if none was recorded
+  ContextHandle context = nullptr;  // caller context of its allocation; null if none
 };
 
 struct SnapshotSegment {
@@ -47,7 +47,7 @@ struct SnapshotSegment {
   std::pair<std::int64_t, std::int64_t> pool_id{0, 0};
   bool is_expandable = false;
   Frames frames;          // C++ stack of the device allocation (or first mapping)
-  ContextHandle context;  // caller context of the device allocation (or first mapping)
+  ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<SnapshotBlock> blocks;
 };
 
@@ -58,8 +58,8 @@ struct SnapshotTraceEntry {
   StreamId stream = 0;
   std::int64_t time_us = 0;
   Frames frames;              // null: no C++ stack was recorded (the key is omitted)
-  ContextHandle context;      // the caller context recorded with it, or null
   std::string user_metadata;  // the thread's metadata when the entry was recorded
+  ContextHandle context = nullptr;  // the caller context recorded with it, or null
 };
 
 struct Annotation {
