@@ -52,7 +52,7 @@ void run(const char* config) {
       workers.emplace_back([&alloc, t] {
         std::vector<DevicePtr> held;
         const auto stream = static_cast<ccalloc::StreamId>(t % 2);  // two threads per stream
-        for (int i = 0; i < 400; ++i) {
+        for (int i = 0; i < 2000; ++i) {
           held.push_back(alloc.malloc(static_cast<std::size_t>(512 + (i * 7919 + t) % 5000000),
                                       stream));
           if (held.size() > 8) {
