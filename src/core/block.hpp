@@ -162,8 +162,8 @@ class BlockRecycler {
     return b;
   }
   void recycle(Block* b) {
-    b->stack = {};  // contexts are released when the block goes, not when it is reused
-    b->segment_stack = {};
+    b->stack.clear();  // contexts are released when the block goes, not when it is reused
+    b->segment_stack.clear();
     b->next = free_;  // the free list is threaded through `next`
     free_ = b;
   }

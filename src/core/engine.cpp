@@ -217,7 +217,7 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     remaining->prev = block;
     remaining->ptr += req.size;
     remaining->size -= req.size;
-    block->segment_stack = std::exchange(remaining->segment_stack, {});  // the new head's
+    if (remaining->segment_stack) std::swap(block->segment_stack, remaining->segment_stack);  // the new head's
     if (pooled) {
       remaining->gc_count_base = gc_clock(pool);
       fix_pool_position(pool, pos, Change::kShrank);
@@ -329,7 +329,7 @@ void Engine::free_block(Arena& arena, Block* block) {
   } else {
     insert_into_pool(pool, block);
   }
-  merged->stack = {};  // a free block has no allocation context
+  merged->stack.clear();  // a free block has no allocation context
   if (merged->is_split()) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(merged->size);

@@ -45,6 +45,11 @@ struct Origin {
   StackTable::Id cpp = 0;
   ContextHandle context;
   explicit operator bool() const { return cpp != 0 || context != nullptr; }
+  // Drops both; touches the reference count only when there is a handle (hot path).
+  void clear() {
+    cpp = 0;
+    if (context != nullptr) context.reset();
+  }
 };
 
 // Symbolizes one return address: "function" (demangled), "file", line (0 if unknown).
