@@ -82,10 +82,10 @@ class AsyncBackend final : public Backend {
   // All require mutex_.
   void release(DevicePtr ptr, const PtrUsage& usage);
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
-                    StackTable::Id stack);
+                    const Origin& stack);
   // Counts the OOM, traces it, calls the OOM observers (after unlocking) and throws.
   [[noreturn]] void raise_oom(std::unique_lock<std::mutex>& lock, std::size_t size, StreamId stream,
-                              StackTable::Id stack);
+                              const Origin& stack);
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
   }
@@ -96,6 +96,14 @@ class AsyncBackend final : public Backend {
   // Stack capture for history entries (record_history), read before taking the lock.
   std::atomic<bool> capture_on_malloc_{false};
   std::atomic<bool> capture_on_free_{false};
+  std::atomic<bool> capture_cpp_{false};     // a capture takes the C++ stack
+  std::atomic<bool> capture_caller_{false};  // and the caller's context
+  ContextSource contexts_;
+  // The origin of the operation starting now; inlined, so capture_origin skips its frame.
+  [[gnu::always_inline]] Origin capture() const {
+    return capture_origin(capture_cpp_.load(std::memory_order_relaxed),
+                          capture_caller_.load(std::memory_order_relaxed) ? &contexts_ : nullptr);
+  }
 
   mutable std::mutex mutex_;
   std::unordered_map<DevicePtr, PtrUsage> ptr_info_;

@@ -58,7 +58,7 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
   if (config_.uncached) return malloc_uncached(size);
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
   if (flags & (kTraceHistory | kCaptureOnMalloc)) [[unlikely]] {
-    const OperationContext context(flags & kCaptureOnMalloc ? stack_table().capture(1) : 0);
+    const OperationContext context(flags & kCaptureOnMalloc ? capture(flags) : Origin{});
     return malloc_cached(size, stream);
   }
   return malloc_cached(size, stream);
@@ -88,7 +88,7 @@ void Engine::free(DevicePtr ptr) {
   }
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
   if (flags & kTraceHistory) [[unlikely]] {
-    const OperationContext context(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
+    const OperationContext context(flags & kCaptureOnFree ? capture(flags) : Origin{});
     free_cached(ptr);
     return;
   }
@@ -217,7 +217,7 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     remaining->prev = block;
     remaining->ptr += req.size;
     remaining->size -= req.size;
-    block->segment_stack = std::exchange(remaining->segment_stack, 0);  // the new head's
+    if (remaining->segment_stack) std::swap(block->segment_stack, remaining->segment_stack);  // the new head's
     if (pooled) {
       remaining->gc_count_base = gc_clock(pool);
       fix_pool_position(pool, pos, Change::kShrank);
@@ -312,7 +312,7 @@ void Engine::free_block(Arena& arena, Block* block) {
     Block* const before = prev != nullptr ? prev->prev : block->prev;
     Block* const after = last->next;
     const std::size_t size = last->end() - start;
-    const std::uint32_t segment_stack = (prev != nullptr ? prev : block)->segment_stack;
+    Origin segment_stack = std::move((prev != nullptr ? prev : block)->segment_stack);
     for (Block* absorbed : {prev, block, next}) {
       if (absorbed != nullptr && absorbed != merged) arena.blocks.recycle(absorbed);
     }
@@ -323,13 +323,13 @@ void Engine::free_block(Arena& arena, Block* block) {
     if (before != nullptr) before->next = merged;
     if (after != nullptr) after->prev = merged;
     merged->requested_size = requested;  // as PyTorch, the freed block's stale value
-    merged->segment_stack = segment_stack;
+    merged->segment_stack = std::move(segment_stack);
     merged->gc_count_base = gc_clock(pool);
     fix_pool_position(pool, pos, Change::kGrew);
   } else {
     insert_into_pool(pool, block);
   }
-  merged->stack = 0;  // a free block has no allocation context
+  merged->stack.clear();  // a free block has no allocation context
   if (merged->is_split()) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(merged->size);

@@ -131,8 +131,16 @@ class Engine final : public Backend {
     kCaptureOnFree = 8,     // free and empty_cache capture theirs
     kStacksOnEntries = 16,  // entries carry the operation's stack
     kStacksOnBlocks = 32,   // blocks and segments keep their allocation's stack
+    kCppStacks = 64,        // a capture takes the C++ stack
+    kCallerContexts = 128,  // a capture takes the caller's context (HistoryOptions)
   };
   std::atomic<unsigned> trace_flags_{0};
+  ContextSource contexts_;  // HistoryOptions::capture_context
+  // The origin of the operation starting now (malloc, free, empty_cache), as `flags` ask.
+  // Inlined into the operation, so capture_origin skips the operation's frame.
+  [[gnu::always_inline]] Origin capture(unsigned flags) const {
+    return capture_origin(flags & kCppStacks, flags & kCallerContexts ? &contexts_ : nullptr);
+  }
 
   void record_history(const HistoryOptions& options) override;
   void annotate(std::string_view name, bool start) override;

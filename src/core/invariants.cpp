@@ -92,6 +92,7 @@ std::vector<SegmentInfo> Engine::segments() const {
       seg.stream = arena->stream;
       seg.is_small = blocks.front()->pool->is_small;
       seg.is_expandable = blocks.front()->segment != nullptr;
+      seg.context = blocks.front()->segment_stack.context;
       for (const Block* b : blocks) {
         const BlockState state = state_of(b);
         seg.total_size += b->size;
@@ -100,7 +101,8 @@ std::vector<SegmentInfo> Engine::segments() const {
           seg.active_size += b->size;
           seg.requested_size += b->requested_size;
         }
-        seg.blocks.push_back(BlockInfo{b->ptr, b->size, b->requested_size, state});
+        seg.blocks.push_back(BlockInfo{b->ptr, b->size, b->requested_size, state,
+                                      state != BlockState::kInactive ? b->stack.context : nullptr});
       }
       out.push_back(std::move(seg));
     }

@@ -287,7 +287,7 @@ void Engine::empty_cache() {
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
   std::optional<OperationContext> context;
   if (flags & kTraceHistory) {
-    context.emplace(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
+    context.emplace(flags & kCaptureOnFree ? capture(flags) : Origin{});
   }
   {
     AllArenasLock all(*this);
