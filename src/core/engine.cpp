@@ -75,7 +75,9 @@ DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
     return malloc_slow(arena, req, std::move(lock));
   }
   const DevicePtr ptr = hand_out(arena, *pos, pos, req);
+  const bool debt = arena.in_debt;
   lock.unlock();
+  if (debt) [[unlikely]] settle_peak_debts();
   after_operation();
   return ptr;
 }
@@ -103,7 +105,9 @@ void Engine::free_cached(DevicePtr ptr) {
     Lock lock(arena->mutex);
     if (Block* block = arena->live.erase(ptr)) {
       release_allocation(*arena, block);
+      const bool debt = arena->in_debt;
       lock.unlock();
+      if (debt) [[unlikely]] settle_peak_debts();
       after_operation();
       return;
     }
@@ -258,6 +262,9 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     st.requested_bytes[t].increase(static_cast<std::int64_t>(req.requested));
   }
   if (is_oversize(block->size, config_)) st.oversize_allocations.increase(1);
+  // A counter above its baseline may be a new device-wide peak: settled once the arena's
+  // lock is released (arena.hpp).
+  if (arena.over_baselines(pool_stat(pool.is_small))) arena.in_debt = true;
   return block;
 }
 
@@ -345,6 +352,10 @@ void Engine::free_block(Arena& arena, Block* block) {
     st.active[t].decrease(1);
     st.active_bytes[t].decrease(original_size);
     st.requested_bytes[t].decrease(static_cast<std::int64_t>(requested));
+  }
+  if ((net_split_blocks > 0 || net_split_bytes > 0) &&
+      arena.split_over_baselines(pool_stat(pool.is_small))) {
+    arena.in_debt = true;  // as in carve()
   }
 }
 

@@ -19,6 +19,11 @@
 // paths that act on every
 // stream (GC, releasing the whole cache, the last steps of the OOM ladder, snapshots,
 // the invariant checker) take every arena lock through lock_all().
+// Block statistics live in the arenas; their device-wide peaks are the sums of per-arena
+// baselines (the ledger described in arena.hpp). An operation that raises a counter above
+// its arena's baseline settles under lock_all() after releasing the arena's lock and before
+// returning; others touch nothing shared. Peaks are exact when operations do not overlap in
+// time (every single-threaded program), else the peak of one order of the overlapping ones.
 //
 // Invariants, checked by check_invariants() in this order, one named check each (the
 // error message names the check):
@@ -33,6 +38,9 @@
 //                              mapped blocks add up to its mapped bytes; the unmapped lists
 //                              hold only unmapped ranges.
 //   stats_match_blocks         statistics and reserved bytes equal a recount from the blocks.
+//   peaks_cover_current        every tracked block statistic of an arena not in peak debt is
+//                              at most its baseline; with no arena in debt, the device's peak
+//                              (sum of baselines) is at least its current value (arena.hpp).
 //   reserved_within_capacity   reserved <= the device's capacity. (Not the per-process limit:
 //                              set_memory_fraction may lower it below what is reserved.)
 //   live_allocations_disjoint  live allocations never overlap.
@@ -196,9 +204,19 @@ class Engine final : public Backend {
 
   // --- events (arena lock held) ---
   void insert_events(Arena& arena, Block* block) REQUIRES(arena.mutex);
-  void process_events(Arena& arena) REQUIRES(arena.mutex);
+  // Returns true when it stopped early at a free that left the arena in peak debt.
+  bool process_events(Arena& arena) REQUIRES(arena.mutex);
   void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);  // no lock held
   void synchronize_and_free_events(const AllArenasLock& all);
+
+  // --- device-wide peaks (stats.cpp; the baseline ledger of arena.hpp) ---
+  // Settles every arena's peak debt (every arena lock held).
+  void settle_peak_debts(const AllArenasLock& all) const;
+  // The same, taking every arena lock (none held).
+  void settle_peak_debts() EXCLUDES(registry_mutex_, device_mutex_) {
+    const AllArenasLock all(*this);
+    settle_peak_debts(all);
+  }
 
   // --- OOM ladder (oom_ladder.cpp) ---
   // Runs the ladder for a request the arena's pool could not serve; called with the
@@ -262,6 +280,7 @@ class Engine final : public Backend {
   void check_pool_membership(const InvariantWalk& walk) const;
   void check_expandable_segments(const InvariantWalk& walk) const;
   void check_stats_match_blocks(const InvariantWalk& walk) const;
+  void check_peaks_cover_current(const InvariantWalk& walk) const;
   void check_reserved_within_capacity() const;
   void check_live_allocations_disjoint(const InvariantWalk& walk) const;
 

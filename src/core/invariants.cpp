@@ -127,6 +127,7 @@ void Engine::check_invariants() const {
   check_pool_membership(walk);
   check_expandable_segments(walk);
   check_stats_match_blocks(walk);
+  check_peaks_cover_current(walk);
   check_reserved_within_capacity();
   check_live_allocations_disjoint(walk);
 }
@@ -426,6 +427,48 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
     violation(kName, "oversize_segments is %lld but segments add up to %lld",
               static_cast<long long>(device_stats_.oversize_segments.current),
               static_cast<long long>(recount.oversize_segments.current));
+  }
+}
+
+// The memory_stats() name of the j-th counter for_each_tracked() visits.
+static std::string tracked_counter_name(std::size_t j) {
+  static constexpr const char* kNames[7] = {"allocation",   "active",
+                                            "inactive_split", "allocated_bytes",
+                                            "active_bytes", "inactive_split_bytes",
+                                            "requested_bytes"};
+  static constexpr const char* kPools[3] = {"all", "small_pool", "large_pool"};
+  if (j == kTrackedCounters - 1) return "oversize_allocations";
+  return std::string(kNames[j % 7]) + "." + kPools[j / 7];
+}
+
+// An arena in debt has an operation under way (between its lock's release and the
+// settlement): only its own counters may exceed their baselines.
+void Engine::check_peaks_cover_current(const InvariantWalk& walk) const {
+  constexpr const char* kName = "peaks_cover_current";
+  std::array<std::int64_t, kTrackedCounters> current_sum{};
+  std::array<std::int64_t, kTrackedCounters> baseline_sum{};
+  bool any_debt = false;
+  for (const auto& [arena, segments] : walk.arenas) {
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    any_debt = any_debt || arena->in_debt;
+    std::size_t j = 0;
+    for_each_tracked(arena->stats, arena->baselines, [&](const Stat& s, const std::int64_t& b) {
+      current_sum[j] += s.current;
+      baseline_sum[j] += b;
+      if (!arena->in_debt && s.current > b) {
+        violation(kName, "stream %" PRIu64 ": %s is %lld, above its baseline %lld", arena->stream,
+                  tracked_counter_name(j).c_str(), static_cast<long long>(s.current),
+                  static_cast<long long>(b));
+      }
+      ++j;
+    });
+  }
+  for (std::size_t j = 0; j < kTrackedCounters && !any_debt; ++j) {
+    if (baseline_sum[j] < current_sum[j]) {
+      violation(kName, "%s: device peak %lld is below its current %lld",
+                tracked_counter_name(j).c_str(), static_cast<long long>(baseline_sum[j]),
+                static_cast<long long>(current_sum[j]));
+    }
   }
 }
 
