@@ -448,14 +448,16 @@ void Engine::check_peaks_cover_current(const InvariantWalk& walk) const {
   std::array<std::int64_t, kTrackedCounters> current_sum{};
   std::array<std::int64_t, kTrackedCounters> baseline_sum{};
   bool any_debt = false;
-  for (const auto& [arena, segments] : walk.arenas) {
+  for (const InvariantWalk::ArenaBlocks& entry : walk.arenas) {
+    const Arena* const arena = entry.arena;
     arena->mutex.assert_held();  // check_invariants() holds every arena lock
-    any_debt = any_debt || arena->in_debt;
+    const bool in_debt = arena->in_debt;
+    any_debt = any_debt || in_debt;
     std::size_t j = 0;
     for_each_tracked(arena->stats, arena->baselines, [&](const Stat& s, const std::int64_t& b) {
       current_sum[j] += s.current;
       baseline_sum[j] += b;
-      if (!arena->in_debt && s.current > b) {
+      if (!in_debt && s.current > b) {
         violation(kName, "stream %" PRIu64 ": %s is %lld, above its baseline %lld", arena->stream,
                   tracked_counter_name(j).c_str(), static_cast<long long>(s.current),
                   static_cast<long long>(b));
