@@ -66,10 +66,10 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
 
 DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
   if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
-  const Request req = make_request(size, stream);
   Arena& arena = arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
+  const Request req = make_request(size, stream);  // reads the config: under the lock
   const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
   if (pos == arena.pool_for(req.small).blocks.end()) {
     return malloc_slow(arena, req, std::move(lock));

@@ -112,7 +112,12 @@ class Engine final : public Backend {
   void add_trace_observer(TraceObserver observer) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
+  // The live config. reconfigure() changes it in place: reading it on another thread while
+  // a reconfiguration runs is a data race (the fields that cannot change excepted).
   const Config& config() const override { return config_; }
+  // Applies `config` live (reconfigure.cpp says which keys may change). Throws ConfigError
+  // naming a key that cannot change while the allocator is live; then nothing changed.
+  bool reconfigure(const Config& config) override EXCLUDES(registry_mutex_, device_mutex_);
   Driver& driver() const override { return driver_; }
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
@@ -120,7 +125,9 @@ class Engine final : public Backend {
   std::size_t capacity() const { return capacity_; }
 
   Driver& driver_;
-  const Config config_;
+  // Written only by reconfigure(), under every arena lock and device_mutex_; read under an
+  // arena lock or device_mutex_, except backend, stitch_segments and uncached (never written).
+  Config config_;
   std::atomic<bool> check_invariants_{false};
 
   // Observers; guarded by observers_mutex_ (copied out before calls without locks).
@@ -227,6 +234,8 @@ class Engine final : public Backend {
   bool release_oversize_blocks(Arena& arena, const Request& req) REQUIRES(arena.mutex);
   void release_cached_segments(const AllArenasLock& all);
   void collect_garbage(const AllArenasLock& all);
+  // Recounts the oversize counters after max_split_size changed (reconfigure.cpp).
+  void recount_oversize(const AllArenasLock& all) REQUIRES(device_mutex_);
   bool gc_enabled() const { return config_.garbage_collection_threshold > 0.0; }
   std::size_t memory_limit_locked() const REQUIRES(device_mutex_);
   [[noreturn]] void raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllArenasLock> all);
