@@ -898,7 +898,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     if (!kept.empty()) {
       TORCH_WARN("ccalloc: allocator settings \"", settings,
                  "\" apply to devices first used from now on; device(s) ", kept,
-                 " keep the settings they started with (the engine cannot change them live yet)");
+                 " keep the settings they started with (their backend cannot change them live)");
     }
   }
 
