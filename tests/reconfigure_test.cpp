@@ -176,16 +176,29 @@ TEST(Reconfigure, CompatibilityAndPinnedKeysAreRecordedWithoutEffect) {
   rig.alloc.free(b);
 }
 
-TEST(Reconfigure, OtherBackendsDeclineAndKeepTheirSettings) {
-  for (const char* conf : {"backend:cudaMallocAsync", "ccalloc,stitch_segments:True"}) {
-    sim::SimDriver gpu;
-    Allocator alloc(gpu, Config::parse(conf));
-    const Config before = alloc.config();
-    Config next = before;
-    next.max_split_size = 20 * M;
-    EXPECT_FALSE(core::reconfigure(alloc, next)) << conf;
-    EXPECT_EQ(alloc.config(), before) << conf;
-  }
+TEST(Reconfigure, TheStitchingPolicyDeclinesAndKeepsItsSettings) {
+  sim::SimDriver gpu;
+  Allocator alloc(gpu, Config::parse("ccalloc,stitch_segments:True"));
+  const Config before = alloc.config();
+  Config next = before;
+  next.max_split_size = 20 * M;
+  EXPECT_FALSE(core::reconfigure(alloc, next));
+  EXPECT_EQ(alloc.config(), before);
+}
+
+TEST(Reconfigure, TheAsyncBackendTakesEveryKeyButBackend) {
+  sim::SimDriver gpu;
+  Allocator alloc(gpu, Config::parse("backend:cudaMallocAsync"));
+  const Config next =
+      Config::parse("backend:cudaMallocAsync,expandable_segments:True,per_process_memory_fraction:0.5");
+  EXPECT_TRUE(core::reconfigure(alloc, next));
+  EXPECT_EQ(alloc.config(), next);
+  EXPECT_EQ(alloc.memory_fraction(), 0.5);
+  const std::string message = ccalloc_test::message_of<ConfigError>(
+      [&] { core::reconfigure(alloc, Config::parse("pytorch")); });
+  EXPECT_NE(message.find("'backend' cannot change while the allocator is live"), std::string::npos)
+      << message;
+  EXPECT_EQ(alloc.config(), next);
 }
 
 }  // namespace

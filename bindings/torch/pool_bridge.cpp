@@ -1,7 +1,8 @@
 // The engine side of pool_bridge.hpp as far as the engine goes today: it has one pool per
 // device (the default pool), so every segment belongs to it, and everything that needs a
 // private pool, a checkpoint or exportable physical pages throws NotSupported naming what
-// is missing. Live reconfiguration is served by the native engine (src/core/reconfigure.cpp).
+// is missing. Live reconfiguration is served by the native engine (src/core/reconfigure.cpp)
+// and the cudaMallocAsync backend.
 #include "pool_bridge.hpp"
 
 #include "core/backend_access.hpp"
@@ -56,7 +57,7 @@ PoolRestore restore_pool(Allocator&, const PoolCheckpoint&) {
 }
 void reconfigure(Allocator& allocator, const Config& config) {
   if (!core::reconfigure(allocator, config)) {
-    missing("live reconfiguration of this backend (cudaMallocAsync or the stitching policy)");
+    missing("live reconfiguration of the stitching policy (stitch_segments:True)");
   }
 }
 SharedRange share_expandable(Allocator&, DevicePtr, std::size_t) {
