@@ -7,15 +7,18 @@
 // maximum of that sum over time, which no arena can see alone. Each arena keeps, under its
 // own lock, a baseline b_i per tracked counter with
 //     P = sum of b_i,   and   b_i >= c_i  (except while an arena is "in debt", below).
-// A free lowers c_i: the arena gains headroom b_i - c_i at no cost. An operation that raises
-// a counter above its baseline leaves the arena in debt; once the arena's lock is released
-// (before the operation returns) the engine settles under every arena lock: per counter,
-// with debt D (sum of c_i - b_i over arenas above their baseline) and room R (sum of
-// b_i - c_i over the others), D > R means the device reached a new peak, so every b_i
-// becomes c_i (P = sum of c_i); otherwise the debtors' baselines rise to their currents and
-// D is taken from the others' room (largest room first), leaving P unchanged. Headroom thus
-// stays with the arenas that had it, so streams that each oscillate within their share of
-// the peak never settle again: the hot path writes no shared cache line.
+// The baseline lives in the arena's own Stat::peak, less the counter's unsettled debt:
+// Stat::increase already compares current with peak, so the hot path pays no extra check.
+// A free lowers c_i: the arena gains headroom b_i - c_i at no cost. An increase beyond the
+// peak raises the peak as usual and records the excess as debt, leaving the arena in debt;
+// once the arena's lock is released (before the operation returns) the engine settles
+// under every arena lock: per counter, with debt D (sum of c_i - b_i over arenas above
+// their baseline) and room R (sum of b_i - c_i over the others), D > R means the device
+// reached a new peak, so every b_i becomes c_i (P = sum of c_i); otherwise the debtors'
+// baselines rise to their currents and D is taken from the others' room (largest room
+// first), leaving P unchanged. Headroom stays with the arenas that had it, so streams that
+// each oscillate within their share of the peak never settle again: the hot path writes no
+// shared cache line.
 // The peak is exact for any program whose operations do not overlap in time (every
 // single-threaded program, whatever its streams); with overlapping operations it is the peak
 // of one order of those operations. It is never below a state the device actually reached.
@@ -45,9 +48,9 @@ struct PendingFree {
   Block* block;
 };
 
-// The baselines b_i of the tracked counters: every block statistic of DeviceStats with a
-// peak (each StatArray's aggregate, small and large entries) and oversize_allocations.
-// Segment and reserved-memory statistics are device-wide (Engine::device_mutex_).
+// One value per tracked counter: every block statistic of DeviceStats with a peak (each
+// StatArray's aggregate, small and large entries) and oversize_allocations. Segment and
+// reserved-memory statistics are device-wide (Engine::device_mutex_).
 inline constexpr std::size_t kTrackedCounters = 7 * 3 + 1;
 struct PeakBaselines {
   using Array = std::array<std::int64_t, 3>;
@@ -61,7 +64,7 @@ struct PeakBaselines {
   std::int64_t oversize_allocations = 0;
 };
 
-// Visits every tracked counter as fn(Stat& stat, std::int64_t& baseline).
+// Visits every tracked counter as fn(Stat& stat, std::int64_t& value).
 template <typename Stats, typename Baselines, typename Fn>
 constexpr void for_each_tracked(Stats& s, Baselines& b, Fn&& fn) {
   for (int t = 0; t < 3; ++t) {
@@ -92,30 +95,16 @@ struct alignas(64) Arena {
 
   FreePool& pool_for(bool small) REQUIRES(mutex) { return small ? small_pool : large_pool; }
 
-  // Whether a counter of the aggregate or `pool` entries, or oversize_allocations, exceeds
-  // its baseline: the check at the end of an allocation, which may raise any of them.
-  bool over_baselines(int pool) const REQUIRES(mutex) {
-    const PeakBaselines& b = baselines;
-    bool over = stats.oversize_allocations.current > b.oversize_allocations;
-    for (const int t : {0, pool}) {
-      over |= stats.allocation[t].current > b.allocation[t];
-      over |= stats.active[t].current > b.active[t];
-      over |= stats.inactive_split[t].current > b.inactive_split[t];
-      over |= stats.allocated_bytes[t].current > b.allocated_bytes[t];
-      over |= stats.active_bytes[t].current > b.active_bytes[t];
-      over |= stats.inactive_split_bytes[t].current > b.inactive_split_bytes[t];
-      over |= stats.requested_bytes[t].current > b.requested_bytes[t];
+  // Stat::increase for a tracked counter of `stats`, recording a rise beyond its peak (the
+  // baseline) as debt for the engine to settle.
+  void increase(Stat& stat, std::int64_t& debt, std::int64_t n) REQUIRES(mutex) {
+    stat.current += n;
+    stat.allocated += n;
+    if (stat.current > stat.peak) [[unlikely]] {
+      debt += stat.current - stat.peak;
+      stat.peak = stat.current;
+      in_debt = true;
     }
-    return over;
-  }
-  // The same for the inactive-split counters, the only ones a free can raise.
-  bool split_over_baselines(int pool) const REQUIRES(mutex) {
-    bool over = false;
-    for (const int t : {0, pool}) {
-      over |= stats.inactive_split[t].current > baselines.inactive_split[t];
-      over |= stats.inactive_split_bytes[t].current > baselines.inactive_split_bytes[t];
-    }
-    return over;
   }
 
   ArenaMutex mutex;
@@ -136,11 +125,12 @@ struct alignas(64) Arena {
   std::vector<std::pair<StreamId, std::deque<PendingFree>>> pending GUARDED_BY(mutex);
   // Statistics of the blocks of this arena (allocation, active, inactive_split and the
   // byte counts). Segment and reserved-memory statistics are device-wide.
-  // Their Stat::peak is this stream's own peak, not a share of the device's.
+  // For the tracked counters, Stat::peak less debts is this arena's baseline: its share of
+  // the device-wide peak (see the header comment), not this stream's own peak.
   DeviceStats stats GUARDED_BY(mutex);
-  // This arena's share of the device-wide peaks (see the header comment).
-  PeakBaselines baselines GUARDED_BY(mutex);
-  // Some counter exceeds its baseline: the engine settles before the operation returns.
+  // Per tracked counter, how far increase() raised Stat::peak since the last settlement.
+  PeakBaselines debts GUARDED_BY(mutex);
+  // Some debt is unsettled: the engine settles before the operation returns.
   bool in_debt GUARDED_BY(mutex) = false;
 
   // Number of events in `pending`; read without the lock to skip empty arenas.

@@ -442,7 +442,8 @@ static std::string tracked_counter_name(std::size_t j) {
 }
 
 // An arena in debt has an operation under way (between its lock's release and the
-// settlement): only its own counters may exceed their baselines.
+// settlement): only its own counters may exceed their baselines. The baseline is the
+// counter's Stat::peak less its unsettled debt (arena.hpp).
 void Engine::check_peaks_cover_current(const InvariantWalk& walk) const {
   constexpr const char* kName = "peaks_cover_current";
   std::array<std::int64_t, kTrackedCounters> current_sum{};
@@ -454,13 +455,16 @@ void Engine::check_peaks_cover_current(const InvariantWalk& walk) const {
     const bool in_debt = arena->in_debt;
     any_debt = any_debt || in_debt;
     std::size_t j = 0;
-    for_each_tracked(arena->stats, arena->baselines, [&](const Stat& s, const std::int64_t& b) {
+    for_each_tracked(arena->stats, arena->debts, [&](const Stat& s, const std::int64_t& debt) {
+      const std::int64_t b = s.peak - debt;
       current_sum[j] += s.current;
       baseline_sum[j] += b;
-      if (!in_debt && s.current > b) {
-        violation(kName, "stream %" PRIu64 ": %s is %lld, above its baseline %lld", arena->stream,
-                  tracked_counter_name(j).c_str(), static_cast<long long>(s.current),
-                  static_cast<long long>(b));
+      if (debt < 0 || (!in_debt && (debt != 0 || s.current > b))) {
+        violation(kName,
+                  "stream %" PRIu64 ": %s is %lld, baseline %lld, debt %lld, arena %s in debt",
+                  arena->stream, tracked_counter_name(j).c_str(),
+                  static_cast<long long>(s.current), static_cast<long long>(b),
+                  static_cast<long long>(debt), in_debt ? "marked" : "not marked");
       }
       ++j;
     });

@@ -108,9 +108,10 @@ void Engine::recount_oversize(const AllArenasLock& all) {
       if (is_oversize(b->size, config_)) ++live_oversize;
     });
     Stat& st = arena->stats.oversize_allocations;
-    if (live_oversize > st.current) st.increase(live_oversize - st.current);
+    if (live_oversize > st.current) {
+      arena->increase(st, arena->debts.oversize_allocations, live_oversize - st.current);
+    }
     if (live_oversize < st.current) st.decrease(st.current - live_oversize);
-    if (arena->over_baselines(kAggregate)) arena->in_debt = true;
     for (const auto& blocks : segments_of(*arena)) {
       if (blocks.front()->segment != nullptr) continue;  // expandable: not a device allocation
       std::size_t size = 0;

@@ -149,8 +149,11 @@ DeviceStats Engine::stats() const {
       total.requested_bytes[pool] += arena->stats.requested_bytes[pool];
     }
     total.oversize_allocations += arena->stats.oversize_allocations;
-    for_each_tracked(peaks, arena->baselines,
-                     [](std::int64_t& sum, const std::int64_t& b) { sum += b; });
+    for_each_tracked(peaks, arena->debts, [](std::int64_t& sum, const std::int64_t& debt) {
+      sum -= debt;  // 0 once settled
+    });
+    for_each_tracked(arena->stats, peaks,
+                     [](const Stat& s, std::int64_t& sum) { sum += s.peak; });
   }
   for_each_tracked(total, peaks, [](Stat& s, const std::int64_t& peak) { s.peak = peak; });
   return total;
@@ -171,6 +174,7 @@ void Engine::settle_peak_debts(const AllArenasLock& all) const {
   }
   if (!any) return;
 
+  // Each counter's baseline, taken out of its Stat::peak (less the debt) and put back.
   struct Entry {
     std::int64_t current;
     std::int64_t* baseline;
@@ -180,8 +184,10 @@ void Engine::settle_peak_debts(const AllArenasLock& all) const {
     Arena& arena = *arenas[i];
     all.held(arena);
     std::size_t j = 0;
-    for_each_tracked(arena.stats, arena.baselines, [&](const Stat& s, std::int64_t& b) {
-      rows[i][j++] = Entry{s.current, &b};
+    for_each_tracked(arena.stats, arena.debts, [&](Stat& s, std::int64_t& debt) {
+      s.peak -= debt;
+      debt = 0;
+      rows[i][j++] = Entry{s.current, &s.peak};
     });
     arena.in_debt = false;
   }
@@ -221,9 +227,8 @@ void Engine::reset_peak_stats() {
   const AllArenasLock all(*this);
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
-    arena->stats.reset_peak();
-    for_each_tracked(arena->stats, arena->baselines,
-                     [](const Stat& s, std::int64_t& b) { b = s.current; });
+    arena->stats.reset_peak();  // every baseline at its current
+    arena->debts = PeakBaselines{};
     arena->in_debt = false;
   }
   Lock lock(device_mutex_);
