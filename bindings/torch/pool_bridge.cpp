@@ -1,8 +1,11 @@
 // The engine side of pool_bridge.hpp as far as the engine goes today: it has one pool per
 // device (the default pool), so every segment belongs to it, and everything that needs a
-// private pool, a checkpoint, live reconfiguration or exportable physical pages throws
-// NotSupported naming what is missing.
+// private pool, a checkpoint or exportable physical pages throws NotSupported naming what
+// is missing. Live reconfiguration is served by the native engine (src/core/reconfigure.cpp)
+// and the cudaMallocAsync backend.
 #include "pool_bridge.hpp"
+
+#include "core/backend_access.hpp"
 
 namespace ccalloc::torch_bridge {
 namespace {
@@ -52,8 +55,10 @@ std::shared_ptr<PoolCheckpoint> checkpoint_pool(Allocator&, PoolId) {
 PoolRestore restore_pool(Allocator&, const PoolCheckpoint&) {
   missing("pool checkpoints");
 }
-void reconfigure(Allocator&, const Config&) {
-  missing("live reconfiguration of an allocator");
+void reconfigure(Allocator& allocator, const Config& config) {
+  if (!core::reconfigure(allocator, config)) {
+    missing("live reconfiguration of the stitching policy (stitch_segments:True)");
+  }
 }
 SharedRange share_expandable(Allocator&, DevicePtr, std::size_t) {
   missing("exportable expandable segments (IPC of expandable_segments memory)");

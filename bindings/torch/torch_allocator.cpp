@@ -414,7 +414,8 @@ struct IpcEntry {
 
 class TorchAllocator final : public c10a::CUDAAllocator {
  public:
-  explicit TorchAllocator(ccalloc::Config config) : config_(std::move(config)) {}
+  explicit TorchAllocator(ccalloc::Config config)
+      : config_(std::move(config)), expandable_seen_(config_.expandable_segments) {}
 
   // --- c10::Allocator ---
 
@@ -873,6 +874,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     others.source = config_.source;
     const bool others_changed = !(others == config_);
     config_ = merged;
+    if (merged.expandable_segments) expandable_seen_.store(true);
     std::string kept;
     for (int d = 0; d < kMaxDevices; ++d) {
       ccalloc::Allocator* a = existing(d);
@@ -888,7 +890,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     if (!kept.empty()) {
       TORCH_WARN("ccalloc: allocator settings \"", settings,
                  "\" apply to devices first used from now on; device(s) ", kept,
-                 " keep the settings they started with (the engine cannot change them live yet)");
+                 " keep the settings they started with (their backend cannot change them live)");
     }
   }
 
@@ -1042,8 +1044,9 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     if (device < 0 || device >= kMaxDevices) return false;
     const ccalloc::Allocator* a = existing(device);
     if (a == nullptr) return false;
-    const ccalloc::Config& c = a->config();
-    return c.expandable_segments || c.backend == ccalloc::BackendKind::kCudaMallocAsync;
+    // Expandable segments outlive a switch back to expandable_segments:False, and the
+    // engine's config may be changing meanwhile: once seen in any config, assume them.
+    return expandable_seen_.load() || a->config().backend == ccalloc::BackendKind::kCudaMallocAsync;
   }
 
   c10a::SegmentInfo segment_to_c10(ccalloc::Allocator& a, const ccalloc::SegmentInfo& s) {
@@ -1094,6 +1097,8 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   std::atomic<int> device_count_{0};
   std::mutex create_mutex_;
   ccalloc::Config config_;  // for devices created from now on; guarded by create_mutex_
+  // Some config (at start or set live) had expandable_segments:True.
+  std::atomic<bool> expandable_seen_{false};
   std::vector<c10a::OutOfMemoryObserver> oom_observers_;  // guarded by create_mutex_
   std::array<Slot, kMaxDevices> slots_;
   std::array<std::atomic<ccalloc::Allocator*>, kMaxDevices> allocators_{};

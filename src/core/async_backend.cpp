@@ -191,6 +191,27 @@ void AsyncBackend::set_memory_fraction(double fraction) {
   limit_ = limit;
 }
 
+bool AsyncBackend::reconfigure(const Config& next) {
+  if (next.backend != config_.backend) {
+    throw ConfigError(
+        "ccalloc: allocator setting 'backend' cannot change while the allocator is live (it is "
+        "cudaMallocAsync, the new settings ask for native); it applies to allocators created "
+        "afterwards");
+  }
+  // As in Engine::reconfigure: only a changed fraction is applied, first (it validates).
+  double configured_fraction;
+  {
+    std::lock_guard lock(mutex_);
+    configured_fraction = config_.per_process_memory_fraction;
+  }
+  if (next.per_process_memory_fraction != configured_fraction) {
+    set_memory_fraction(next.per_process_memory_fraction);
+  }
+  std::lock_guard lock(mutex_);
+  config_ = next;
+  return true;
+}
+
 double AsyncBackend::memory_fraction() const {
   std::lock_guard lock(mutex_);
   return fraction_;

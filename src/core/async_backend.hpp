@@ -69,7 +69,11 @@ class AsyncBackend final : public Backend {
   void annotate(std::string_view name, bool start) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
+  // The live config: reconfigure() replaces it (reading it meanwhile on another thread is a
+  // data race).
   const Config& config() const override { return config_; }
+  // Every key but `backend` may change; the pool uses none of them but the memory fraction.
+  bool reconfigure(const Config& config) override;
   Driver& driver() const override { return driver_; }
 
  private:
@@ -91,7 +95,7 @@ class AsyncBackend final : public Backend {
   }
 
   Driver& driver_;
-  const Config config_;
+  Config config_;  // written by reconfigure() under mutex_
   std::atomic<bool> check_invariants_{false};
   // Stack capture for history entries (record_history), read before taking the lock.
   std::atomic<bool> capture_on_malloc_{false};

@@ -323,7 +323,10 @@ Snapshot Engine::snapshot() {
   s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
 
   AllocatorSettings& st = s.allocator_settings;
-  st = settings_of(config_);
+  {
+    Lock lock(device_mutex_);  // reconfigure() may change the config meanwhile
+    st = settings_of(config_);
+  }
   st.trace_alloc_overflowed = history_.overflowed();
   st.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
   {
