@@ -873,20 +873,29 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     others.per_process_memory_fraction = config_.per_process_memory_fraction;
     others.source = config_.source;
     const bool others_changed = !(others == config_);
-    config_ = merged;
-    if (merged.expandable_segments) expandable_seen_.store(true);
     std::string kept;
+    bool changed_any = false;
     for (int d = 0; d < kMaxDevices; ++d) {
       ccalloc::Allocator* a = existing(d);
       if (a == nullptr) continue;
-      if (fraction_changed) a->set_memory_fraction(merged.per_process_memory_fraction);
-      if (!others_changed) continue;
-      try {
-        bridge::reconfigure(*a, merged);
-      } catch (const bridge::NotSupported&) {
-        kept += (kept.empty() ? "" : ", ") + std::to_string(d);
+      if (others_changed) {
+        try {
+          bridge::reconfigure(*a, merged);
+          changed_any = true;
+        } catch (const bridge::NotSupported&) {
+          kept += (kept.empty() ? "" : ", ") + std::to_string(d);
+        } catch (const ccalloc::ConfigError& e) {
+          // A key that cannot change while the allocator lives (backend, ...): every
+          // device refuses it alike, at the first one, before anything changed.
+          TORCH_CHECK(!changed_any, "ccalloc: allocator settings \"", settings,
+                      "\" were applied to some devices only: ", e.what());
+          TORCH_CHECK(false, "ccalloc cannot apply allocator settings \"", settings, "\": ", e.what());
+        }
       }
+      if (fraction_changed) a->set_memory_fraction(merged.per_process_memory_fraction);
     }
+    config_ = merged;
+    if (merged.expandable_segments) expandable_seen_.store(true);
     if (!kept.empty()) {
       TORCH_WARN("ccalloc: allocator settings \"", settings,
                  "\" apply to devices first used from now on; device(s) ", kept,
