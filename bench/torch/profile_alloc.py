@@ -7,8 +7,9 @@ is installed, under `perf record` too.
 
 torch.profiler gives, per allocating operator (aten::empty, aten::empty_strided, ...), its
 call count and its mean self CPU time: the allocator's malloc runs inside that self time, so
-the difference between the two allocators is what ccalloc costs more or less per
-allocation. perf gives the share of all CPU samples spent in each allocator's own library
+the difference between the allocators is what ccalloc costs more or less per
+allocation. ccalloc runs twice: installed natively (libccalloc_torch.so) and through torch's
+CUDAPluggableAllocator (the fallback route), whose own bookkeeping the comparison shows. perf gives the share of all CPU samples spent in each allocator's own library
 (libccalloc_torch.so or libc10_cuda.so) and its hottest functions."""
 
 import argparse
@@ -21,6 +22,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BINDINGS = os.path.join(HERE, "..", "..", "bindings", "torch")
+ALLOCATORS = ("pytorch", "ccalloc", "ccalloc-pluggable")
 ALLOC_OPS = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty_strided",
              "aten::zeros", "aten::zeros_like", "aten::ones_like", "aten::full")
 
@@ -31,6 +33,9 @@ allocator, workload, steps, profile = sys.argv[1], sys.argv[2], int(sys.argv[5])
 if allocator == "ccalloc":
     import ccalloc_torch
     assert ccalloc_torch.install() == "native"
+elif allocator == "ccalloc-pluggable":
+    import ccalloc_torch
+    assert ccalloc_torch.install(native=False) in ("hooks", "pluggable")
 import torch, workloads
 torch.manual_seed(0)
 fn = workloads.WORKLOADS[workload]
@@ -78,7 +83,7 @@ def perf_report(allocator, workload, steps):
     by_dso = {}
     for r in rows:
         by_dso[r["dso"]] = by_dso.get(r["dso"], 0.0) + r["percent"]
-    mine = "libccalloc_torch.so" if allocator == "ccalloc" else "libc10_cuda.so"
+    mine = {"ccalloc": "libccalloc_torch.so", "ccalloc-pluggable": "libccalloc.so"}.get(allocator, "libc10_cuda.so")
     return {"dso_percent": by_dso, "allocator_library": mine,
             "allocator_percent": by_dso.get(mine, 0.0),
             "top": [r for r in rows if r["dso"] == mine][:12]}
@@ -91,7 +96,7 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     result = {}
-    for allocator in ("pytorch", "ccalloc"):
+    for allocator in ALLOCATORS:
         result[allocator] = {"torch_profiler": worker(allocator, args.workload, args.steps, "torch")}
         if shutil.which("perf"):
             try:
@@ -99,13 +104,15 @@ def main():
             except RuntimeError as e:
                 result[allocator]["perf_error"] = str(e)
     print(f"== {args.workload}: allocating operators, mean self CPU time per call (torch.profiler)")
-    print(f"{'operator':26s} {'calls':>8s} {'PyTorch us':>11s} {'ccalloc us':>11s} {'delta us':>9s}")
-    pt, cc = (result[a]["torch_profiler"]["ops"] for a in ("pytorch", "ccalloc"))
+    print(f"{'operator':26s} {'calls':>8s} {'PyTorch us':>11s} {'ccalloc us':>11s} {'pluggable us':>13s}")
+    pt, cc, pl = (result[a]["torch_profiler"]["ops"] for a in ALLOCATORS)
     for op in ALLOC_OPS:
-        if op in pt and op in cc:
+        if op in pt and op in cc and op in pl:
             print(f"{op:26s} {cc[op]['count']:8d} {pt[op]['self_cpu_us']:11.2f} {cc[op]['self_cpu_us']:11.2f} "
-                  f"{cc[op]['self_cpu_us'] - pt[op]['self_cpu_us']:+9.2f}")
-    for allocator in ("pytorch", "ccalloc"):
+                  f"{pl[op]['self_cpu_us']:13.2f}")
+    print("median step: " + ", ".join(f"{a} {result[a]['torch_profiler']['step_s'] * 1e3:.1f} ms"
+                                      for a in ALLOCATORS))
+    for allocator in ALLOCATORS:
         p = result[allocator].get("perf")
         if p:
             print(f"perf, {allocator}: {p['allocator_percent']:.2f}% of CPU samples in {p['allocator_library']}")

@@ -115,7 +115,7 @@ def finetune_bf16(steps=40, warmup=5):
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(num_labels=4)
-    model = BertForSequenceClassification(config).cuda()
+    model = BertForSequenceClassification(config, attn_implementation="eager").cuda()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
     rng = random.Random(4)

@@ -1,8 +1,11 @@
 // The engine side of pool_bridge.hpp as far as the engine goes today: it has one pool per
 // device (the default pool), so every segment belongs to it, and everything that needs a
-// private pool, a checkpoint or live reconfiguration throws NotSupported naming what is
-// missing. Sharing expandable segments is in ipc_bridge.cpp.
+// private pool or a checkpoint throws NotSupported naming what is missing. Live
+// reconfiguration is served by the native engine (src/core/reconfigure.cpp) and the
+// cudaMallocAsync backend; sharing expandable segments is in ipc_bridge.cpp.
 #include "pool_bridge.hpp"
+
+#include "core/backend_access.hpp"
 
 namespace ccalloc::torch_bridge {
 namespace {
@@ -52,8 +55,10 @@ std::shared_ptr<PoolCheckpoint> checkpoint_pool(Allocator&, PoolId) {
 PoolRestore restore_pool(Allocator&, const PoolCheckpoint&) {
   missing("pool checkpoints");
 }
-void reconfigure(Allocator&, const Config&) {
-  missing("live reconfiguration of an allocator");
+void reconfigure(Allocator& allocator, const Config& config) {
+  if (!core::reconfigure(allocator, config)) {
+    missing("live reconfiguration of the stitching policy (stitch_segments:True)");
+  }
 }
 
 }  // namespace ccalloc::torch_bridge

@@ -12,6 +12,7 @@
 #include "ccalloc/ccalloc.h"
 #include "ccalloc/ipc.hpp"
 #include "ccalloc/process.hpp"
+#include "api/c_context.hpp"
 #include "ccalloc/snapshot.hpp"
 #include "io/snapshot_io.hpp"
 
@@ -187,13 +188,120 @@ ccalloc_status ccalloc_mem_get_info(int device, size_t* free_bytes, size_t* tota
 
 ccalloc_status ccalloc_record_history(const char* enabled, const char* context, const char* stacks,
                                       size_t max_entries) {
+  return ccalloc_record_history_context(enabled, context, stacks, max_entries, nullptr, nullptr,
+                                        nullptr);
+}
+
+ccalloc_status ccalloc_record_history_context(const char* enabled, const char* context,
+                                              const char* stacks, size_t max_entries,
+                                              ccalloc_context_capture_fn capture,
+                                              ccalloc_context_release_fn release,
+                                              void* user_data) {
+  if (capture != nullptr && release == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_record_history_context: release is NULL but capture is not (every "
+                "captured context must be released)");
+  }
   return guarded([&] {
-    ccalloc::HistoryOptions o;
-    o.enabled = ccalloc::HistoryOptions::parse_enabled(enabled ? enabled : "none");
-    o.context = ccalloc::HistoryOptions::parse_context(context ? context : "none");
-    o.stacks = ccalloc::HistoryOptions::parse_stacks(stacks ? stacks : "none");
-    o.max_entries = max_entries;
-    process().record_history(o);
+    process().record_history(ccalloc::capi::history_options(enabled, context, stacks, max_entries,
+                                                             capture, release, user_data));
+  });
+}
+
+ccalloc_status ccalloc_snapshot_take(ccalloc_snapshot** snapshot) {
+  if (snapshot == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_snapshot_take: snapshot is NULL");
+  }
+  *snapshot = nullptr;
+  return guarded([&] { *snapshot = new ccalloc_snapshot{process().snapshot()}; });
+}
+
+void ccalloc_snapshot_free(ccalloc_snapshot* snapshot) {
+  delete snapshot;
+}
+
+ccalloc_status ccalloc_snapshot_trace_length(const ccalloc_snapshot* snapshot, int device,
+                                             size_t* length) {
+  if (snapshot == nullptr || length == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_trace_length: snapshot and length must not be NULL");
+  }
+  const auto& traces = snapshot->snapshot.device_traces;
+  *length = device >= 0 && static_cast<size_t>(device) < traces.size()
+                ? traces[static_cast<size_t>(device)].size()
+                : 0;
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_trace_entry(const ccalloc_snapshot* snapshot, int device,
+                                            size_t index, ccalloc_trace_entry* entry) {
+  if (snapshot == nullptr || entry == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_trace_entry: snapshot and entry must not be NULL");
+  }
+  const auto& traces = snapshot->snapshot.device_traces;
+  if (device < 0 || static_cast<size_t>(device) >= traces.size() ||
+      index >= traces[static_cast<size_t>(device)].size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_snapshot_trace_entry: no entry " + std::to_string(index) +
+                 " in the history of device " + std::to_string(device))
+                    .c_str());
+  }
+  *entry = ccalloc::capi::trace_entry(traces[static_cast<size_t>(device)][index]);
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_segment_count(const ccalloc_snapshot* snapshot, size_t* count) {
+  if (snapshot == nullptr || count == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_segment_count: snapshot and count must not be NULL");
+  }
+  *count = snapshot->snapshot.segments.size();
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_segment(const ccalloc_snapshot* snapshot, size_t index,
+                                        ccalloc_segment_info* segment) {
+  if (snapshot == nullptr || segment == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_segment: snapshot and segment must not be NULL");
+  }
+  if (index >= snapshot->snapshot.segments.size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_snapshot_segment: no segment " + std::to_string(index) + " (" +
+                 std::to_string(snapshot->snapshot.segments.size()) + " in the snapshot)")
+                    .c_str());
+  }
+  *segment = ccalloc::capi::segment_info(snapshot->snapshot.segments[index]);
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_block(const ccalloc_snapshot* snapshot, size_t segment,
+                                      size_t index, ccalloc_block_info* block) {
+  if (snapshot == nullptr || block == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_block: snapshot and block must not be NULL");
+  }
+  const auto& segments = snapshot->snapshot.segments;
+  if (segment >= segments.size() || index >= segments[segment].blocks.size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_snapshot_block: no block " + std::to_string(index) + " in segment " +
+                 std::to_string(segment))
+                    .c_str());
+  }
+  *block = ccalloc::capi::block_info(segments[segment].blocks[index]);
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_write(const ccalloc_snapshot* snapshot, const char* path,
+                                      ccalloc_context_frames_fn frames, void* user_data) {
+  if (snapshot == nullptr || path == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_write: snapshot and path must not be NULL");
+  }
+  return guarded([&] {
+    ccalloc::io::write_snapshot(path, snapshot->snapshot,
+                                ccalloc::capi::context_frames(frames, user_data));
   });
 }
 

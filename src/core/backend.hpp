@@ -37,6 +37,13 @@ class Backend {
   virtual void check_invariants() const = 0;
   virtual void set_check_invariants(bool on) = 0;
   virtual const Config& config() const = 0;
+  // Applies `config` to the live allocator (torch.cuda.memory._set_allocator_settings).
+  // Returns false, changing nothing, where this backend cannot change its settings live.
+  // Throws ConfigError naming a key that cannot change while the allocator is live.
+  virtual bool reconfigure(const Config& config) {
+    (void)config;
+    return false;
+  }
   virtual Driver& driver() const = 0;
   // The memory another process maps to see the live allocation `ptr` (ipc.hpp). The
   // default: this backend cannot share, Error naming it.

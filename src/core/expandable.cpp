@@ -19,7 +19,7 @@ void absorb_prev(Arena& arena, Block* b) REQUIRES(arena.mutex) {
   b->size += p->size;
   b->prev = p->prev;
   if (b->prev != nullptr) b->prev->next = b;
-  if (p->segment_stack != 0) b->segment_stack = p->segment_stack;
+  if (p->segment_stack) b->segment_stack = std::move(p->segment_stack);
   arena.blocks.recycle(p);
 }
 
@@ -173,7 +173,7 @@ bool Engine::map_block(Arena& arena, Block* b, std::size_t size) {
     owners_.assign(r.ptr, r.size, arena.owner);
   }
   merge_mapped_neighbours(arena, b);
-  if (b->prev == nullptr && b->segment_stack == 0 &&
+  if (b->prev == nullptr && !b->segment_stack &&
       (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks)) {
     b->segment_stack = OperationContext::current();
   }
@@ -233,7 +233,7 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
     f->next = b;
     if (f->prev != nullptr) f->prev->next = f;
     b->prev = f;
-    f->segment_stack = std::exchange(b->segment_stack, 0);
+    f->segment_stack = std::exchange(b->segment_stack, {});
     insert_into_pool(pool, f);
   }
   const std::size_t after = b->size - before - r.size;
@@ -259,6 +259,9 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
     owners_.clear(r.ptr, r.size);
   }
   record_trace(TraceAction::kSegmentUnmap, r.ptr, r.size, arena.stream, b);
+  // An unmapped range holds no memory and reports no segment: it keeps no context either
+  // (a later mapping at the head takes the mapping operation's).
+  b->segment_stack = {};
   // Merge with unmapped neighbours.
   if (b->prev != nullptr && !b->prev->mapped) {
     pool.unmapped.erase(b->prev);

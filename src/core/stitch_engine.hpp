@@ -130,7 +130,7 @@ class StitchEngine final : public Backend {
     Kind kind = Kind::kFree;
     int event_count = 0;
     std::vector<StreamId> stream_uses;
-    StackTable::Id stack = 0;
+    Origin stack;  // of its allocation, while active
     DevicePtr end() const { return ptr + size; }
   };
   struct BySizeThenAddress {
@@ -177,7 +177,7 @@ class StitchEngine final : public Backend {
   Space& new_space(Arena& arena, bool small);
   DevicePtr page_va(const Space& s, std::size_t page) const { return s.base + page * page_; }
   DevicePtr hand_out(Arena& arena, Block* block, std::size_t size, std::size_t requested,
-                     StackTable::Id stack);
+                     const Origin& stack);
   void free_block(Block* block);
   void make_void(Space& s, Block* from, DevicePtr lo, DevicePtr hi);
   Block* split_off_front(Block* b, std::size_t size);
@@ -191,10 +191,10 @@ class StitchEngine final : public Backend {
   void delete_block(Block* b);
   void add_reserved(bool small, std::int64_t bytes);
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
-                    StackTable::Id stack);
+                    const Origin& stack);
   [[noreturn]] void raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
                               std::size_t requested, std::size_t rounded, bool small,
-                              StackTable::Id stack);
+                              const Origin& stack);
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
   }
@@ -205,6 +205,14 @@ class StitchEngine final : public Backend {
   std::atomic<bool> check_invariants_{false};
   std::atomic<bool> capture_on_malloc_{false};
   std::atomic<bool> capture_on_free_{false};
+  std::atomic<bool> capture_cpp_{false};     // a capture takes the C++ stack
+  std::atomic<bool> capture_caller_{false};  // and the caller's context
+  ContextSource contexts_;
+  // The origin of the operation starting now; inlined, so capture_origin skips its frame.
+  [[gnu::always_inline]] Origin capture() const {
+    return capture_origin(capture_cpp_.load(std::memory_order_relaxed),
+                          capture_caller_.load(std::memory_order_relaxed) ? &contexts_ : nullptr);
+  }
 
   mutable std::mutex mutex_;
   std::size_t page_ = 0;          // the driver's granularity
