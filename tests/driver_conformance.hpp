@@ -15,8 +15,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "ccalloc/driver.hpp"
 #include "ccalloc/errors.hpp"
@@ -260,6 +263,46 @@ TYPED_TEST_P(DriverConformance, StreamsAreNotCapturingOutsideCapture) {
   EXPECT_FALSE(this->d().is_capturing(0));
 }
 
+// Sharing (docs/ipc.md). Both drivers create physical memory exportable as POSIX file
+// descriptors by default; a descriptor exported twice is the same one; this process can
+// import its own export and map it at a second address.
+TYPED_TEST_P(DriverConformance, PhysicalMemoryExportsAsADescriptorAndImportsAgain) {
+  const std::size_t g = this->g();
+  EXPECT_NE(this->d().exportable_kinds() & share_kind_bit(ShareKind::kPosixFd), 0u);
+  const PhysicalHandle h = this->d().create_physical(g);
+  ASSERT_NE(h, 0u);
+  const std::string fd = this->d().export_physical(h, ShareKind::kPosixFd);
+  EXPECT_EQ(fd.size(), share_kind_bytes(ShareKind::kPosixFd));
+  EXPECT_EQ(this->d().export_physical(h, ShareKind::kPosixFd), fd);
+  const PhysicalHandle imported =
+      this->d().import_physical(fd, ShareKind::kPosixFd, static_cast<int>(getpid()), g);
+  ASSERT_NE(imported, 0u);
+  const DevicePtr base = this->d().reserve_address_range(2 * g);
+  this->d().map(base, g, h);
+  this->d().map(base + g, g, imported);
+  this->d().unmap(base, 2 * g);
+  this->d().release_physical(imported, g);
+  this->d().release_physical(h, g);
+  this->d().free_address_range(base, 2 * g);
+}
+
+TYPED_TEST_P(DriverConformance, ImportOfAnUnknownDescriptorThrows) {
+  const std::string fd("\xff\xff\xff\x7f", 4);  // descriptor 2147483647: never open
+  EXPECT_THROW(this->d().import_physical(fd, ShareKind::kPosixFd, static_cast<int>(getpid()),
+                                         this->g()),
+               DriverError);
+  EXPECT_THROW(this->d().import_physical("abc", ShareKind::kPosixFd, static_cast<int>(getpid()),
+                                         this->g()),
+               DriverError);
+}
+
+TYPED_TEST_P(DriverConformance, DeviceAllocationExportsSixtyFourBytes) {
+  const DevicePtr p = this->d().allocate(4 * kMiB);
+  ASSERT_NE(p, 0u);
+  EXPECT_EQ(this->d().export_allocation(p).size(), kAllocationHandleBytes);
+  this->d().free(p, 4 * kMiB);
+}
+
 REGISTER_TYPED_TEST_SUITE_P(DriverConformance, AllocationsAreNonZeroAndDisjoint,
                             AllocateAndFreeMoveFreeMemory, AllocationBeyondTheDeviceIsNullNotAnError,
                             SynchronizedEventQueriesComplete, StreamSynchronizeCompletesItsEvents,
@@ -271,6 +314,8 @@ REGISTER_TYPED_TEST_SUITE_P(DriverConformance, AllocationsAreNonZeroAndDisjoint,
                             PoolKeepsFreedMemoryUntilTrimmed, PoolResetPeaksLowersHighsToCurrent,
                             StreamOrderedAllocationBeyondTheDeviceIsNull,
                             StreamWaitingOnACompletedEventProceeds, ClockNeverRunsBackwards,
-                            NameIsNotEmpty, StreamsAreNotCapturingOutsideCapture);
+                            NameIsNotEmpty, StreamsAreNotCapturingOutsideCapture,
+                            PhysicalMemoryExportsAsADescriptorAndImportsAgain,
+                            ImportOfAnUnknownDescriptorThrows, DeviceAllocationExportsSixtyFourBytes);
 
 }  // namespace ccalloc::conformance

@@ -2,14 +2,18 @@
 // GPU (errors as codes and messages, never exceptions).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <filesystem>
 #include <string>
 #include <thread>
 
+#include "api/c_context.hpp"
 #include "ccalloc/ccalloc.h"
 #include "ccalloc/cuda.hpp"
 #include "ccalloc/process.hpp"
 #include "ccalloc/sim.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "ccalloc/snapshot_io.hpp"
 
 namespace {
 
@@ -177,6 +181,152 @@ TEST(CApi, FreeOfNullSucceeds) {
 
 TEST(CApi, VersionIsTheProjectVersion) {
   EXPECT_STREQ(ccalloc_version(), "0.1.0");
+}
+
+// Caller contexts as C sees them: malloc'ed ints, counted as they are taken and released.
+struct CContexts {
+  std::atomic<int> taken{0};
+  std::atomic<int> released{0};
+  std::atomic<int> bad_releases{0};  // a handle released twice, or one never handed out
+  static void* capture(void* user) {
+    auto* c = static_cast<CContexts*>(user);
+    auto* id = static_cast<int*>(std::malloc(sizeof(int)));
+    *id = ++c->taken;
+    return id;
+  }
+  static void release(void* context, void* user) {
+    auto* c = static_cast<CContexts*>(user);
+    auto* id = static_cast<int*>(context);
+    if (*id <= 0 || *id > c->taken) ++c->bad_releases;
+    *id = -1;  // poison: a second release is caught above (before the memory is reused)
+    std::free(id);
+    ++c->released;
+  }
+  static void frames(void* context, ccalloc_frame_emit_fn emit, void* sink, void*) {
+    const std::string name = "caller_" + std::to_string(*static_cast<int*>(context));
+    emit(sink, "app.c", 7, name.c_str());
+  }
+};
+
+int c_id(void* context) {
+  return context != nullptr ? *static_cast<int*>(context) : 0;
+}
+
+// The C API's conversions and snapshot accessors over a simulated two-device machine.
+TEST(CApiContext, HandlesAreKeptReportedAndReleasedExactlyOnce) {
+  CContexts c;
+  {
+    ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
+    p.record_history(ccalloc::capi::history_options("all", "all", "none", 100,
+                                                    &CContexts::capture, &CContexts::release, &c));
+    const DevicePtr a = p.malloc(4096, 0, 0);  // 1
+    const DevicePtr b = p.malloc(4096, 0, 1);  // 2 (device 1 gets the options when created)
+    p.free(a);                                 // 3
+    auto* snap = new ccalloc_snapshot{p.snapshot()};
+    size_t length = 0;
+    ASSERT_EQ(ccalloc_snapshot_trace_length(snap, 0, &length), CCALLOC_SUCCESS);
+    ASSERT_EQ(length, 5u);  // segment_alloc, alloc, free_requested, free_completed, snapshot
+    const int want0[] = {1, 1, 3, 3, 0};
+    for (size_t i = 0; i < length; ++i) {
+      ccalloc_trace_entry e{};
+      ASSERT_EQ(ccalloc_snapshot_trace_entry(snap, 0, i, &e), CCALLOC_SUCCESS);
+      EXPECT_EQ(c_id(e.context), want0[i]) << i;
+    }
+    ccalloc_trace_entry e{};
+    ASSERT_EQ(ccalloc_snapshot_trace_entry(snap, 1, 1, &e), CCALLOC_SUCCESS);
+    EXPECT_EQ(e.action, CCALLOC_TRACE_ALLOC);
+    EXPECT_EQ(e.addr, static_cast<uintptr_t>(b));
+    EXPECT_EQ(c_id(e.context), 2);
+    EXPECT_EQ(ccalloc_snapshot_trace_entry(snap, 1, 99, &e), CCALLOC_ERROR_INVALID_VALUE);
+    EXPECT_NE(std::string(ccalloc_last_error()).find("no entry 99"), std::string::npos);
+
+    size_t segments = 0;
+    ASSERT_EQ(ccalloc_snapshot_segment_count(snap, &segments), CCALLOC_SUCCESS);
+    ASSERT_EQ(segments, 2u);
+    ccalloc_segment_info seg{};
+    ASSERT_EQ(ccalloc_snapshot_segment(snap, 1, &seg), CCALLOC_SUCCESS);
+    EXPECT_EQ(seg.device, 1);
+    EXPECT_EQ(c_id(seg.context), 2);
+    ASSERT_EQ(seg.block_count, 2u);
+    ccalloc_block_info blk{};
+    ASSERT_EQ(ccalloc_snapshot_block(snap, 1, 0, &blk), CCALLOC_SUCCESS);
+    EXPECT_EQ(blk.state, CCALLOC_BLOCK_ACTIVE_ALLOCATED);
+    EXPECT_EQ(c_id(blk.context), 2);
+    ASSERT_EQ(ccalloc_snapshot_block(snap, 0, 0, &blk), CCALLOC_SUCCESS);
+    EXPECT_EQ(blk.state, CCALLOC_BLOCK_INACTIVE);
+    EXPECT_EQ(blk.context, nullptr);
+    EXPECT_EQ(ccalloc_snapshot_block(snap, 0, 5, &blk), CCALLOC_ERROR_INVALID_VALUE);
+
+    // Written with the caller's frames.
+    const std::string path = (std::filesystem::temp_directory_path() / "ccalloc_c_ctx.json").string();
+    ASSERT_EQ(ccalloc_snapshot_write(snap, path.c_str(), &CContexts::frames, nullptr),
+              CCALLOC_SUCCESS)
+        << ccalloc_last_error();
+    const ccalloc::Snapshot back = ccalloc::io::read_snapshot(path);
+    std::filesystem::remove(path);
+    ASSERT_TRUE(back.segments[1].blocks[0].frames);
+    ASSERT_EQ(back.segments[1].blocks[0].frames->size(), 1u);
+    EXPECT_EQ((*back.segments[1].blocks[0].frames)[0], (ccalloc::Frame{"app.c", 7, "caller_2"}));
+
+    p.record_history(ccalloc::capi::history_options("none", "none", "none", 1, nullptr, nullptr,
+                                                    nullptr));
+    p.free(b);
+    p.empty_cache(ProcessAllocator::kAllDevices);
+    EXPECT_EQ(c.released, 0) << "the allocators hold none; the snapshot holds all three";
+    ccalloc_snapshot_free(snap);
+    EXPECT_EQ(c.released, 3);
+  }
+  EXPECT_EQ(c.taken, 3);
+  EXPECT_EQ(c.released, 3);
+  EXPECT_EQ(c.bad_releases, 0);
+}
+
+TEST(CApiContext, CaptureWithoutReleaseIsAnInvalidValue) {
+  EXPECT_EQ(ccalloc_record_history_context("all", "all", "none", 10, &CContexts::capture, nullptr,
+                                           nullptr),
+            CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("release is NULL"), std::string::npos);
+  EXPECT_EQ(ccalloc_snapshot_take(nullptr), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_EQ(ccalloc_record_history_context("all", "sometimes", "none", 10, nullptr, nullptr,
+                                           nullptr),
+            CCALLOC_ERROR_CONFIG);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("'sometimes'"), std::string::npos);
+}
+
+// Through the exported entry points on the process's devices: exact counts with a GPU;
+// without one, failing mallocs take no context.
+TEST(CApiContext, ProcessHistoryTakesAndReleasesEveryContext) {
+  CContexts c;
+  ASSERT_EQ(ccalloc_record_history_context("all", "all", "none", 3, &CContexts::capture,
+                                           &CContexts::release, &c),
+            CCALLOC_SUCCESS)
+      << ccalloc_last_error();
+  void* ptr = nullptr;
+  if (ccalloc::cuda::device_count() == 0) {
+    EXPECT_EQ(ccalloc_malloc(&ptr, 1024, -1, nullptr), CCALLOC_ERROR_DRIVER);
+    EXPECT_EQ(c.taken, 0);
+  } else {
+    for (int i = 0; i < 10; ++i) {
+      ASSERT_EQ(ccalloc_malloc(&ptr, 1024, -1, nullptr), CCALLOC_SUCCESS) << ccalloc_last_error();
+      ASSERT_EQ(ccalloc_free(ptr), CCALLOC_SUCCESS);
+    }
+    EXPECT_EQ(c.taken, 20);
+    ccalloc_snapshot* snap = nullptr;
+    ASSERT_EQ(ccalloc_snapshot_take(&snap), CCALLOC_SUCCESS);
+    size_t length = 0;
+    ASSERT_EQ(ccalloc_snapshot_trace_length(snap, 0, &length), CCALLOC_SUCCESS);
+    ASSERT_EQ(length, 3u);
+    ccalloc_trace_entry e{};
+    ASSERT_EQ(ccalloc_snapshot_trace_entry(snap, 0, 0, &e), CCALLOC_SUCCESS);
+    EXPECT_EQ(e.action, CCALLOC_TRACE_FREE_REQUESTED);
+    EXPECT_EQ(c_id(e.context), 20);
+    ccalloc_snapshot_free(snap);
+  }
+  ASSERT_EQ(ccalloc_record_history_context("none", "none", "none", 1, nullptr, nullptr, nullptr),
+            CCALLOC_SUCCESS);
+  ASSERT_EQ(ccalloc_empty_cache(-2), CCALLOC_SUCCESS);
+  EXPECT_EQ(c.released, c.taken) << "the process's allocators hold none";
+  EXPECT_EQ(c.bad_releases, 0);
 }
 
 }  // namespace

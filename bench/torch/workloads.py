@@ -108,4 +108,89 @@ def llama_generate(steps=12, warmup=2, new_tokens=48):
     return times, outputs
 
 
-WORKLOADS = {"resnet50": resnet50, "gpt2_varlen": gpt2_varlen, "llama_generate": llama_generate}
+def finetune_bf16(steps=40, warmup=5):
+    """Fine-tuning a BERT-base-sized encoder for classification under bf16 autocast: batch
+    8-32 and sequence length 32-512 vary per step, rows padded to different lengths, AdamW
+    with gradient clipping. Many small, differently sized allocations per step."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(num_labels=4)
+    model = BertForSequenceClassification(config, attn_implementation="eager").cuda()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    rng = random.Random(4)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    times, outputs = [], []
+    for step in range(warmup + steps):
+        batch, seq = rng.randint(8, 32), rng.randint(32, 512)
+        ids = torch.randint(1000, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+        lengths = torch.randint(seq // 2, seq + 1, (batch, 1), device="cuda", generator=gen)
+        mask = (torch.arange(seq, device="cuda")[None, :] < lengths).long()
+        labels = torch.randint(0, 4, (batch,), device="cuda", generator=gen)
+
+        def train_step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        t, loss = _timed(train_step)
+        if step >= warmup:
+            times.append(t)
+        outputs.append(float(loss))
+    return times, outputs
+
+
+def _reduce_overhead(model, make_input, steps, warmup, dtype):
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = True
+    inductor.triton.autotune_pointwise = False
+    compiled = torch.compile(model, mode="reduce-overhead")
+    times, outputs = [], []
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        for step in range(warmup + steps):
+            x = make_input(step)
+
+            def infer():
+                out = compiled(x)
+                # The graph's output buffer is overwritten by the next replay: reduce it now.
+                return float(out.float().sum())
+
+            t, value = _timed(infer)
+            if step >= warmup:
+                times.append(t)
+            outputs.append(value)
+    return times, outputs
+
+
+def compiled_gpt2(steps=60, warmup=9):
+    """GPT-2 small inference under torch.compile(mode="reduce-overhead") (CUDA graphs through
+    the allocator's private pools), bf16 autocast, batch 4, sequence length cycling through
+    128, 256 and 512: one recorded graph per shape, replayed."""
+    import models
+
+    torch.manual_seed(5)
+    model = models.GPT().cuda().eval()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    inputs = [torch.randint(0, 50257, (4, t), device="cuda", generator=gen) for t in (128, 256, 512)]
+    return _reduce_overhead(model, lambda step: inputs[step % 3], steps, warmup, torch.bfloat16)
+
+
+def compiled_mlp(steps=200, warmup=12):
+    """A 6-layer MLP (1024 wide) under torch.compile(mode="reduce-overhead"), batch sizes
+    cycling through 64, 256 and 1024."""
+    import models
+
+    torch.manual_seed(6)
+    model = models.mlp().cuda().eval()
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    inputs = [torch.randn(b, 1024, device="cuda", generator=gen) for b in (64, 256, 1024)]
+    return _reduce_overhead(model, lambda step: inputs[step % 3], steps, warmup, None)
+
+
+WORKLOADS = {"resnet50": resnet50, "gpt2_varlen": gpt2_varlen, "llama_generate": llama_generate,
+             "finetune_bf16": finetune_bf16, "compiled_gpt2": compiled_gpt2, "compiled_mlp": compiled_mlp}

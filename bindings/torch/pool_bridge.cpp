@@ -1,10 +1,13 @@
 // The engine side of pool_bridge.hpp. Private pools, CUDA graph capture and pool
 // checkpoints are served by the engine's pool API (ccalloc::Allocator::create_pool and the
 // rest; a backend without pools throws ccalloc::Error naming itself). Live reconfiguration
-// and exportable physical pages throw NotSupported naming what is missing.
+// is served by the native engine (src/core/reconfigure.cpp) and the cudaMallocAsync
+// backend; sharing expandable segments is in ipc_bridge.cpp.
 #include "pool_bridge.hpp"
 
 #include <algorithm>
+
+#include "core/backend_access.hpp"
 
 namespace ccalloc::torch_bridge {
 namespace {
@@ -84,14 +87,10 @@ PoolRestore restore_pool(Allocator& allocator, const PoolCheckpoint& checkpoint)
   ccalloc::PoolRestore r = allocator.restore_pool(*c->engine);
   return PoolRestore{std::move(r.freed), std::move(r.allocated)};
 }
-void reconfigure(Allocator&, const Config&) {
-  missing("live reconfiguration of an allocator");
-}
-SharedRange share_expandable(Allocator&, DevicePtr, std::size_t) {
-  missing("exportable expandable segments (IPC of expandable_segments memory)");
-}
-std::shared_ptr<void> open_expandable(int, std::string_view) {
-  missing("import of expandable segments shared by another process");
+void reconfigure(Allocator& allocator, const Config& config) {
+  if (!core::reconfigure(allocator, config)) {
+    missing("live reconfiguration of the stitching policy (stitch_segments:True)");
+  }
 }
 
 }  // namespace ccalloc::torch_bridge

@@ -8,11 +8,13 @@
 // nothing it cannot see; the build does).
 //
 // History: PyTorch's _record_memory_history passes a function that gathers Python and C++
-// frames into a GatheredContext. The adapter keeps those objects (not copies) on its own
-// trace entries and on live blocks and segments, so torch.cuda.memory._snapshot() shows
-// Python frames exactly as with PyTorch's allocator. Trace entries come from the engine's
-// trace observer; the adapter keeps the ring buffer and a table of contexts by address,
-// because the engine's history records only its own C++ stacks.
+// frames into a GatheredContext. The adapter hands it to the engine as its caller-context
+// callback (HistoryOptions::capture_context), so the engine keeps those objects (not
+// copies) on live blocks and segments and gives each trace entry its context, by PyTorch's
+// rules; torch.cuda.memory._snapshot() shows Python frames exactly as with PyTorch's
+// allocator. Trace entries come from the engine's trace observer, with their context; the
+// adapter keeps the ring buffer of PyTorch's TraceEntry (compile context, user metadata,
+// skipped actions).
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/impl/GPUTrace.h>
@@ -193,33 +195,10 @@ std::int64_t reported_max_split(const ccalloc::Config& c) {
   return c.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(c.max_split_size);
 }
 
-// Recorded history and the GatheredContexts that go with it, plus the trace trackers
-// (NCCL's segment registration), which see every entry whether or not history is recorded.
+// Recorded history, plus the trace trackers (NCCL's segment registration), which see every
+// entry whether or not history is recorded.
 class History {
  public:
-  // The context of the operation the calling thread is in (allocation, free), gathered
-  // before the engine is entered: PyTorch's recorder may take the GIL, which must never be
-  // waited for under an allocator lock.
-  class Scope {
-   public:
-    Scope(History& h, RecordContext needed) {
-      const auto when = static_cast<RecordContext>(h.when_.load(std::memory_order_relaxed));
-      if (when < needed) return;
-      const c10a::CreateContextFn recorder = h.recorder_.load(std::memory_order_acquire);
-      if (recorder == nullptr) return;
-      t_context = recorder();
-      active_ = true;
-    }
-    ~Scope() {
-      if (active_) t_context.reset();
-    }
-    Scope(const Scope&) = delete;
-    Scope& operator=(const Scope&) = delete;
-
-   private:
-    bool active_ = false;
-  };
-
   bool observed() const { return recording_.load(std::memory_order_acquire) || has_trackers_; }
   bool recording() const { return recording_.load(std::memory_order_acquire); }
 
@@ -230,8 +209,7 @@ class History {
     for (const std::string& name : skip_actions)
       skip.insert(static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(name)));
     std::lock_guard lock(mutex_);
-    recorder_.store(enabled ? recorder : nullptr, std::memory_order_release);
-    when_.store(static_cast<int>(enabled ? when : RecordContext::NEVER), std::memory_order_relaxed);
+    engine_options_ = engine_options(enabled, recorder, when);
     skip_ = std::move(skip);
     max_entries_ = max_entries;
     for (TraceRing& ring : rings_) {
@@ -239,11 +217,16 @@ class History {
       if (!enabled || clear) ring.clear();
     }
     if (!enabled || clear) annotations_.clear();
-    if (!enabled) {
-      block_contexts_.clear();
-      segment_contexts_.clear();
-    }
     recording_.store(enabled, std::memory_order_release);
+  }
+
+  // What the engines record (every allocator, including ones created later). The engine
+  // gathers the context where PyTorch does: on malloc from STATE up, on free at ALL, each
+  // before any allocator lock is taken (the recorder may take the GIL). Its own ring keeps
+  // one entry: the adapter's ring is the history.
+  ccalloc::HistoryOptions engine_history() {
+    std::lock_guard lock(mutex_);
+    return engine_options_;
   }
 
   void attach_tracker(c10a::AllocatorTraceTracker tracker) {
@@ -268,56 +251,19 @@ class History {
     }
   }
 
-  // Keeps the contexts of live blocks and segments (RecordContext::STATE and up) and the
-  // history; returns the entry in PyTorch's form and the trackers to call.
+  // Keeps the history; returns the entry in PyTorch's form and the trackers to call. The
+  // engine has chosen the entry's context by PyTorch's rules (the operation's own, else the
+  // block's or segment's allocation context; none below ALLOC).
   TraceEntry record(int device, const ccalloc::TraceEntry& e, bool recording,
                     std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>>& trackers) {
-    using A = ccalloc::TraceAction;
-    std::shared_ptr<c10::GatheredContext> context = t_context;
+    std::shared_ptr<c10::GatheredContext> context =
+        e.context != nullptr ? gathered(*e.context) : nullptr;
     std::lock_guard lock(mutex_);
     trackers = trackers_;
-    const auto when = static_cast<RecordContext>(when_.load(std::memory_order_relaxed));
-    switch (e.action) {
-      case A::kAlloc: {
-        if (context) {
-          block_contexts_[e.addr] = context;
-        } else {
-          block_contexts_.erase(e.addr);
-        }
-        // PyTorch keeps a segment's context on the segment's original block, which moves
-        // off the head when an allocation at the head splits it: from then on the segment
-        // reports no context. The split is PyTorch's rule for 512-byte rounding.
-        auto seg = segment_contexts_.find(e.addr);
-        if (seg != segment_contexts_.end() && splits(e.size, seg->second.size)) {
-          segment_contexts_.erase(seg);
-        }
-        break;
-      }
-      case A::kFreeRequested:
-      case A::kFreeCompleted: {
-        auto it = block_contexts_.find(e.addr);
-        if (!context && it != block_contexts_.end()) context = it->second;
-        if (e.action == A::kFreeCompleted && it != block_contexts_.end()) block_contexts_.erase(it);
-        break;
-      }
-      case A::kSegmentAlloc:
-      case A::kSegmentMap:
-        if (context) segment_contexts_.emplace(e.addr, SegmentContext{context, e.size});
-        break;
-      case A::kSegmentFree:
-      case A::kSegmentUnmap: {
-        auto it = segment_contexts_.find(e.addr);
-        if (!context && it != segment_contexts_.end()) context = it->second.context;
-        if (e.action == A::kSegmentFree && it != segment_contexts_.end()) segment_contexts_.erase(it);
-        break;
-      }
-      case A::kSnapshot:
-      case A::kOom:
-        break;
-    }
+    track_segment_heads(e);
     TraceEntry te(to_c10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
                   reinterpret_cast<void*>(e.stream), MempoolId_t{0, 0}, 0,
-                  when >= RecordContext::ALLOC ? std::move(context) : nullptr,
+                  std::move(context),
                   t_compile_context.empty() ? "N/A" : t_compile_context.back(), t_user_metadata);
     te.time_.t_ = static_cast<time_t>(e.time_us);
     if (recording && skip_.count(static_cast<int>(te.action_)) == 0) ring(device).push(te);
@@ -339,15 +285,17 @@ class History {
     return ring(device).entries();
   }
 
-  std::shared_ptr<c10::GatheredContext> block_context(ccalloc::DevicePtr addr) {
+  // Whether a snapshot reports the context of the segment at `addr` (see
+  // track_segment_heads).
+  bool segment_keeps_context(ccalloc::DevicePtr addr) {
     std::lock_guard lock(mutex_);
-    auto it = block_contexts_.find(addr);
-    return it == block_contexts_.end() ? nullptr : it->second;
+    return unsplit_heads_.count(addr) != 0;
   }
-  std::shared_ptr<c10::GatheredContext> segment_context(ccalloc::DevicePtr addr) {
-    std::lock_guard lock(mutex_);
-    auto it = segment_contexts_.find(addr);
-    return it == segment_contexts_.end() ? nullptr : it->second.context;
+
+  // The GatheredContext behind a handle the engine kept: every handle comes from
+  // engine_options()'s callback, which wraps the recorder's shared_ptr.
+  static std::shared_ptr<c10::GatheredContext> gathered(const ccalloc::ContextHandle& h) {
+    return std::static_pointer_cast<c10::GatheredContext>(std::const_pointer_cast<void>(h));
   }
 
   void annotate(const std::vector<std::pair<std::string, std::string>>& md) {
@@ -376,10 +324,31 @@ class History {
   static std::string user_metadata() { return t_user_metadata; }
 
  private:
-  struct SegmentContext {
-    std::shared_ptr<c10::GatheredContext> context;
-    std::size_t size = 0;
-  };
+  // PyTorch keeps a segment's context on the segment's original block, which moves off the
+  // head when an allocation at the head splits it: from then on the segment reports no
+  // context (the engine keeps it on the head). The split is PyTorch's rule for 512-byte
+  // rounding.
+  void track_segment_heads(const ccalloc::TraceEntry& e) {
+    using A = ccalloc::TraceAction;
+    switch (e.action) {
+      case A::kSegmentAlloc:
+        unsplit_heads_[e.addr] = e.size;
+        break;
+      case A::kSegmentMap:  // the range's first mapping is the segment's
+        unsplit_heads_.emplace(e.addr, e.size);
+        break;
+      case A::kAlloc: {
+        const auto it = unsplit_heads_.find(e.addr);
+        if (it != unsplit_heads_.end() && splits(e.size, it->second)) unsplit_heads_.erase(it);
+        break;
+      }
+      case A::kSegmentFree:
+        unsplit_heads_.erase(e.addr);
+        break;
+      default:
+        break;
+    }
+  }
 
   // Whether PyTorch splits a free block of `block` bytes for a request of `requested`
   // bytes: small requests (<= 1 MiB) leave at least 512 bytes, large ones more than 1 MiB.
@@ -391,30 +360,45 @@ class History {
     return requested <= kSmall ? remaining >= 512 : remaining > kSmall;
   }
 
+  static ccalloc::HistoryOptions engine_options(bool enabled, c10a::CreateContextFn recorder,
+                                                RecordContext when) {
+    using O = ccalloc::HistoryOptions;
+    O o;
+    o.enabled = enabled ? O::Enabled::kAll : O::Enabled::kNone;
+    o.context = !enabled || recorder == nullptr ? O::Context::kNone
+                : when == RecordContext::ALL    ? O::Context::kAll
+                : when == RecordContext::ALLOC  ? O::Context::kAlloc
+                : when == RecordContext::STATE  ? O::Context::kState
+                                                : O::Context::kNone;
+    o.stacks = O::Stacks::kNone;  // the recorder gathers C++ frames itself (stacks="all")
+    o.max_entries = 1;
+    o.clear = true;
+    if (o.context != O::Context::kNone) {
+      o.capture_context = [recorder]() -> ccalloc::ContextHandle { return recorder(); };
+    }
+    return o;
+  }
+
   TraceRing& ring(int device) {
     TraceRing& r = rings_[static_cast<std::size_t>(device)];
     return r;
   }
 
-  static thread_local std::shared_ptr<c10::GatheredContext> t_context;
   static thread_local std::vector<std::string> t_compile_context;
   static thread_local std::string t_user_metadata;
 
   std::atomic<bool> recording_{false};
   std::atomic<bool> has_trackers_{false};
-  std::atomic<int> when_{static_cast<int>(RecordContext::NEVER)};
-  std::atomic<c10a::CreateContextFn> recorder_{nullptr};
   std::mutex mutex_;  // guards everything below; a leaf lock (taken under engine locks)
   std::unordered_set<int> skip_;
   std::size_t max_entries_ = 1;
   std::array<TraceRing, kMaxDevices> rings_;
   std::vector<AnnotationEntry> annotations_;
   std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>> trackers_;
-  std::unordered_map<ccalloc::DevicePtr, std::shared_ptr<c10::GatheredContext>> block_contexts_;
-  std::unordered_map<ccalloc::DevicePtr, SegmentContext> segment_contexts_;
+  ccalloc::HistoryOptions engine_options_ = engine_options(false, nullptr, RecordContext::NEVER);
+  // Segment addresses whose head PyTorch has not split since the segment was allocated.
+  std::unordered_map<ccalloc::DevicePtr, std::size_t> unsplit_heads_;
 };
-
-thread_local std::shared_ptr<c10::GatheredContext> History::t_context;
 thread_local std::vector<std::string> History::t_compile_context;
 thread_local std::string History::t_user_metadata;
 
@@ -430,7 +414,8 @@ struct IpcEntry {
 
 class TorchAllocator final : public c10a::CUDAAllocator {
  public:
-  explicit TorchAllocator(ccalloc::Config config) : config_(std::move(config)) {}
+  explicit TorchAllocator(ccalloc::Config config)
+      : config_(std::move(config)), expandable_seen_(config_.expandable_segments) {}
 
   // --- c10::Allocator ---
 
@@ -776,6 +761,13 @@ class TorchAllocator final : public c10a::CUDAAllocator {
                      const std::vector<std::string>& skip_actions) override {
     history_.record_history(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory,
                             skip_actions);
+    {
+      std::lock_guard lock(create_mutex_);
+      const ccalloc::HistoryOptions engine = history_.engine_history();
+      for (int d = 0; d < kMaxDevices; ++d) {
+        if (ccalloc::Allocator* a = existing(d)) a->record_history(engine);
+      }
+    }
     if (enabled) observe_all();
   }
 
@@ -859,7 +851,6 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   void free(void* ptr) {
     if (ptr == nullptr) return;
     trace_gpu_free(ptr);
-    History::Scope context(history_, RecordContext::ALL);
     translated("free", [&] { owner(ptr).free(reinterpret_cast<ccalloc::DevicePtr>(ptr)); });
   }
 
@@ -882,23 +873,33 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     others.per_process_memory_fraction = config_.per_process_memory_fraction;
     others.source = config_.source;
     const bool others_changed = !(others == config_);
-    config_ = merged;
     std::string kept;
+    bool changed_any = false;
     for (int d = 0; d < kMaxDevices; ++d) {
       ccalloc::Allocator* a = existing(d);
       if (a == nullptr) continue;
-      if (fraction_changed) a->set_memory_fraction(merged.per_process_memory_fraction);
-      if (!others_changed) continue;
-      try {
-        bridge::reconfigure(*a, merged);
-      } catch (const bridge::NotSupported&) {
-        kept += (kept.empty() ? "" : ", ") + std::to_string(d);
+      if (others_changed) {
+        try {
+          bridge::reconfigure(*a, merged);
+          changed_any = true;
+        } catch (const bridge::NotSupported&) {
+          kept += (kept.empty() ? "" : ", ") + std::to_string(d);
+        } catch (const ccalloc::ConfigError& e) {
+          // A key that cannot change while the allocator lives (backend, ...): every
+          // device refuses it alike, at the first one, before anything changed.
+          TORCH_CHECK(!changed_any, "ccalloc: allocator settings \"", settings,
+                      "\" were applied to some devices only: ", e.what());
+          TORCH_CHECK(false, "ccalloc cannot apply allocator settings \"", settings, "\": ", e.what());
+        }
       }
+      if (fraction_changed) a->set_memory_fraction(merged.per_process_memory_fraction);
     }
+    config_ = merged;
+    if (merged.expandable_segments) expandable_seen_.store(true);
     if (!kept.empty()) {
       TORCH_WARN("ccalloc: allocator settings \"", settings,
                  "\" apply to devices first used from now on; device(s) ", kept,
-                 " keep the settings they started with (the engine cannot change them live yet)");
+                 " keep the settings they started with (their backend cannot change them live)");
     }
   }
 
@@ -948,7 +949,6 @@ class TorchAllocator final : public c10a::CUDAAllocator {
 
   void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream) {
     ccalloc::Allocator& a = allocator(device);
-    History::Scope context(history_, RecordContext::STATE);
     void* ptr = translated("malloc", [&] {
       return reinterpret_cast<void*>(a.malloc(size, reinterpret_cast<ccalloc::StreamId>(stream)));
     });
@@ -982,6 +982,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     });
     for (const auto& observer : oom_observers_)
       add_oom_observer(*slot.allocator, observer);
+    if (history_.recording()) slot.allocator->record_history(history_.engine_history());
     if (history_.observed()) observe(device, slot);
     allocators_[static_cast<std::size_t>(device)].store(slot.allocator.get(),
                                                         std::memory_order_release);
@@ -1052,8 +1053,9 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     if (device < 0 || device >= kMaxDevices) return false;
     const ccalloc::Allocator* a = existing(device);
     if (a == nullptr) return false;
-    const ccalloc::Config& c = a->config();
-    return c.expandable_segments || c.backend == ccalloc::BackendKind::kCudaMallocAsync;
+    // Expandable segments outlive a switch back to expandable_segments:False, and the
+    // engine's config may be changing meanwhile: once seen in any config, assume them.
+    return expandable_seen_.load() || a->config().backend == ccalloc::BackendKind::kCudaMallocAsync;
   }
 
   c10a::SegmentInfo segment_to_c10(ccalloc::Allocator& a, const ccalloc::SegmentInfo& s) {
@@ -1069,7 +1071,9 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     out.is_expandable = s.is_expandable;
     const bridge::PoolId owner_pool = bridge::segment_pool(a, s.address);
     out.owner_private_pool_id = {owner_pool.first, owner_pool.second};
-    out.context_when_allocated = history_.segment_context(s.address);
+    if (s.context && history_.segment_keeps_context(s.address)) {
+      out.context_when_allocated = History::gathered(s.context);
+    }
     out.blocks.reserve(s.blocks.size());
     for (const ccalloc::BlockInfo& b : s.blocks) {
       c10a::BlockInfo block;
@@ -1077,7 +1081,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
       block.requested_size = b.requested_size;
       block.allocated = b.state == ccalloc::BlockState::kActiveAllocated;
       block.active = b.state != ccalloc::BlockState::kInactive;
-      if (block.active) block.context_when_allocated = history_.block_context(b.address);
+      if (block.active && b.context) block.context_when_allocated = History::gathered(b.context);
       out.blocks.push_back(std::move(block));
     }
     return out;
@@ -1102,6 +1106,8 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   std::atomic<int> device_count_{0};
   std::mutex create_mutex_;
   ccalloc::Config config_;  // for devices created from now on; guarded by create_mutex_
+  // Some config (at start or set live) had expandable_segments:True.
+  std::atomic<bool> expandable_seen_{false};
   std::vector<c10a::OutOfMemoryObserver> oom_observers_;  // guarded by create_mutex_
   std::array<Slot, kMaxDevices> slots_;
   std::array<std::atomic<ccalloc::Allocator*>, kMaxDevices> allocators_{};

@@ -50,6 +50,7 @@ struct BlockInfo {
   std::size_t size = 0;
   std::size_t requested_size = 0;  // stale for inactive blocks, as in PyTorch
   BlockState state = BlockState::kInactive;
+  ContextHandle context = nullptr;  // caller context of its allocation (active blocks only)
 };
 
 // A private memory pool (PyTorch's MempoolId_t): {capture id, 0} for a CUDA graph's own
@@ -101,6 +102,7 @@ struct SegmentInfo {
   bool is_small = false;  // small pool (<= 1 MiB requests)
   bool is_expandable = false;
   PoolId pool;                    // the private pool that owns it; {0, 0}: the default pool
+  ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<BlockInfo> blocks;  // address order, tiling the segment
 };
 
@@ -196,14 +198,15 @@ class Allocator {
 
   void add_oom_observer(OomObserver observer);
   void add_free_memory_callback(FreeMemoryCallback callback);
-  // Observers see every trace entry in order; calls are serialised by the allocator.
+  // Observers see every trace entry in order, with the caller context history gives it
+  // (TraceEntry::context); calls are serialised by the allocator.
   void add_trace_observer(TraceObserver observer);
 
-  // Starts, changes or stops recording history (trace entries, stacks): see HistoryOptions
-  // in snapshot.hpp.
+  // Starts, changes or stops recording history (trace entries, C++ stacks, the caller's
+  // context handles): see HistoryOptions in snapshot.hpp.
   void record_history(const HistoryOptions& options);
-  // Segments, blocks, the recorded history and the settings, with stacks symbolized.
-  // Appends a `snapshot` entry to the history.
+  // Segments, blocks, the recorded history and the settings, with stacks symbolized and
+  // the caller's contexts attached. Appends a `snapshot` entry to the history.
   Snapshot snapshot();
   // Marks the start or end of a named region (a training step, say) in the history's
   // external_annotations; recorded only while history is recorded.

@@ -83,6 +83,114 @@ ccalloc_status ccalloc_pool_begin_allocate(int device, ccalloc_pool_id pool,
 ccalloc_status ccalloc_pool_end_allocate(int device, ccalloc_pool_id pool);
 /* Returns the pool's cached, wholly free segments if its use count is 0. */
 ccalloc_status ccalloc_pool_empty_cache(int device, ccalloc_pool_id pool);
+/* Caller contexts: an opaque handle per allocator operation (a request id, an interpreter's
+ * frames, ...) kept in the history beside the C++ stack. `capture` is called where a stack
+ * would be captured (context "state" and "alloc": malloc; "all": also free and
+ * empty_cache), from any thread, possibly concurrently, with no ccalloc lock held; a NULL
+ * result records no context. ccalloc keeps each handle on history entries (context "alloc"
+ * and up), on live blocks and on segments, and calls `release` exactly once for every
+ * non-NULL handle `capture` returned, as soon as no entry, block, segment or snapshot holds
+ * it (so no retain function is needed). `release` may run while ccalloc holds its locks:
+ * it must not call ccalloc. `user_data` is passed to both. Otherwise as
+ * ccalloc_record_history; `stacks` "none" records the caller's contexts only. */
+typedef void* (*ccalloc_context_capture_fn)(void* user_data);
+typedef void (*ccalloc_context_release_fn)(void* context, void* user_data);
+ccalloc_status ccalloc_record_history_context(const char* enabled, const char* context,
+                                              const char* stacks, size_t max_entries,
+                                              ccalloc_context_capture_fn capture,
+                                              ccalloc_context_release_fn release,
+                                              void* user_data);
+
+/* A snapshot of every device, held by the caller: the contexts it reports stay valid (not
+ * released) until ccalloc_snapshot_free. */
+typedef struct ccalloc_snapshot ccalloc_snapshot;
+ccalloc_status ccalloc_snapshot_take(ccalloc_snapshot** snapshot);
+void ccalloc_snapshot_free(ccalloc_snapshot* snapshot);
+
+/* Trace actions and block states, in PyTorch's terms. */
+typedef enum {
+  CCALLOC_TRACE_ALLOC = 0,
+  CCALLOC_TRACE_FREE_REQUESTED = 1,
+  CCALLOC_TRACE_FREE_COMPLETED = 2,
+  CCALLOC_TRACE_SEGMENT_ALLOC = 3,
+  CCALLOC_TRACE_SEGMENT_FREE = 4,
+  CCALLOC_TRACE_SEGMENT_MAP = 5,
+  CCALLOC_TRACE_SEGMENT_UNMAP = 6,
+  CCALLOC_TRACE_SNAPSHOT = 7,
+  CCALLOC_TRACE_OOM = 8
+} ccalloc_trace_action;
+typedef enum {
+  CCALLOC_BLOCK_ACTIVE_ALLOCATED = 0,
+  CCALLOC_BLOCK_ACTIVE_PENDING_FREE = 1,
+  CCALLOC_BLOCK_INACTIVE = 2
+} ccalloc_block_state;
+
+typedef struct {
+  ccalloc_trace_action action;
+  uintptr_t addr; /* for OOM: the device's free bytes */
+  size_t size;
+  void* stream;
+  int64_t time_us;
+  void* context; /* the caller's context recorded with it, or NULL */
+} ccalloc_trace_entry;
+
+typedef struct {
+  int device;
+  uintptr_t address;
+  size_t total_size;
+  size_t allocated_size;
+  size_t active_size;
+  size_t requested_size;
+  void* stream;
+  int is_small;
+  int is_expandable;
+  size_t block_count;
+  void* context; /* of the device allocation, or NULL */
+} ccalloc_segment_info;
+
+typedef struct {
+  uintptr_t address;
+  size_t size;
+  size_t requested_size;
+  ccalloc_block_state state;
+  void* context; /* of its allocation while active, or NULL */
+} ccalloc_block_info;
+
+/* Entry `index` (oldest first) of the history of `device`; *length receives the count. */
+ccalloc_status ccalloc_snapshot_trace_length(const ccalloc_snapshot* snapshot, int device,
+                                             size_t* length);
+ccalloc_status ccalloc_snapshot_trace_entry(const ccalloc_snapshot* snapshot, int device,
+                                            size_t index, ccalloc_trace_entry* entry);
+/* Segments of every device by address, and the blocks of segment `segment`. */
+ccalloc_status ccalloc_snapshot_segment_count(const ccalloc_snapshot* snapshot, size_t* count);
+ccalloc_status ccalloc_snapshot_segment(const ccalloc_snapshot* snapshot, size_t index,
+                                        ccalloc_segment_info* segment);
+ccalloc_status ccalloc_snapshot_block(const ccalloc_snapshot* snapshot, size_t segment,
+                                      size_t index, ccalloc_block_info* block);
+
+/* Renders a caller context as frames for snapshot files: calls emit(sink, ...) once per
+ * frame, innermost first (the strings are copied). */
+typedef void (*ccalloc_frame_emit_fn)(void* sink, const char* filename, int64_t line,
+                                      const char* name);
+typedef void (*ccalloc_context_frames_fn)(void* context, ccalloc_frame_emit_fn emit, void* sink,
+                                          void* user_data);
+/* Writes `snapshot` as ccalloc_dump_snapshot does; with `frames` (may be NULL), each
+ * entry's, block's and segment's frames are its C++ stack followed by its context's frames,
+ * so PyTorch's viewer and ccalloc's tools show them. */
+ccalloc_status ccalloc_snapshot_write(const ccalloc_snapshot* snapshot, const char* path,
+                                      ccalloc_context_frames_fn frames, void* user_data);
+
+/* Sharing an allocation with another process (docs/ipc.md). ccalloc_ipc_export writes the
+ * handle of the live allocation `ptr` (as ccalloc_malloc returned it): at most `capacity`
+ * bytes into `handle`, its full length into `*length` (call with capacity 0 to size it; a
+ * handle is a few hundred bytes at most for a few pages). The exporter keeps the
+ * allocation live while others use it. ccalloc_ipc_open maps a handle from another process
+ * on `device` (-1: current) and gives its address here, valid until ccalloc_ipc_close.
+ * A malformed handle (truncated, another version, another device) is
+ * CCALLOC_ERROR_INVALID_VALUE with the reason in ccalloc_last_error(). */
+ccalloc_status ccalloc_ipc_export(void* ptr, void* handle, size_t capacity, size_t* length);
+ccalloc_status ccalloc_ipc_open(const void* handle, size_t length, int device, void** ptr);
+ccalloc_status ccalloc_ipc_close(void* ptr);
 
 /* The entry points torch.cuda.memory.CUDAPluggableAllocator calls:
  *   CUDAPluggableAllocator("libccalloc.so", "ccalloc_torch_alloc", "ccalloc_torch_free")

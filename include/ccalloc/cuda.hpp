@@ -5,6 +5,13 @@
 // probe() reports it. Every call makes the driver's device current and restores the
 // caller's device afterwards.
 //
+// Sharing with other processes: device allocations through cudaIpc*MemHandle, physical
+// allocations through cuMemExportToShareableHandle / cuMemImportFromShareableHandle. Physical
+// allocations are created exportable as POSIX file descriptors unless
+// TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0 (PyTorch's switch for the same thing); an imported
+// descriptor is copied from the exporting process with pidfd_getfd (Linux 5.6), which needs
+// the right to ptrace it (same user; see docs/ipc.md).
+//
 // Virtual memory goes through the CUDA driver API (cuMem*), whose entry points are looked
 // up at run time through the runtime (cudaGetDriverEntryPointByVersion), so the library
 // never links against libcuda. The stream-ordered pool is the device's default
@@ -12,10 +19,12 @@
 // UINT64_MAX) and to reuse memory across streams (the three reuse attributes on).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ccalloc/driver.hpp"
@@ -76,6 +85,14 @@ class CudaDriver final : public Driver {
   void unmap(DevicePtr va, std::size_t bytes) override;
   void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                  std::size_t offset) override;
+  void set_exportable_kinds(unsigned kinds) override;
+  unsigned exportable_kinds() const override;
+  std::string export_physical(PhysicalHandle handle, ShareKind kind) override;
+  PhysicalHandle import_physical(std::string_view exported, ShareKind kind, int pid,
+                                 std::size_t bytes) override;
+  std::string export_allocation(DevicePtr base) override;
+  DevicePtr open_allocation(std::string_view exported) override;
+  void close_allocation(DevicePtr ptr) override;
   DevicePtr allocate_async(std::size_t bytes, StreamId stream) override;
   void free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) override;
   void stream_wait_event(StreamId stream, EventId event) override;
@@ -94,6 +111,10 @@ class CudaDriver final : public Driver {
   std::mutex lazy_mutex_;
   std::size_t granularity_ = 0;
   void* pool_ = nullptr;
+  std::atomic<unsigned> exportable_kinds_;
+  // Descriptors exported per physical allocation, closed when it is released.
+  std::mutex fds_mutex_;
+  std::unordered_map<PhysicalHandle, int> exported_fds_;
 };
 
 }  // namespace ccalloc::cuda

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace ccalloc {
 
@@ -40,6 +41,26 @@ struct PoolUsage {
   std::size_t used_current = 0;
   std::size_t used_high = 0;
 };
+
+// How a physical allocation is shared with another process (CUmemAllocationHandleType).
+enum class ShareKind : std::uint8_t {
+  // A file descriptor of the exporting process, as a 4-byte int; the importer takes its own
+  // copy of it through pidfd_getfd, so it needs the exporter's pid.
+  kPosixFd = 1,
+  // A CUmemFabricHandle: 64 opaque bytes valid in any process of the NVLink fabric (needs
+  // the IMEX service; refused on most single-node machines).
+  kFabric = 2,
+};
+// Bytes of one exported handle of `kind`.
+constexpr std::size_t share_kind_bytes(ShareKind kind) {
+  return kind == ShareKind::kPosixFd ? 4 : 64;
+}
+// Bit of `kind` in Driver::exportable_kinds().
+constexpr unsigned share_kind_bit(ShareKind kind) {
+  return 1u << static_cast<unsigned>(kind);
+}
+// Bytes of a cudaIpcMemHandle_t (export_allocation).
+inline constexpr std::size_t kAllocationHandleBytes = 64;
 
 class Driver {
  public:
@@ -93,6 +114,33 @@ class Driver {
   // default throws DriverError: a driver without it cannot serve the `ccalloc` policy.
   virtual void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                          std::size_t offset);
+
+  // --- Sharing memory with other processes (docs/ipc.md). ---
+  // The defaults throw DriverError naming the driver: it cannot share memory.
+  //
+  // The kinds (share_kind_bit mask) that physical allocations created from now on can be
+  // exported as; 0: none. The CUDA driver starts with kPosixFd, as PyTorch creates the pages
+  // of expandable segments (set TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0 to create them
+  // unexportable); the simulated GPU exports any.
+  virtual void set_exportable_kinds(unsigned kinds);
+  virtual unsigned exportable_kinds() const;
+  // The shareable handle of a physical allocation, share_kind_bytes(kind) bytes. A file
+  // descriptor stays open, owned by the driver, until the allocation is released; exporting
+  // it again returns the same one.
+  virtual std::string export_physical(PhysicalHandle handle, ShareKind kind);
+  // A physical allocation of `bytes` that process `pid` exported as `exported`
+  // (export_physical there). Mapped, unmapped and released like one's own; the memory
+  // lives until every process has released it. Throws DriverError naming the handle when it
+  // cannot be imported (unknown, closed, of another size).
+  virtual PhysicalHandle import_physical(std::string_view exported, ShareKind kind, int pid,
+                                         std::size_t bytes);
+  // cudaIpcGetMemHandle of a device allocation, `base` as allocate() returned it:
+  // kAllocationHandleBytes bytes.
+  virtual std::string export_allocation(DevicePtr base);
+  // cudaIpcOpenMemHandle: maps a device allocation another process exported, returns its
+  // address in this process. Valid until close_allocation.
+  virtual DevicePtr open_allocation(std::string_view exported);
+  virtual void close_allocation(DevicePtr ptr);
 
   // --- The device's stream-ordered memory pool, for backend:cudaMallocAsync. ---
   // The pool is configured to keep what it reserves (release threshold: unlimited).

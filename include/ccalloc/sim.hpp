@@ -31,6 +31,15 @@
 // no free memory fits, keeps what it reserves, and returns 0 when growing would exceed the
 // capacity.
 //
+// Sharing between processes (docs/simulated-gpu.md, "Sharing between processes"): physical
+// allocations and device allocations can be exported and imported through a registry
+// shared by every SimDriver of the process, so two SimDrivers stand for two processes on
+// one device. An exported POSIX file descriptor is a number unique in the process, a fabric
+// or allocation handle 64 bytes naming a registry entry; an exporter's release (or free)
+// removes its entries, and importing an unknown one is a DriverError naming it. Memory has
+// contents (write/read, zero until written), so a test can see that both sides of a
+// sharing see the same bytes. Imported memory counts against the exporter's capacity only.
+//
 // Thread safety: all methods are safe to call concurrently.
 #pragma once
 
@@ -176,6 +185,14 @@ class SimDriver final : public Driver {
   // Sets the virtual clock returned by now_us().
   void set_time_us(std::int64_t t);
 
+  // Copies bytes into or out of device memory: device allocations, mapped physical
+  // allocations and opened allocations, a range possibly spanning several of them. Throws
+  // DriverError naming the first address that is none of these.
+  void write(DevicePtr ptr, const void* data, std::size_t bytes);
+  void read(DevicePtr ptr, void* data, std::size_t bytes) const;
+  // Physical allocations imported from another SimDriver and not yet released.
+  std::size_t imported_handles() const;
+
   Counters counters() const;
   double simulated_driver_us() const;
   // Device memory in use: device allocations, physical allocations and the pool's reserved
@@ -215,6 +232,14 @@ class SimDriver final : public Driver {
     bool operator==(const MappingInfo&) const = default;
   };
   std::vector<MappingInfo> mappings_in(DevicePtr base, std::size_t bytes) const;
+  void set_exportable_kinds(unsigned kinds) override;
+  unsigned exportable_kinds() const override;
+  std::string export_physical(PhysicalHandle handle, ShareKind kind) override;
+  PhysicalHandle import_physical(std::string_view exported, ShareKind kind, int pid,
+                                 std::size_t bytes) override;
+  std::string export_allocation(DevicePtr base) override;
+  DevicePtr open_allocation(std::string_view exported) override;
+  void close_allocation(DevicePtr ptr) override;
   DevicePtr allocate_async(std::size_t bytes, StreamId stream) override;
   void free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) override;
   void stream_wait_event(StreamId stream, EventId event) override;
@@ -244,10 +269,21 @@ class SimDriver final : public Driver {
     std::size_t offset = 0;
     bool ranged = false;  // made by map_range()
   };
+  // The bytes of an allocation, shared by every process that maps it (ipc_model.cpp).
+  struct Contents;
   struct Physical {
     std::size_t bytes = 0;
     DevicePtr mapped_at = 0;         // 0: not mapped by map()
     std::size_t range_mappings = 0;  // mappings made by map_range()
+    unsigned exportable = 0;         // share kinds it can be exported as
+    bool imported = false;           // from another process: not counted in physical_bytes_
+    std::shared_ptr<Contents> contents;  // made on first write or export
+    std::vector<std::uint64_t> exports;  // its registry entries, removed on release
+  };
+  // An allocation of another process opened here (open_allocation).
+  struct Opened {
+    std::size_t bytes = 0;
+    std::shared_ptr<Contents> contents;
   };
   // A pool free: complete once `stream`'s queue passes `sequence`.
   struct FreeMark {
@@ -305,6 +341,10 @@ class SimDriver final : public Driver {
   void free_small(DevicePtr ptr, const FreeMark& mark);
   void add_small_free(DevicePtr addr, std::size_t size) { small_free_.emplace(size, addr); }
   [[noreturn]] void fail(const std::string& what) const;
+  // The contents behind `ptr` and the bytes of it from `ptr` on (ipc_model.cpp).
+  std::pair<Contents*, std::size_t> contents_at(DevicePtr ptr, std::size_t& offset);
+  void forget_exports(std::vector<std::uint64_t>& tokens);
+  void forget_allocation(DevicePtr base);  // free() of a device allocation
 
   const Options options_;
   mutable std::mutex mutex_;
@@ -324,6 +364,11 @@ class SimDriver final : public Driver {
   std::unordered_map<PhysicalHandle, Physical> physical_;
   PhysicalHandle next_handle_ = 1;
   std::size_t physical_bytes_ = 0;
+  // Sharing between processes (ipc_model.cpp).
+  unsigned exportable_kinds_ = share_kind_bit(ShareKind::kPosixFd) | share_kind_bit(ShareKind::kFabric);
+  std::map<DevicePtr, std::shared_ptr<Contents>> allocation_contents_;  // written or exported
+  std::map<DevicePtr, std::uint64_t> allocation_exports_;  // base -> registry entry
+  std::map<DevicePtr, Opened> opened_;
   // The stream-ordered pool.
   std::map<DevicePtr, PoolSlot> pool_slots_;
   std::vector<PageRun> free_pages_;

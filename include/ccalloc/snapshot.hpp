@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -30,7 +31,8 @@ struct SnapshotBlock {
   std::size_t size = 0;
   std::size_t requested_size = 0;
   BlockState state = BlockState::kInactive;
-  Frames frames;  // context of its allocation; null if none was recorded
+  Frames frames;          // C++ stack of its allocation; null if none was recorded
+  ContextHandle context = nullptr;  // caller context of its allocation; null if none
 };
 
 struct SnapshotSegment {
@@ -44,7 +46,8 @@ struct SnapshotSegment {
   bool is_small = false;  // segment_type "small" / "large"
   std::pair<std::int64_t, std::int64_t> pool_id{0, 0};
   bool is_expandable = false;
-  Frames frames;  // context of the device allocation (or first mapping)
+  Frames frames;          // C++ stack of the device allocation (or first mapping)
+  ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<SnapshotBlock> blocks;
 };
 
@@ -54,8 +57,9 @@ struct SnapshotTraceEntry {
   std::size_t size = 0;
   StreamId stream = 0;
   std::int64_t time_us = 0;
-  Frames frames;              // null: no context was recorded (the key is omitted)
+  Frames frames;              // null: no C++ stack was recorded (the key is omitted)
   std::string user_metadata;  // the thread's metadata when the entry was recorded
+  ContextHandle context = nullptr;  // the caller context recorded with it, or null
 };
 
 struct Annotation {
@@ -100,11 +104,31 @@ struct HistoryOptions {
   Stacks stacks = Stacks::kCpp;
   std::size_t max_entries = std::size_t{1} << 20;  // ring buffer length (forced to 1 unless all)
   bool clear = false;                              // drop the entries recorded so far
+  // The caller's own context (Python frames, a request id, ...), taken wherever `context`
+  // says a stack is captured: on malloc (state and up), on free and empty_cache (all).
+  // Independent of `stacks`: with kNone the caller's context is the only one. Called with
+  // no allocator lock held, from any thread, possibly concurrently; a null result records
+  // no context. The handle is kept beside the C++ stack on history entries (alloc and up),
+  // on live blocks and on segments (the head block's allocation), and returned by
+  // snapshot() and segments(). Not called while history is off or `context` is none.
+  // The handle's deleter may run with allocator locks held: it must not call the allocator.
+  std::function<ContextHandle()> capture_context;
 
   // Parses "none|state|all" etc.; throws ConfigError naming the argument and value.
   static Enabled parse_enabled(const std::string& s);
   static Context parse_context(const std::string& s);
   static Stacks parse_stacks(const std::string& s);
 };
+
+// Renders a caller context as frames (innermost first) for snapshot files and tools; null
+// or an empty list when it has none.
+using ContextFrames = std::function<std::vector<Frame>(const ContextHandle&)>;
+
+// Sets each trace entry's, block's and segment's `frames` to its C++ stack (if any)
+// followed by the frames of its caller context: the C++ stack starts at the allocator call,
+// so it is the inner part when both were taken (C++ under Python, say). Each distinct
+// handle is rendered once; entries with the same handle and stack share one frame list.
+// io::write_snapshot takes the same function to write the caller's frames into files.
+void render_contexts(Snapshot& s, const ContextFrames& frames);
 
 }  // namespace ccalloc

@@ -15,5 +15,8 @@ Snapshot read_snapshot(const std::string& path);
 // Writes JSON for a path ending in ".json" or ".json.gz", else pickle; gzip-compressed
 // when the path ends in ".gz".
 void write_snapshot(const std::string& path, const Snapshot& s);
+// As above, with each caller context rendered into frames by `frames` (render_contexts in
+// snapshot.hpp), so the viewer and ccalloc's tools show the caller's frames.
+void write_snapshot(const std::string& path, const Snapshot& s, const ContextFrames& frames);
 
 }  // namespace ccalloc::io

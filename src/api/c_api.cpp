@@ -1,14 +1,19 @@
 // The C API: ProcessAllocator behind status codes. Every entry point catches everything;
 // the message of the last failure is kept per thread.
 #include <algorithm>
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <new>
 #include <string>
 #include <typeinfo>
 
 #include "ccalloc/ccalloc.h"
+#include "ccalloc/ipc.hpp"
 #include "ccalloc/process.hpp"
+#include "api/c_context.hpp"
 #include "ccalloc/snapshot.hpp"
 #include "io/snapshot_io.hpp"
 
@@ -85,6 +90,23 @@ ccalloc_status pool_call(const char* name, ccalloc_pool_id pool, Fn&& fn) noexce
     }
   });
   return s != CCALLOC_SUCCESS ? s : misuse;
+}
+
+// Memory of other processes opened by ccalloc_ipc_open, by the address handed out. A
+// multimap: CUDA may hand out one address for two opens of one segment.
+struct OpenedTable {
+  std::mutex mutex;
+  std::multimap<ccalloc::DevicePtr, ccalloc::ipc::OpenedMemory> entries;
+};
+OpenedTable& opened() {
+  static auto* table = new OpenedTable;  // never destroyed: closes may come from exit handlers
+  return *table;
+}
+
+std::string pointer_text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, reinterpret_cast<std::uintptr_t>(p));
+  return buf;
 }
 
 }  // namespace
@@ -234,13 +256,120 @@ ccalloc_status ccalloc_mem_get_info(int device, size_t* free_bytes, size_t* tota
 
 ccalloc_status ccalloc_record_history(const char* enabled, const char* context, const char* stacks,
                                       size_t max_entries) {
+  return ccalloc_record_history_context(enabled, context, stacks, max_entries, nullptr, nullptr,
+                                        nullptr);
+}
+
+ccalloc_status ccalloc_record_history_context(const char* enabled, const char* context,
+                                              const char* stacks, size_t max_entries,
+                                              ccalloc_context_capture_fn capture,
+                                              ccalloc_context_release_fn release,
+                                              void* user_data) {
+  if (capture != nullptr && release == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_record_history_context: release is NULL but capture is not (every "
+                "captured context must be released)");
+  }
   return guarded([&] {
-    ccalloc::HistoryOptions o;
-    o.enabled = ccalloc::HistoryOptions::parse_enabled(enabled ? enabled : "none");
-    o.context = ccalloc::HistoryOptions::parse_context(context ? context : "none");
-    o.stacks = ccalloc::HistoryOptions::parse_stacks(stacks ? stacks : "none");
-    o.max_entries = max_entries;
-    process().record_history(o);
+    process().record_history(ccalloc::capi::history_options(enabled, context, stacks, max_entries,
+                                                             capture, release, user_data));
+  });
+}
+
+ccalloc_status ccalloc_snapshot_take(ccalloc_snapshot** snapshot) {
+  if (snapshot == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_snapshot_take: snapshot is NULL");
+  }
+  *snapshot = nullptr;
+  return guarded([&] { *snapshot = new ccalloc_snapshot{process().snapshot()}; });
+}
+
+void ccalloc_snapshot_free(ccalloc_snapshot* snapshot) {
+  delete snapshot;
+}
+
+ccalloc_status ccalloc_snapshot_trace_length(const ccalloc_snapshot* snapshot, int device,
+                                             size_t* length) {
+  if (snapshot == nullptr || length == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_trace_length: snapshot and length must not be NULL");
+  }
+  const auto& traces = snapshot->snapshot.device_traces;
+  *length = device >= 0 && static_cast<size_t>(device) < traces.size()
+                ? traces[static_cast<size_t>(device)].size()
+                : 0;
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_trace_entry(const ccalloc_snapshot* snapshot, int device,
+                                            size_t index, ccalloc_trace_entry* entry) {
+  if (snapshot == nullptr || entry == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_trace_entry: snapshot and entry must not be NULL");
+  }
+  const auto& traces = snapshot->snapshot.device_traces;
+  if (device < 0 || static_cast<size_t>(device) >= traces.size() ||
+      index >= traces[static_cast<size_t>(device)].size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_snapshot_trace_entry: no entry " + std::to_string(index) +
+                 " in the history of device " + std::to_string(device))
+                    .c_str());
+  }
+  *entry = ccalloc::capi::trace_entry(traces[static_cast<size_t>(device)][index]);
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_segment_count(const ccalloc_snapshot* snapshot, size_t* count) {
+  if (snapshot == nullptr || count == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_segment_count: snapshot and count must not be NULL");
+  }
+  *count = snapshot->snapshot.segments.size();
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_segment(const ccalloc_snapshot* snapshot, size_t index,
+                                        ccalloc_segment_info* segment) {
+  if (snapshot == nullptr || segment == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_segment: snapshot and segment must not be NULL");
+  }
+  if (index >= snapshot->snapshot.segments.size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_snapshot_segment: no segment " + std::to_string(index) + " (" +
+                 std::to_string(snapshot->snapshot.segments.size()) + " in the snapshot)")
+                    .c_str());
+  }
+  *segment = ccalloc::capi::segment_info(snapshot->snapshot.segments[index]);
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_block(const ccalloc_snapshot* snapshot, size_t segment,
+                                      size_t index, ccalloc_block_info* block) {
+  if (snapshot == nullptr || block == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_block: snapshot and block must not be NULL");
+  }
+  const auto& segments = snapshot->snapshot.segments;
+  if (segment >= segments.size() || index >= segments[segment].blocks.size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_snapshot_block: no block " + std::to_string(index) + " in segment " +
+                 std::to_string(segment))
+                    .c_str());
+  }
+  *block = ccalloc::capi::block_info(segments[segment].blocks[index]);
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_snapshot_write(const ccalloc_snapshot* snapshot, const char* path,
+                                      ccalloc_context_frames_fn frames, void* user_data) {
+  if (snapshot == nullptr || path == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                "ccalloc_snapshot_write: snapshot and path must not be NULL");
+  }
+  return guarded([&] {
+    ccalloc::io::write_snapshot(path, snapshot->snapshot,
+                                ccalloc::capi::context_frames(frames, user_data));
   });
 }
 
@@ -253,6 +382,72 @@ ccalloc_status ccalloc_dump_snapshot(const char* path) {
 ccalloc_status ccalloc_annotate(int device, const char* name, int start) {
   if (name == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_annotate: name is NULL");
   return guarded([&] { process().allocator(device).annotate(name, start != 0); });
+}
+
+ccalloc_status ccalloc_ipc_export(void* ptr, void* handle, size_t capacity, size_t* length) {
+  if (length == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_export: length is NULL");
+  if (capacity > 0 && handle == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_export: handle is NULL");
+  }
+  std::string bytes;
+  const ccalloc_status s = guarded([&] {
+    const auto p = reinterpret_cast<ccalloc::DevicePtr>(ptr);
+    const int device = process().device_of(p);
+    if (device < 0) {
+      throw ccalloc::InvalidPointerError("ccalloc_ipc_export: pointer " + pointer_text(ptr) +
+                                             " is not a live allocation of any device",
+                                         p);
+    }
+    bytes = ccalloc::ipc::export_handle(process().allocator(device), p);
+  });
+  if (s != CCALLOC_SUCCESS) return s;
+  *length = bytes.size();
+  if (capacity == 0) return CCALLOC_SUCCESS;
+  if (capacity < bytes.size()) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE,
+                ("ccalloc_ipc_export: the handle has " + std::to_string(bytes.size()) +
+                 " bytes, the buffer " + std::to_string(capacity))
+                    .c_str());
+  }
+  std::memcpy(handle, bytes.data(), bytes.size());
+  return CCALLOC_SUCCESS;
+}
+
+ccalloc_status ccalloc_ipc_open(const void* handle, size_t length, int device, void** ptr) {
+  if (ptr == nullptr) return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_open: ptr is NULL");
+  *ptr = nullptr;
+  if (handle == nullptr && length > 0) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_ipc_open: handle is NULL");
+  }
+  return guarded([&] {
+    const std::string_view bytes(static_cast<const char*>(handle), length);
+    ccalloc::ipc::OpenedMemory m =
+        ccalloc::ipc::open_handle(process().allocator(device).driver(), bytes);
+    const ccalloc::DevicePtr p = m.ptr();
+    OpenedTable& t = opened();
+    std::lock_guard lock(t.mutex);
+    t.entries.emplace(p, std::move(m));
+    *ptr = reinterpret_cast<void*>(p);
+  });
+}
+
+ccalloc_status ccalloc_ipc_close(void* ptr) {
+  return guarded([&] {
+    ccalloc::ipc::OpenedMemory m;
+    {
+      OpenedTable& t = opened();
+      std::lock_guard lock(t.mutex);
+      const auto it = t.entries.find(reinterpret_cast<ccalloc::DevicePtr>(ptr));
+      if (it == t.entries.end()) {
+        throw ccalloc::InvalidPointerError("ccalloc_ipc_close: pointer " + pointer_text(ptr) +
+                                               " was not opened by ccalloc_ipc_open (or is closed)",
+                                           reinterpret_cast<ccalloc::DevicePtr>(ptr));
+      }
+      m = std::move(it->second);
+      t.entries.erase(it);
+    }
+    m.close();
+  });
 }
 
 void* ccalloc_torch_alloc(size_t size, int device, void* stream) {

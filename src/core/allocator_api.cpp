@@ -39,23 +39,23 @@ void Engine::record_trace_entry(TraceAction action, DevicePtr addr, std::size_t 
                                 StreamId stream, const Block* block) {
   const unsigned flags = trace_flags_.load(std::memory_order_relaxed);
   const std::int64_t now = driver_.now_us();
+  // The operation's own stack and context; without them (a free at context "alloc"), those
+  // of the allocation the entry is about.
+  const Origin* origin = &OperationContext::current();
+  if ((flags & kStacksOnEntries) && !*origin && block != nullptr) {
+    const bool segment =
+        action == TraceAction::kSegmentFree || action == TraceAction::kSegmentUnmap;
+    origin = segment ? &block->segment_stack : &block->stack;
+  }
+  const bool on_entry = (flags & kStacksOnEntries) != 0;
   if (flags & kTraceHistory) {
-    StackTable::Id stack = 0;
-    if (flags & kStacksOnEntries) {
-      // The operation's own stack; without one (a free at context "alloc"), the stack of
-      // the allocation the entry is about.
-      stack = OperationContext::current();
-      if (stack == 0 && block != nullptr) {
-        const bool segment =
-            action == TraceAction::kSegmentFree || action == TraceAction::kSegmentUnmap;
-        stack = segment ? block->segment_stack : block->stack;
-      }
-    }
-    history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
+    history_.push(HistoryEntry{action, addr, size, stream, now, on_entry ? *origin : Origin{},
+                               current_metadata()});
   }
   if (flags & kTraceObservers) {
     Lock lock(trace_mutex_);
-    const TraceEntry entry{action, addr, size, stream, now};
+    const TraceEntry entry{action, addr, size, stream, now,
+                           on_entry && origin->context ? &origin->context : nullptr};
     for (const TraceObserver& observer : trace_observers_)
       observer(entry);
   }
@@ -215,7 +215,7 @@ namespace ccalloc::core {
 
 namespace {
 [[noreturn]] void no_pools(const Backend& b, const char* what) {
-  throw Error(std::string("ccalloc: ") + b.backend_name() + " has no private memory pools (" +
+  throw Error(std::string("ccalloc: ") + b.policy_name() + " has no private memory pools (" +
               what + "); use the native policy for CUDA graphs and MemPools");
 }
 }  // namespace

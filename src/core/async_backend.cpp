@@ -64,8 +64,8 @@ AsyncBackend::~AsyncBackend() {
 
 DevicePtr AsyncBackend::malloc(std::size_t size, StreamId stream) {
   if (size == 0) return 0;
-  const StackTable::Id stack =
-      capture_on_malloc_.load(std::memory_order_relaxed) ? stack_table().capture(1) : 0;
+  const Origin stack =
+      capture_on_malloc_.load(std::memory_order_relaxed) ? capture() : Origin{};
   for (bool retried = false;; retried = true) {
     std::unique_lock lock(mutex_);
     release_deferred();
@@ -97,8 +97,8 @@ DevicePtr AsyncBackend::malloc(std::size_t size, StreamId stream) {
 
 void AsyncBackend::free(DevicePtr ptr) {
   if (ptr == 0) return;
-  const StackTable::Id stack =
-      capture_on_free_.load(std::memory_order_relaxed) ? stack_table().capture(1) : 0;
+  const Origin stack =
+      capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{};
   {
     std::lock_guard lock(mutex_);
     const auto it = ptr_info_.find(ptr);
@@ -233,6 +233,27 @@ void AsyncBackend::set_memory_fraction(double fraction) {
   limit_ = limit;
 }
 
+bool AsyncBackend::reconfigure(const Config& next) {
+  if (next.backend != config_.backend) {
+    throw ConfigError(
+        "ccalloc: allocator setting 'backend' cannot change while the allocator is live (it is "
+        "cudaMallocAsync, the new settings ask for native); it applies to allocators created "
+        "afterwards");
+  }
+  // As in Engine::reconfigure: only a changed fraction is applied, first (it validates).
+  double configured_fraction;
+  {
+    std::lock_guard lock(mutex_);
+    configured_fraction = config_.per_process_memory_fraction;
+  }
+  if (next.per_process_memory_fraction != configured_fraction) {
+    set_memory_fraction(next.per_process_memory_fraction);
+  }
+  std::lock_guard lock(mutex_);
+  config_ = next;
+  return true;
+}
+
 double AsyncBackend::memory_fraction() const {
   std::lock_guard lock(mutex_);
   return fraction_;
@@ -261,19 +282,20 @@ void AsyncBackend::add_trace_observer(TraceObserver observer) {
 }
 
 void AsyncBackend::record_trace(TraceAction action, DevicePtr addr, std::size_t size,
-                                StreamId stream, StackTable::Id stack) {
+                                StreamId stream, const Origin& stack) {
   if (!history_on_ && trace_observers_.empty()) return;
   const std::int64_t now = driver_.now_us();
   if (history_on_) {
     history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
   }
-  const TraceEntry entry{action, addr, size, stream, now};
+  const TraceEntry entry{action, addr, size, stream, now,
+                         stack.context ? &stack.context : nullptr};
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }
 
 void AsyncBackend::raise_oom(std::unique_lock<std::mutex>& lock, std::size_t size, StreamId stream,
-                             StackTable::Id stack) {
+                             const Origin& stack) {
   const MemInfo info = driver_.mem_info();
   ++num_ooms_;
   record_trace(TraceAction::kOom, info.free_bytes, size, stream, stack);
@@ -293,10 +315,14 @@ void AsyncBackend::raise_oom(std::unique_lock<std::mutex>& lock, std::size_t siz
 void AsyncBackend::record_history(const HistoryOptions& options) {
   using O = HistoryOptions;
   const bool on = options.enabled != O::Enabled::kNone;
-  const bool stacks =
-      on && options.stacks == O::Stacks::kCpp && options.context >= O::Context::kAlloc;
+  const bool cpp = options.stacks == O::Stacks::kCpp;
+  const bool caller = static_cast<bool>(options.capture_context);
+  const bool stacks = on && (cpp || caller) && options.context >= O::Context::kAlloc;
   std::lock_guard lock(mutex_);
   history_on_ = on && options.enabled == O::Enabled::kAll;
+  contexts_.set(options.capture_context);
+  capture_cpp_.store(cpp, std::memory_order_relaxed);
+  capture_caller_.store(caller, std::memory_order_relaxed);
   capture_on_malloc_.store(stacks && history_on_, std::memory_order_relaxed);
   capture_on_free_.store(stacks && history_on_ && options.context == O::Context::kAll,
                          std::memory_order_relaxed);
@@ -319,7 +345,7 @@ Snapshot AsyncBackend::snapshot() {
   std::vector<HistoryEntry> entries;
   {
     std::lock_guard lock(mutex_);
-    record_trace(TraceAction::kSnapshot, 0, used_bytes_, 0, 0);
+    record_trace(TraceAction::kSnapshot, 0, used_bytes_, 0, Origin{});
     entries = history_.entries();
     s.allocator_settings = settings_of(config_);
     s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
@@ -328,7 +354,7 @@ Snapshot AsyncBackend::snapshot() {
   }
   std::vector<StackTable::Id> ids;
   for (const HistoryEntry& e : entries) {
-    if (e.stack != 0) ids.push_back(e.stack);
+    if (e.stack.cpp != 0) ids.push_back(e.stack.cpp);
   }
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());

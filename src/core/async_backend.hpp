@@ -69,7 +69,11 @@ class AsyncBackend final : public Backend {
   void annotate(std::string_view name, bool start) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
+  // The live config: reconfigure() replaces it (reading it meanwhile on another thread is a
+  // data race).
   const Config& config() const override { return config_; }
+  // Every key but `backend` may change; the pool uses none of them but the memory fraction.
+  bool reconfigure(const Config& config) override;
   Driver& driver() const override { return driver_; }
 
   // CUDA graph capture as PyTorch's CudaMallocAsync backend does it: allocations during
@@ -82,7 +86,7 @@ class AsyncBackend final : public Backend {
   void release_pool(PoolId id) override;
   void empty_cache(PoolId id) override;
   std::vector<SegmentInfo> pool_segments(PoolId) const override { return {}; }
-  const char* backend_name() const override { return "backend:cudaMallocAsync"; }
+  const char* policy_name() const override { return "backend:cudaMallocAsync"; }
 
  private:
   struct PtrUsage {
@@ -96,20 +100,28 @@ class AsyncBackend final : public Backend {
   // Releases the frees deferred during capture, once none is underway.
   void release_deferred();
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
-                    StackTable::Id stack);
+                    const Origin& stack);
   // Counts the OOM, traces it, calls the OOM observers (after unlocking) and throws.
   [[noreturn]] void raise_oom(std::unique_lock<std::mutex>& lock, std::size_t size, StreamId stream,
-                              StackTable::Id stack);
+                              const Origin& stack);
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
   }
 
   Driver& driver_;
-  const Config config_;
+  Config config_;  // written by reconfigure() under mutex_
   std::atomic<bool> check_invariants_{false};
   // Stack capture for history entries (record_history), read before taking the lock.
   std::atomic<bool> capture_on_malloc_{false};
   std::atomic<bool> capture_on_free_{false};
+  std::atomic<bool> capture_cpp_{false};     // a capture takes the C++ stack
+  std::atomic<bool> capture_caller_{false};  // and the caller's context
+  ContextSource contexts_;
+  // The origin of the operation starting now; inlined, so capture_origin skips its frame.
+  [[gnu::always_inline]] Origin capture() const {
+    return capture_origin(capture_cpp_.load(std::memory_order_relaxed),
+                          capture_caller_.load(std::memory_order_relaxed) ? &contexts_ : nullptr);
+  }
 
   mutable std::mutex mutex_;
   std::unordered_map<DevicePtr, PtrUsage> ptr_info_;

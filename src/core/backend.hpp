@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
+#include "ccalloc/ipc.hpp"
 #include "ccalloc/snapshot.hpp"
 
 namespace ccalloc::core {
@@ -53,8 +54,18 @@ class Backend {
   virtual std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id);
   virtual PoolRestore restore_pool(const PoolCheckpoint& checkpoint);
   // For the messages of the defaults: "the stitching policy".
-  virtual const char* backend_name() const { return "this backend"; }
+  virtual const char* policy_name() const { return "this backend"; }
+  // Applies `config` to the live allocator (torch.cuda.memory._set_allocator_settings).
+  // Returns false, changing nothing, where this backend cannot change its settings live.
+  // Throws ConfigError naming a key that cannot change while the allocator is live.
+  virtual bool reconfigure(const Config& config) {
+    (void)config;
+    return false;
+  }
   virtual Driver& driver() const = 0;
+  // The memory another process maps to see the live allocation `ptr` (ipc.hpp). The
+  // default: this backend cannot share, Error naming it.
+  virtual ipc::SharedRegion shared_region(DevicePtr ptr) const;
   int device() const { return driver().device(); }
 };
 

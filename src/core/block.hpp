@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ccalloc/driver.hpp"
+#include "core/stacks.hpp"
 
 namespace ccalloc::core {
 
@@ -36,8 +37,8 @@ struct Block {
   std::vector<StreamId> stream_uses;     // streams other than its own that used it
   ExpandableSegment* segment = nullptr;  // the expandable segment it lies in, if any
   bool mapped = true;               // false only for an unmapped range of an expandable segment
-  std::uint32_t stack = 0;          // history: context of its allocation (while active)
-  std::uint32_t segment_stack = 0;  // history: context of the device allocation (head only)
+  Origin stack;          // history: context of its allocation (while active)
+  Origin segment_stack;  // history: context of the device allocation (head only)
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
   DevicePtr end() const { return ptr + size; }
@@ -156,13 +157,13 @@ class BlockRecycler {
     b->prev = nullptr;
     b->requested_size = 0;
     b->gc_count_base = 0;
-    b->stack = 0;
-    b->segment_stack = 0;
     b->segment = nullptr;
     b->mapped = true;
     return b;
   }
   void recycle(Block* b) {
+    b->stack.clear();  // contexts are released when the block goes, not when it is reused
+    b->segment_stack.clear();
     b->next = free_;  // the free list is threaded through `next`
     free_ = b;
   }

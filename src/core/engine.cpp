@@ -58,7 +58,7 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
   if (config_.uncached) return malloc_uncached(size);
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
   if (flags & (kTraceHistory | kCaptureOnMalloc)) [[unlikely]] {
-    const OperationContext context(flags & kCaptureOnMalloc ? stack_table().capture(1) : 0);
+    const OperationContext context(flags & kCaptureOnMalloc ? capture(flags) : Origin{});
     return malloc_cached(size, stream);
   }
   return malloc_cached(size, stream);
@@ -71,16 +71,18 @@ DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
                    deferred_frees_.load(std::memory_order_relaxed) > 0)) {
     process_events_everywhere();
   }
-  const Request req = make_request(size, stream);
   Arena& arena = capture ? arena_for_capture(stream) : arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
+  const Request req = make_request(size, stream);  // reads the config: under the lock
   const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
   if (pos == arena.pool_for(req.small).blocks.end()) {
     return malloc_slow(arena, req, std::move(lock));
   }
   const DevicePtr ptr = hand_out(arena, *pos, pos, req);
+  const bool debt = arena.in_debt;
   lock.unlock();
+  if (debt) [[unlikely]] settle_peak_debts();
   after_operation();
   return ptr;
 }
@@ -93,7 +95,7 @@ void Engine::free(DevicePtr ptr) {
   }
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
   if (flags & kTraceHistory) [[unlikely]] {
-    const OperationContext context(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
+    const OperationContext context(flags & kCaptureOnFree ? capture(flags) : Origin{});
     free_cached(ptr);
     return;
   }
@@ -108,7 +110,9 @@ void Engine::free_cached(DevicePtr ptr) {
     Lock lock(arena->mutex);
     if (Block* block = arena->live.erase(ptr)) {
       release_allocation(*arena, block);
+      const bool debt = arena->in_debt;
       lock.unlock();
+      if (debt) [[unlikely]] settle_peak_debts();
       after_operation();
       return;
     }
@@ -206,6 +210,7 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
   const bool pooled = pos != pool.blocks.end();
   const bool already_split = block->is_split();
   DeviceStats& st = arena.stats;
+  PeakBaselines& debt = arena.debts;  // increases go through arena.increase(): see arena.hpp
   const StatType kinds[2] = {kAggregate, pool_stat(pool.is_small)};
 
   const bool expandable_block = block->segment != nullptr;
@@ -226,7 +231,7 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     remaining->prev = block;
     remaining->ptr += req.size;
     remaining->size -= req.size;
-    block->segment_stack = std::exchange(remaining->segment_stack, 0);  // the new head's
+    if (remaining->segment_stack) std::swap(block->segment_stack, remaining->segment_stack);  // the new head's
     if (pooled) {
       remaining->gc_count_base = gc_clock(pool);
       fix_pool_position(pool, pos, Change::kShrank);
@@ -240,8 +245,9 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
       if (already_split) {
         st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
       } else {
-        st.inactive_split_bytes[t].increase(static_cast<std::int64_t>(remaining->size));
-        st.inactive_split[t].increase(1);
+        arena.increase(st.inactive_split_bytes[t], debt.inactive_split_bytes[t],
+                       static_cast<std::int64_t>(remaining->size));
+        arena.increase(st.inactive_split[t], debt.inactive_split[t], 1);
       }
     }
   } else {
@@ -259,14 +265,18 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
   if (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks) {
     block->stack = OperationContext::current();
   }
+  const auto size = static_cast<std::int64_t>(block->size);
   for (StatType t : kinds) {
-    st.allocation[t].increase(1);
-    st.allocated_bytes[t].increase(static_cast<std::int64_t>(block->size));
-    st.active[t].increase(1);
-    st.active_bytes[t].increase(static_cast<std::int64_t>(block->size));
-    st.requested_bytes[t].increase(static_cast<std::int64_t>(req.requested));
+    arena.increase(st.allocation[t], debt.allocation[t], 1);
+    arena.increase(st.allocated_bytes[t], debt.allocated_bytes[t], size);
+    arena.increase(st.active[t], debt.active[t], 1);
+    arena.increase(st.active_bytes[t], debt.active_bytes[t], size);
+    arena.increase(st.requested_bytes[t], debt.requested_bytes[t],
+                   static_cast<std::int64_t>(req.requested));
   }
-  if (is_oversize(block->size, config_)) st.oversize_allocations.increase(1);
+  if (is_oversize(block->size, config_)) {
+    arena.increase(st.oversize_allocations, debt.oversize_allocations, 1);
+  }
   return block;
 }
 
@@ -329,7 +339,7 @@ void Engine::free_block(Arena& arena, Block* block) {
     Block* const before = prev != nullptr ? prev->prev : block->prev;
     Block* const after = last->next;
     const std::size_t size = last->end() - start;
-    const std::uint32_t segment_stack = (prev != nullptr ? prev : block)->segment_stack;
+    Origin segment_stack = std::move((prev != nullptr ? prev : block)->segment_stack);
     for (Block* absorbed : {prev, block, next}) {
       if (absorbed != nullptr && absorbed != merged) arena.blocks.recycle(absorbed);
     }
@@ -340,13 +350,13 @@ void Engine::free_block(Arena& arena, Block* block) {
     if (before != nullptr) before->next = merged;
     if (after != nullptr) after->prev = merged;
     merged->requested_size = requested;  // as PyTorch, the freed block's stale value
-    merged->segment_stack = segment_stack;
+    merged->segment_stack = std::move(segment_stack);
     merged->gc_count_base = gc_clock(pool);
     fix_pool_position(pool, pos, Change::kGrew);
   } else {
     insert_into_pool(pool, block);
   }
-  merged->stack = 0;  // a free block has no allocation context
+  merged->stack.clear();  // a free block has no allocation context
   if (merged->is_split()) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(merged->size);
@@ -354,10 +364,15 @@ void Engine::free_block(Arena& arena, Block* block) {
 
   DeviceStats& st = arena.stats;
   if (merged->segment != nullptr) net_split_blocks = net_split_bytes = 0;  // see carve()
+  PeakBaselines& debt = arena.debts;
   for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
-    if (net_split_blocks > 0) st.inactive_split[t].increase(net_split_blocks);
+    if (net_split_blocks > 0) {
+      arena.increase(st.inactive_split[t], debt.inactive_split[t], net_split_blocks);
+    }
     if (net_split_blocks < 0) st.inactive_split[t].decrease(-net_split_blocks);
-    if (net_split_bytes > 0) st.inactive_split_bytes[t].increase(net_split_bytes);
+    if (net_split_bytes > 0) {
+      arena.increase(st.inactive_split_bytes[t], debt.inactive_split_bytes[t], net_split_bytes);
+    }
     if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
     st.active[t].decrease(1);
     st.active_bytes[t].decrease(original_size);

@@ -19,6 +19,11 @@
 // paths that act on every
 // stream (GC, releasing the whole cache, the last steps of the OOM ladder, snapshots,
 // the invariant checker) take every arena lock through lock_all().
+// Block statistics live in the arenas; their device-wide peaks are the sums of per-arena
+// baselines (the ledger described in arena.hpp). An operation that raises a counter above
+// its arena's baseline settles under lock_all() after releasing the arena's lock and before
+// returning; others touch nothing shared. Peaks are exact when operations do not overlap in
+// time (every single-threaded program), else the peak of one order of the overlapping ones.
 //
 // Invariants, checked by check_invariants() in this order, one named check each (the
 // error message names the check):
@@ -33,6 +38,9 @@
 //                              mapped blocks add up to its mapped bytes; the unmapped lists
 //                              hold only unmapped ranges.
 //   stats_match_blocks         statistics and reserved bytes equal a recount from the blocks.
+//   peaks_cover_current        every tracked block statistic of an arena not in peak debt is
+//                              at most its baseline; with no arena in debt, the device's peak
+//                              (sum of baselines) is at least its current value (arena.hpp).
 //   reserved_within_capacity   reserved <= the device's capacity. (Not the per-process limit:
 //                              set_memory_fraction may lower it below what is reserved.)
 //   live_allocations_disjoint  live allocations never overlap.
@@ -114,6 +122,7 @@ class Engine final : public Backend {
   double memory_fraction() const override;
   std::vector<SegmentInfo> segments() const override;
   std::size_t allocation_size(DevicePtr ptr) const override;
+  ipc::SharedRegion shared_region(DevicePtr ptr) const override;  // expandable.cpp
   void add_oom_observer(OomObserver observer) override;
   void add_free_memory_callback(FreeMemoryCallback callback) override;
   void add_trace_observer(TraceObserver observer) override;
@@ -134,8 +143,14 @@ class Engine final : public Backend {
   PoolId segment_pool(DevicePtr address) const override;
   std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id) override;
   PoolRestore restore_pool(const PoolCheckpoint& checkpoint) override;
-  const char* backend_name() const override { return "the native engine"; }
+  const char* policy_name() const override { return "the native engine"; }
+
+  // The live config. reconfigure() changes it in place: reading it on another thread while
+  // a reconfiguration runs is a data race (the fields that cannot change excepted).
   const Config& config() const override { return config_; }
+  // Applies `config` live (reconfigure.cpp says which keys may change). Throws ConfigError
+  // naming a key that cannot change while the allocator is live; then nothing changed.
+  bool reconfigure(const Config& config) override EXCLUDES(registry_mutex_, device_mutex_);
   Driver& driver() const override { return driver_; }
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
@@ -143,7 +158,9 @@ class Engine final : public Backend {
   std::size_t capacity() const { return capacity_; }
 
   Driver& driver_;
-  const Config config_;
+  // Written only by reconfigure(), under every arena lock and device_mutex_; read under an
+  // arena lock or device_mutex_, except backend, stitch_segments and uncached (never written).
+  Config config_;
   std::atomic<bool> check_invariants_{false};
 
   // Observers; guarded by observers_mutex_ (copied out before calls without locks).
@@ -162,8 +179,16 @@ class Engine final : public Backend {
     kCaptureOnFree = 8,     // free and empty_cache capture theirs
     kStacksOnEntries = 16,  // entries carry the operation's stack
     kStacksOnBlocks = 32,   // blocks and segments keep their allocation's stack
+    kCppStacks = 64,        // a capture takes the C++ stack
+    kCallerContexts = 128,  // a capture takes the caller's context (HistoryOptions)
   };
   std::atomic<unsigned> trace_flags_{0};
+  ContextSource contexts_;  // HistoryOptions::capture_context
+  // The origin of the operation starting now (malloc, free, empty_cache), as `flags` ask.
+  // Inlined into the operation, so capture_origin skips the operation's frame.
+  [[gnu::always_inline]] Origin capture(unsigned flags) const {
+    return capture_origin(flags & kCppStacks, flags & kCallerContexts ? &contexts_ : nullptr);
+  }
 
   void record_history(const HistoryOptions& options) override;
   void annotate(std::string_view name, bool start) override;
@@ -242,12 +267,22 @@ class Engine final : public Backend {
 
   // --- events (arena lock held) ---
   void insert_events(Arena& arena, Block* block) REQUIRES(arena.mutex);
-  void process_events(Arena& arena) REQUIRES(arena.mutex);
+  // Returns true when it stopped early at a free that left the arena in peak debt.
+  bool process_events(Arena& arena) REQUIRES(arena.mutex);
   void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);  // no lock held
   // Records the events of the arena's deferred frees (no capture may be underway).
   void insert_deferred_events(Arena& arena) REQUIRES(arena.mutex);
   // Waits for the pending frees of every arena (only those of `pool`'s arenas if given).
   void synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool = nullptr);
+
+  // --- device-wide peaks (stats.cpp; the baseline ledger of arena.hpp) ---
+  // Settles every arena's peak debt (every arena lock held).
+  void settle_peak_debts(const AllArenasLock& all) const;
+  // The same, taking every arena lock (none held).
+  void settle_peak_debts() EXCLUDES(registry_mutex_, device_mutex_) {
+    const AllArenasLock all(*this);
+    settle_peak_debts(all);
+  }
 
   // --- OOM ladder (oom_ladder.cpp) ---
   // Runs the ladder for a request the arena's pool could not serve; called with the
@@ -264,6 +299,8 @@ class Engine final : public Backend {
   // its address, or 0.
   DevicePtr malloc_from_oom_pools(const AllArenasLock& all, const Request& req);
   void collect_garbage(const AllArenasLock& all);
+  // Recounts the oversize counters after max_split_size changed (reconfigure.cpp).
+  void recount_oversize(const AllArenasLock& all) REQUIRES(device_mutex_);
   bool gc_enabled() const { return config_.garbage_collection_threshold > 0.0; }
   std::size_t memory_limit_locked() const REQUIRES(device_mutex_);
   [[noreturn]] void raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllArenasLock> all);
@@ -317,6 +354,7 @@ class Engine final : public Backend {
   void check_pool_membership(const InvariantWalk& walk) const;
   void check_expandable_segments(const InvariantWalk& walk) const;
   void check_stats_match_blocks(const InvariantWalk& walk) const;
+  void check_peaks_cover_current(const InvariantWalk& walk) const;
   void check_reserved_within_capacity() const;
   void check_live_allocations_disjoint(const InvariantWalk& walk) const;
   void check_private_pool_blocks(const InvariantWalk& walk) const;

@@ -62,26 +62,32 @@ void Engine::insert_deferred_events(Arena& arena) {
   deferred_frees_.fetch_sub(n, std::memory_order_relaxed);
 }
 
-void Engine::process_events(Arena& arena) {
-  // A capture that began after the caller looked may be underway: checked under the lock,
-  // which begin_allocate_to_pool() takes after raising the count.
-  if (capturing()) return;
+bool Engine::process_events(Arena& arena) {
+  // A capture may have begun since the caller looked: the count is stable under the lock
+  // (begin_allocate_to_pool changes it under every arena lock).
+  if (capturing()) return false;
   insert_deferred_events(arena);
-  if (arena.pending_events.load(std::memory_order_relaxed) == 0) return;
+  if (arena.pending_events.load(std::memory_order_relaxed) == 0) return false;
   std::int64_t completed = 0;
+  bool debt = false;
   for (auto& [stream, queue] : arena.pending) {
     // Events on one stream complete in order: stop at the first that has not.
-    while (!queue.empty() && driver_.query_event(queue.front().event)) {
+    while (!debt && !queue.empty() && driver_.query_event(queue.front().event)) {
       const PendingFree done = queue.front();
       queue.pop_front();
       event_pool_.put(done.event);
       ++completed;
-      if (--done.block->event_count == 0) free_block(arena, done.block);
+      if (--done.block->event_count == 0) {
+        free_block(arena, done.block);
+        debt = arena.in_debt;
+      }
     }
+    if (debt) break;
   }
   std::erase_if(arena.pending, [](const auto& q) { return q.second.empty(); });
   arena.pending_events.fetch_sub(completed, std::memory_order_relaxed);
   pending_events_.fetch_sub(completed, std::memory_order_relaxed);
+  return debt;
 }
 
 void Engine::process_events_everywhere() {
@@ -90,8 +96,17 @@ void Engine::process_events_everywhere() {
         arena->deferred_count.load(std::memory_order_relaxed) == 0) {
       continue;
     }
-    Lock lock(arena->mutex);
-    process_events(*arena);
+    // Each free that leaves a peak debt is settled before the next, as if each were its own
+    // operation: a later merge may lower the counter again.
+    for (;;) {
+      bool debt;
+      {
+        Lock lock(arena->mutex);
+        debt = process_events(*arena);
+      }
+      if (!debt) break;
+      settle_peak_debts();
+    }
   }
 }
 
@@ -110,7 +125,10 @@ void Engine::synchronize_and_free_events(const AllArenasLock& all, const Private
         driver_.synchronize_event(f.event);
         event_pool_.put(f.event);
         ++completed;
-        if (--f.block->event_count == 0) free_block(*arena, f.block);
+        if (--f.block->event_count == 0) {
+          free_block(*arena, f.block);
+          if (arena->in_debt) settle_peak_debts(all);  // as in process_events_everywhere()
+        }
       }
     }
     arena->pending.clear();

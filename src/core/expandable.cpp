@@ -19,7 +19,7 @@ void absorb_prev(Arena& arena, Block* b) REQUIRES(arena.mutex) {
   b->size += p->size;
   b->prev = p->prev;
   if (b->prev != nullptr) b->prev->next = b;
-  if (p->segment_stack != 0) b->segment_stack = p->segment_stack;
+  if (p->segment_stack) b->segment_stack = std::move(p->segment_stack);
   arena.blocks.recycle(p);
 }
 
@@ -95,6 +95,14 @@ Range ExpandableSegment::unmap(Range r) {
   return Range{base_ + begin * page_, (end - begin) * page_};
 }
 
+DevicePtr ExpandableSegment::pages_covering(Range r, std::vector<PhysicalHandle>& handles) const {
+  const std::size_t begin = (r.ptr - base_) / page_;
+  const std::size_t end = (r.ptr + r.size - base_ + page_ - 1) / page_;
+  handles.assign(pages_.begin() + static_cast<std::ptrdiff_t>(begin),
+                 pages_.begin() + static_cast<std::ptrdiff_t>(end));
+  return base_ + begin * page_;
+}
+
 // ---------------------------------------------------------------------------------------
 // The engine's side: finding room in a segment, mapping and unmapping blocks.
 
@@ -166,7 +174,7 @@ bool Engine::map_block(Arena& arena, Block* b, std::size_t size) {
     owners_.assign(r.ptr, r.size, arena.owner);
   }
   merge_mapped_neighbours(arena, b);
-  if (b->prev == nullptr && b->segment_stack == 0 &&
+  if (b->prev == nullptr && !b->segment_stack &&
       (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks)) {
     b->segment_stack = OperationContext::current();
   }
@@ -230,7 +238,7 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
     f->next = b;
     if (f->prev != nullptr) f->prev->next = f;
     b->prev = f;
-    f->segment_stack = std::exchange(b->segment_stack, 0);
+    f->segment_stack = std::exchange(b->segment_stack, {});
     insert_into_pool(pool, f);
   }
   const std::size_t after = b->size - before - r.size;
@@ -256,6 +264,9 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
     owners_.clear(r.ptr, r.size);
   }
   record_trace(TraceAction::kSegmentUnmap, r.ptr, r.size, arena.stream, b);
+  // An unmapped range holds no memory and reports no segment: it keeps no context either
+  // (a later mapping at the head takes the mapping operation's).
+  b->segment_stack = {};
   // Merge with unmapped neighbours.
   if (b->prev != nullptr && !b->prev->mapped) {
     pool.unmapped.erase(b->prev);
@@ -276,6 +287,34 @@ void Engine::release_expandable_segment(Arena& arena, Block* b) {
   arena.blocks.recycle(b);
   std::erase_if(arena.expandable, [seg](const auto& s) { return s.get() == seg; });
   if (arena.pool != nullptr) arena.pool->segments.fetch_sub(1, std::memory_order_relaxed);
+}
+
+// A native segment is shared whole (cudaIpcGetMemHandle takes the start of a cudaMalloc
+// range); an expandable one as the pages under the block, which stay mapped while the block
+// is live (a page is unmapped only when wholly free).
+ipc::SharedRegion Engine::shared_region(DevicePtr ptr) const {
+  Arena* arena = arena_of(ptr);
+  if (arena == nullptr) throw_not_live("sharing", ptr);
+  Lock lock(arena->mutex);
+  const Block* b = arena->live.find(ptr);
+  if (b == nullptr) throw_not_live("sharing", ptr);
+  ipc::SharedRegion region;
+  region.allocation = b->ptr;
+  region.allocation_size = b->size;
+  if (b->segment == nullptr) {
+    const Block* head = b;
+    while (head->prev != nullptr) head = head->prev;
+    region.kind = ipc::RegionKind::kSegment;
+    region.base = head->ptr;
+    for (const Block* x = head; x != nullptr; x = x->next)
+      region.size += x->size;
+    return region;
+  }
+  region.kind = ipc::RegionKind::kPages;
+  region.page_size = b->segment->page();
+  region.base = b->segment->pages_covering(Range{b->ptr, b->size}, region.pages);
+  region.size = region.pages.size() * region.page_size;
+  return region;
 }
 
 }  // namespace ccalloc::core

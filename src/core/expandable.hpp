@@ -38,6 +38,10 @@ class ExpandableSegment {
   // unmapped range; size 0 when no whole page lies inside.
   Range unmap(Range r);
 
+  // The pages covering [ptr, ptr + size) (all mapped): the first page's address and
+  // their physical handles in address order, for sharing them with another process.
+  DevicePtr pages_covering(Range r, std::vector<PhysicalHandle>& handles) const;
+
   DevicePtr base() const { return base_; }
   std::size_t size() const { return pages_.size() * page_; }
   std::size_t page() const { return page_; }

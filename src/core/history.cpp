@@ -2,6 +2,7 @@
 #include "core/history.hpp"
 
 #include <algorithm>
+#include <map>
 #include <unordered_map>
 
 #include "core/engine.hpp"
@@ -34,6 +35,37 @@ HistoryOptions::Stacks HistoryOptions::parse_stacks(const std::string& s) {
                     "' for record_history 'stacks': expected cpp or none");
 }
 
+void render_contexts(Snapshot& s, const ContextFrames& render) {
+  if (!render) return;
+  // One list per (C++ stack list, handle) pair; each handle rendered once.
+  std::unordered_map<const void*, std::vector<Frame>> rendered;
+  std::map<std::pair<const void*, const void*>, Frames> combined;
+  const auto frames_of = [&](const Frames& cpp, const ContextHandle& context) -> Frames {
+    if (!context) return cpp;
+    auto r = rendered.find(context.get());
+    if (r == rendered.end()) r = rendered.emplace(context.get(), render(context)).first;
+    if (r->second.empty()) return cpp;
+    const auto key = std::make_pair(static_cast<const void*>(cpp.get()), context.get());
+    auto c = combined.find(key);
+    if (c == combined.end()) {
+      auto list = std::make_shared<std::vector<Frame>>();
+      if (cpp) list->insert(list->end(), cpp->begin(), cpp->end());
+      list->insert(list->end(), r->second.begin(), r->second.end());
+      c = combined.emplace(key, std::move(list)).first;
+    }
+    return c->second;
+  };
+  for (SnapshotSegment& seg : s.segments) {
+    seg.frames = frames_of(seg.frames, seg.context);
+    for (SnapshotBlock& b : seg.blocks)
+      b.frames = frames_of(b.frames, b.context);
+  }
+  for (auto& trace : s.device_traces) {
+    for (SnapshotTraceEntry& e : trace)
+      e.frames = frames_of(e.frames, e.context);
+  }
+}
+
 namespace core {
 
 StackTable& stack_table() {
@@ -41,7 +73,24 @@ StackTable& stack_table() {
   return *table;
 }
 
-thread_local StackTable::Id OperationContext::current_ = 0;
+thread_local const Origin* OperationContext::current_ = nullptr;
+const Origin OperationContext::kNone{};
+
+void ContextSource::set(std::function<ContextHandle()> fn) {
+  if (!fn) return;  // the previous callback stays: a racing operation may still call it
+  auto kept = std::make_unique<const std::function<ContextHandle()>>(std::move(fn));
+  std::lock_guard lock(mutex_);
+  current_.store(kept.get(), std::memory_order_release);
+  kept_.push_back(std::move(kept));
+}
+
+Origin capture_origin(bool cpp, const ContextSource* caller) {
+  Origin o;
+  if (cpp) o.cpp = stack_table().capture(2);  // capture() skips itself; this and the operation
+  if (caller != nullptr) o.context = caller->capture();
+  return o;
+}
+
 
 namespace {
 struct MetadataTable {
@@ -91,7 +140,8 @@ std::vector<SnapshotTraceEntry> snapshot_trace(
     te.size = e.size;
     te.stream = e.stream;
     te.time_us = e.time_us;
-    if (const auto f = frames.find(e.stack); f != frames.end()) te.frames = f->second;
+    if (const auto f = frames.find(e.stack.cpp); f != frames.end()) te.frames = f->second;
+    te.context = e.stack.context;
     if (e.metadata != 0) {
       auto it = metadata.find(e.metadata);
       if (it == metadata.end())
@@ -104,21 +154,20 @@ std::vector<SnapshotTraceEntry> snapshot_trace(
 }
 
 void HistoryRing::configure(std::size_t capacity, bool clear) {
+  std::vector<HistoryEntry> old;  // destroyed after the lock: dropped contexts go then
   lock();
-  std::vector<HistoryEntry> kept;
+  std::swap(old, entries_);
+  const std::size_t n = old.size();
+  capacity_ = std::max<std::size_t>(capacity, 1);
   if (!clear) {
     // Keep the newest entries, oldest first.
-    const std::size_t n = entries_.size();
-    for (std::size_t i = 0; i < n; ++i)
-      kept.push_back(entries_[(next_ + i) % n]);
+    const std::size_t keep = std::min(n, capacity_);
+    if (keep < n) overflowed_ = true;
+    for (std::size_t i = n - keep; i < n; ++i)
+      entries_.push_back(std::move(old[(next_ + i) % n]));
+  } else {
+    overflowed_ = false;
   }
-  capacity_ = std::max<std::size_t>(capacity, 1);
-  if (kept.size() > capacity_) {
-    kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(capacity_));
-    overflowed_ = true;
-  }
-  if (clear) overflowed_ = false;
-  entries_ = std::move(kept);
   next_ = entries_.size() == capacity_ ? 0 : entries_.size();
   unlock();
 }
@@ -156,12 +205,18 @@ void Engine::record_history(const HistoryOptions& options) {
   using O = HistoryOptions;
   unsigned flags = trace_flags_.load() & kTraceObservers;
   const bool on = options.enabled != O::Enabled::kNone;
-  const bool stacks = options.stacks == O::Stacks::kCpp && options.context != O::Context::kNone;
+  const bool cpp = options.stacks == O::Stacks::kCpp;
+  const bool caller = static_cast<bool>(options.capture_context);
+  const bool stacks = (cpp || caller) && options.context != O::Context::kNone;
   if (on && options.enabled == O::Enabled::kAll) flags |= kTraceHistory;
   if (on && stacks) flags |= kCaptureOnMalloc | kStacksOnBlocks;
+  if (on && stacks && cpp) flags |= kCppStacks;
+  if (on && stacks && caller) flags |= kCallerContexts;
   if (on && stacks && options.context >= O::Context::kAlloc) flags |= kStacksOnEntries;
   if (on && stacks && options.context == O::Context::kAll) flags |= kCaptureOnFree;
   // PyTorch keeps one entry unless everything is recorded; stopping clears the history.
+  // The callback is in place before any operation can see the flags that ask for it.
+  contexts_.set(options.capture_context);
   history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
                      options.clear || !on);
   if (!on || options.clear) {
@@ -181,8 +236,8 @@ void Engine::annotate(std::string_view name, bool start) {
 Snapshot Engine::snapshot() {
   Snapshot s;
   std::vector<StackTable::Id> ids;
-  std::vector<std::pair<SnapshotBlock*, StackTable::Id>> block_stacks;
-  std::vector<std::pair<SnapshotSegment*, StackTable::Id>> segment_stacks;
+  std::vector<std::pair<SnapshotBlock*, Origin>> block_stacks;
+  std::vector<std::pair<SnapshotSegment*, Origin>> segment_stacks;
   std::vector<HistoryEntry> entries;
   {
     AllArenasLock all(*this);
@@ -193,7 +248,7 @@ Snapshot Engine::snapshot() {
     }
     record_trace(TraceAction::kSnapshot, 0, static_cast<std::size_t>(active_bytes), 0, nullptr);
 
-    std::vector<std::pair<SnapshotSegment, std::vector<StackTable::Id>>> built;
+    std::vector<std::pair<SnapshotSegment, std::vector<Origin>>> built;
     for (Arena* arena : all.by_stream()) {
       all.held(*arena);
       for (const auto& blocks : reported_segments(*arena)) {
@@ -207,7 +262,7 @@ Snapshot Engine::snapshot() {
           seg.pool_id = {static_cast<std::int64_t>(arena->pool->id.first),
                          static_cast<std::int64_t>(arena->pool->id.second)};
         }
-        std::vector<StackTable::Id> stacks{blocks.front()->segment_stack};
+                std::vector<Origin> stacks{blocks.front()->segment_stack};
         for (const Block* b : blocks) {
           SnapshotBlock sb;
           sb.address = b->ptr;
@@ -223,7 +278,7 @@ Snapshot Engine::snapshot() {
             seg.requested_size += b->requested_size;
           }
           seg.blocks.push_back(std::move(sb));
-          stacks.push_back(b->allocated || b->event_count > 0 ? b->stack : 0);
+          stacks.push_back(b->allocated || b->event_count > 0 ? b->stack : Origin{});
         }
         built.emplace_back(std::move(seg), std::move(stacks));
       }
@@ -231,27 +286,27 @@ Snapshot Engine::snapshot() {
     std::sort(built.begin(), built.end(),
               [](const auto& a, const auto& b) { return a.first.address < b.first.address; });
     s.segments.reserve(built.size());
-    std::vector<std::vector<StackTable::Id>> stack_lists;
+    std::vector<std::vector<Origin>> stack_lists;
     for (auto& [seg, stacks] : built) {
       s.segments.push_back(std::move(seg));
       stack_lists.push_back(std::move(stacks));
     }
     for (std::size_t i = 0; i < s.segments.size(); ++i) {
       SnapshotSegment& seg = s.segments[i];
-      segment_stacks.emplace_back(&seg, stack_lists[i][0]);
+      segment_stacks.emplace_back(&seg, std::move(stack_lists[i][0]));
       for (std::size_t j = 0; j < seg.blocks.size(); ++j) {
-        block_stacks.emplace_back(&seg.blocks[j], stack_lists[i][j + 1]);
+        block_stacks.emplace_back(&seg.blocks[j], std::move(stack_lists[i][j + 1]));
       }
     }
     entries = history_.entries();
   }
 
-  for (const auto& [seg, id] : segment_stacks)
-    ids.push_back(id);
-  for (const auto& [block, id] : block_stacks)
-    ids.push_back(id);
+  for (const auto& [seg, origin] : segment_stacks)
+    ids.push_back(origin.cpp);
+  for (const auto& [block, origin] : block_stacks)
+    ids.push_back(origin.cpp);
   for (const HistoryEntry& e : entries)
-    ids.push_back(e.stack);
+    ids.push_back(e.stack.cpp);
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   const auto frames = stack_table().symbolize(ids);
@@ -259,16 +314,23 @@ Snapshot Engine::snapshot() {
     const auto it = frames.find(id);
     return it == frames.end() ? nullptr : it->second;
   };
-  for (const auto& [seg, id] : segment_stacks)
-    seg->frames = frames_of(id);
-  for (const auto& [block, id] : block_stacks)
-    block->frames = frames_of(id);
+  for (const auto& [seg, origin] : segment_stacks) {
+    seg->frames = frames_of(origin.cpp);
+    seg->context = origin.context;
+  }
+  for (const auto& [block, origin] : block_stacks) {
+    block->frames = frames_of(origin.cpp);
+    block->context = origin.context;
+  }
 
   s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
   s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
 
   AllocatorSettings& st = s.allocator_settings;
-  st = settings_of(config_);
+  {
+    Lock lock(device_mutex_);  // reconfigure() may change the config meanwhile
+    st = settings_of(config_);
+  }
   st.trace_alloc_overflowed = history_.overflowed();
   st.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
   {

@@ -1,9 +1,17 @@
 // Allocation history: a ring buffer of trace entries per device, the stack context of the
 // operation in progress on each thread, and the process-wide table of captured stacks.
+//
+// An operation's context (Origin) is the C++ stack ccalloc captured, an interned id, and
+// the caller's context handle (HistoryOptions::capture_context), reference counted. Entries
+// and blocks hold Origins by value: copying one takes a reference on the handle, and
+// overwriting or destroying one drops it, so each handle is released exactly when the last
+// entry, block or snapshot holding it goes.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -24,20 +32,40 @@ struct HistoryEntry {
   std::size_t size = 0;
   StreamId stream = 0;
   std::int64_t time_us = 0;
-  StackTable::Id stack = 0;
+  Origin stack;
   std::uint32_t metadata = 0;
+};
+
+// The caller's context callback as the hot path reads it: one atomic load, no lock and no
+// reference count. Each callback set stays alive until the owner is destroyed, since an
+// operation may still be running the previous one when record_history replaces it.
+class ContextSource {
+ public:
+  // Installs `fn` (if set) as the callback capture() runs.
+  void set(std::function<ContextHandle()> fn);
+  // The caller's context for the operation starting now (null without a callback).
+  ContextHandle capture() const {
+    const auto* fn = current_.load(std::memory_order_acquire);
+    return fn != nullptr ? (*fn)() : nullptr;
+  }
+
+ private:
+  std::atomic<const std::function<ContextHandle()>*> current_{nullptr};
+  std::mutex mutex_;  // guards kept_
+  std::vector<std::unique_ptr<const std::function<ContextHandle()>>> kept_;
 };
 
 // The last `capacity` entries, oldest first on read. Pushes take a short spin lock: the
 // hot path records up to three entries per malloc+free pair.
 class HistoryRing {
  public:
-  void push(const HistoryEntry& e) {
+  void push(HistoryEntry e) {
     lock();
     if (entries_.size() < capacity_) {
-      entries_.push_back(e);
+      entries_.push_back(std::move(e));
     } else {
-      entries_[next_] = e;
+      // The overwritten entry's context is dropped after the lock (in e's destructor).
+      std::swap(entries_[next_], e);
       next_ = next_ + 1 == capacity_ ? 0 : next_ + 1;
       overflowed_ = true;
     }
@@ -65,20 +93,30 @@ class HistoryRing {
   bool overflowed_ = false;
 };
 
+// The origin of the allocator operation starting in the caller (malloc, free, ...): its C++
+// stack without the allocator's frames if `cpp`, and the caller's context from `caller` if
+// not null. Not inlined, so the frames it skips are exactly itself and the operation.
+[[gnu::noinline]] Origin capture_origin(bool cpp, const ContextSource* caller);
+
 // The context of the allocator operation running on this thread: set for the duration of
 // a malloc, free or empty_cache while history is recorded, restored after (operations can
 // nest through free-memory callbacks).
 class OperationContext {
  public:
-  explicit OperationContext(StackTable::Id stack) : saved_(current_) { current_ = stack; }
+  explicit OperationContext(Origin origin) : origin_(std::move(origin)), saved_(current_) {
+    current_ = &origin_;
+  }
   ~OperationContext() { current_ = saved_; }
   OperationContext(const OperationContext&) = delete;
   OperationContext& operator=(const OperationContext&) = delete;
-  static StackTable::Id current() { return current_; }
+  // The running operation's origin (empty outside one).
+  static const Origin& current() { return current_ != nullptr ? *current_ : kNone; }
 
  private:
-  StackTable::Id saved_;
-  static thread_local StackTable::Id current_;
+  static const Origin kNone;
+  Origin origin_;
+  const Origin* saved_;
+  static thread_local const Origin* current_;
 };
 
 // Per-thread user metadata strings (set_user_metadata), interned process-wide.

@@ -96,6 +96,7 @@ std::vector<SegmentInfo> Engine::segments() const {
       seg.is_small = blocks.front()->pool->is_small;
       seg.is_expandable = blocks.front()->segment != nullptr;
       if (arena->pool != nullptr) seg.pool = arena->pool->id;
+      seg.context = blocks.front()->segment_stack.context;
       for (const Block* b : blocks) {
         const BlockState state = state_of(b);
         seg.total_size += b->size;
@@ -104,7 +105,8 @@ std::vector<SegmentInfo> Engine::segments() const {
           seg.active_size += b->size;
           seg.requested_size += b->requested_size;
         }
-        seg.blocks.push_back(BlockInfo{b->ptr, b->size, b->requested_size, state});
+        seg.blocks.push_back(BlockInfo{b->ptr, b->size, b->requested_size, state,
+                                      state != BlockState::kInactive ? b->stack.context : nullptr});
       }
       out.push_back(std::move(seg));
     }
@@ -131,6 +133,7 @@ void Engine::check_invariants() const {
   check_pool_membership(walk);
   check_expandable_segments(walk);
   check_stats_match_blocks(walk);
+  check_peaks_cover_current(walk);
   check_reserved_within_capacity();
   check_live_allocations_disjoint(walk);
   check_private_pool_blocks(walk);
@@ -440,6 +443,54 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
     violation(kName, "oversize_segments is %lld but segments add up to %lld",
               static_cast<long long>(device_stats_.oversize_segments.current),
               static_cast<long long>(recount.oversize_segments.current));
+  }
+}
+
+// The memory_stats() name of the j-th counter for_each_tracked() visits.
+static std::string tracked_counter_name(std::size_t j) {
+  static constexpr const char* kNames[7] = {"allocation",   "active",
+                                            "inactive_split", "allocated_bytes",
+                                            "active_bytes", "inactive_split_bytes",
+                                            "requested_bytes"};
+  static constexpr const char* kPools[3] = {"all", "small_pool", "large_pool"};
+  if (j == kTrackedCounters - 1) return "oversize_allocations";
+  return std::string(kNames[j % 7]) + "." + kPools[j / 7];
+}
+
+// An arena in debt has an operation under way (between its lock's release and the
+// settlement): only its own counters may exceed their baselines. The baseline is the
+// counter's Stat::peak less its unsettled debt (arena.hpp).
+void Engine::check_peaks_cover_current(const InvariantWalk& walk) const {
+  constexpr const char* kName = "peaks_cover_current";
+  std::array<std::int64_t, kTrackedCounters> current_sum{};
+  std::array<std::int64_t, kTrackedCounters> baseline_sum{};
+  bool any_debt = false;
+  for (const InvariantWalk::ArenaBlocks& entry : walk.arenas) {
+    const Arena* const arena = entry.arena;
+    arena->mutex.assert_held();  // check_invariants() holds every arena lock
+    const bool in_debt = arena->in_debt;
+    any_debt = any_debt || in_debt;
+    std::size_t j = 0;
+    for_each_tracked(arena->stats, arena->debts, [&](const Stat& s, const std::int64_t& debt) {
+      const std::int64_t b = s.peak - debt;
+      current_sum[j] += s.current;
+      baseline_sum[j] += b;
+      if (debt < 0 || (!in_debt && (debt != 0 || s.current > b))) {
+        violation(kName,
+                  "stream %" PRIu64 ": %s is %lld, baseline %lld, debt %lld, arena %s in debt",
+                  arena->stream, tracked_counter_name(j).c_str(),
+                  static_cast<long long>(s.current), static_cast<long long>(b),
+                  static_cast<long long>(debt), in_debt ? "marked" : "not marked");
+      }
+      ++j;
+    });
+  }
+  for (std::size_t j = 0; j < kTrackedCounters && !any_debt; ++j) {
+    if (baseline_sum[j] < current_sum[j]) {
+      violation(kName, "%s: device peak %lld is below its current %lld",
+                tracked_counter_name(j).c_str(), static_cast<long long>(baseline_sum[j]),
+                static_cast<long long>(current_sum[j]));
+    }
   }
 }
 

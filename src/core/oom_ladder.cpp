@@ -56,7 +56,9 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
   }
   if (block != nullptr) {
     const DevicePtr ptr = hand_out(arena, block, pos, req);
+    const bool debt = arena.in_debt;
     lock.unlock();
+    if (debt) settle_peak_debts();
     after_operation();
     return ptr;
   }
@@ -81,6 +83,7 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
   }
   if (block == nullptr && arena.pool == nullptr) {
     if (const DevicePtr ptr = malloc_from_oom_pools(*all, req)) {
+      settle_peak_debts(*all);
       all.reset();
       after_operation();
       return ptr;
@@ -88,6 +91,7 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
   }
   if (block == nullptr) raise_oom(arena, req, std::move(all));
   const DevicePtr ptr = hand_out(arena, block, pos, req);
+  settle_peak_debts(*all);
   all.reset();
   after_operation();
   return ptr;
@@ -351,7 +355,7 @@ void Engine::empty_cache() {
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
   std::optional<OperationContext> context;
   if (flags & kTraceHistory) {
-    context.emplace(flags & kCaptureOnFree ? stack_table().capture(1) : 0);
+    context.emplace(flags & kCaptureOnFree ? capture(flags) : Origin{});
   }
   if (!capturing()) {  // nothing goes back to the device during capture
     AllArenasLock all(*this);

@@ -328,6 +328,7 @@ PoolRestore Engine::restore_pool(const PoolCheckpoint& checkpoint) {
         }
       }
     }
+    settle_peak_debts(all);  // the restore counts as one operation for the peaks
   }
   after_operation();
   return out;

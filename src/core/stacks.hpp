@@ -39,6 +39,19 @@ class StackTable {
   std::unordered_map<std::vector<std::uintptr_t>, Id, Hash> ids_;
 };
 
+// Where an allocator operation came from (history.hpp): its C++ stack (0: none) and the caller's context (null:
+// none).
+struct Origin {
+  StackTable::Id cpp = 0;
+  ContextHandle context;
+  explicit operator bool() const { return cpp != 0 || context != nullptr; }
+  // Drops both; touches the reference count only when there is a handle (hot path).
+  void clear() {
+    cpp = 0;
+    if (context != nullptr) context.reset();
+  }
+};
+
 // Symbolizes one return address: "function" (demangled), "file", line (0 if unknown).
 // Exposed for tests.
 Frame symbolize_address(std::uintptr_t address);

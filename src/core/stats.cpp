@@ -1,7 +1,12 @@
 // Statistics: PyTorch's memory_stats() keys, and their combination across arenas.
 #include "ccalloc/stats.hpp"
 
+#include <algorithm>
+#include <array>
+#include <functional>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "core/engine.hpp"
 
@@ -119,17 +124,21 @@ DeviceStats DeviceStats::from_map(const std::map<std::string, std::int64_t>& m) 
 namespace core {
 
 // Device-wide statistics: the segment and reserved-memory statistics and the counters kept
-// by the device, plus the block statistics of every arena. With allocations on several
-// streams, each arena's peak is exact for its stream and the device's peak is their sum:
-// an upper bound of the true simultaneous peak, exact when one stream allocates.
+// by the device, plus the block statistics of every arena: their current values and totals
+// are sums over the arenas, their peaks the sums of the arenas' baselines (arena.hpp). Every
+// arena lock is held, so the baselines are read consistently, and a debt left by an
+// operation still under way is settled first: no peak is below its current value.
 DeviceStats Engine::stats() const {
   DeviceStats total;
+  const AllArenasLock all(*this);
+  settle_peak_debts(all);
   {
     Lock lock(device_mutex_);
     total = device_stats_;
   }
-  for (Arena* arena : arena_list()) {
-    Lock lock(arena->mutex);
+  PeakBaselines peaks;
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
     for (int pool = 0; pool < 3; ++pool) {
       total.allocation[pool] += arena->stats.allocation[pool];
       total.active[pool] += arena->stats.active[pool];
@@ -140,19 +149,90 @@ DeviceStats Engine::stats() const {
       total.requested_bytes[pool] += arena->stats.requested_bytes[pool];
     }
     total.oversize_allocations += arena->stats.oversize_allocations;
+    for_each_tracked(peaks, arena->debts, [](std::int64_t& sum, const std::int64_t& debt) {
+      sum -= debt;  // 0 once settled
+    });
+    for_each_tracked(arena->stats, peaks,
+                     [](const Stat& s, std::int64_t& sum) { sum += s.peak; });
   }
+  for_each_tracked(total, peaks, [](Stat& s, const std::int64_t& peak) { s.peak = peak; });
   return total;
 }
 
+// Per counter: D, the debt of the arenas above their baseline, and R, the room of those
+// below. D > R: a new device-wide peak, every baseline becomes its arena's current. Else the
+// debtors' baselines rise to their currents and D comes out of the others' room, largest
+// first, so the sum of the baselines (the peak) is unchanged and arenas keep what room they
+// can: handing all of it to the settling arena would make every other arena settle on its
+// next increase, and streams taking turns would settle on every operation.
+void Engine::settle_peak_debts(const AllArenasLock& all) const {
+  const std::vector<Arena*>& arenas = all.by_stream();
+  bool any = false;
+  for (Arena* arena : arenas) {
+    all.held(*arena);
+    any = any || arena->in_debt;
+  }
+  if (!any) return;
+
+  // Each counter's baseline, taken out of its Stat::peak (less the debt) and put back.
+  struct Entry {
+    std::int64_t current;
+    std::int64_t* baseline;
+  };
+  std::vector<std::array<Entry, kTrackedCounters>> rows(arenas.size());
+  for (std::size_t i = 0; i < arenas.size(); ++i) {
+    Arena& arena = *arenas[i];
+    all.held(arena);
+    std::size_t j = 0;
+    for_each_tracked(arena.stats, arena.debts, [&](Stat& s, std::int64_t& debt) {
+      s.peak -= debt;
+      debt = 0;
+      rows[i][j++] = Entry{s.current, &s.peak};
+    });
+    arena.in_debt = false;
+  }
+  std::vector<std::pair<std::int64_t, std::size_t>> room;  // (room, arena index)
+  for (std::size_t j = 0; j < kTrackedCounters; ++j) {
+    std::int64_t debt = 0;
+    std::int64_t total_room = 0;
+    room.clear();
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      Entry& e = rows[i][j];
+      const std::int64_t d = e.current - *e.baseline;
+      if (d > 0) {
+        debt += d;
+        *e.baseline = e.current;
+      } else if (d < 0) {
+        total_room -= d;
+        room.emplace_back(-d, i);
+      }
+    }
+    if (debt == 0) continue;
+    if (debt >= total_room) {  // a new peak (or the old one reached again)
+      for (const auto& [r, i] : room)
+        *rows[i][j].baseline = rows[i][j].current;
+      continue;
+    }
+    std::sort(room.begin(), room.end(), std::greater<>());
+    for (const auto& [r, i] : room) {
+      const std::int64_t take = std::min(r, debt);
+      *rows[i][j].baseline -= take;
+      debt -= take;
+      if (debt == 0) break;
+    }
+  }
+}
+
 void Engine::reset_peak_stats() {
-  {
-    Lock lock(device_mutex_);
-    device_stats_.reset_peak();
+  const AllArenasLock all(*this);
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
+    arena->stats.reset_peak();  // every baseline at its current
+    arena->debts = PeakBaselines{};
+    arena->in_debt = false;
   }
-  for (Arena* arena : arena_list()) {
-    Lock lock(arena->mutex);
-    arena->stats.reset_peak();
-  }
+  Lock lock(device_mutex_);
+  device_stats_.reset_peak();
 }
 
 void Engine::reset_accumulated_stats() {

@@ -102,8 +102,8 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
     throw OutOfMemoryError("CUDA out of memory. Tried to allocate more than 1EB memory.",
                            driver_.device(), size);
   }
-  const StackTable::Id stack =
-      capture_on_malloc_.load(std::memory_order_relaxed) ? stack_table().capture(1) : 0;
+  const Origin stack =
+      capture_on_malloc_.load(std::memory_order_relaxed) ? capture() : Origin{};
   const std::size_t rounded = round_size(size, config_);
   const bool small = is_small_size(rounded);
   std::unique_lock lock(mutex_);
@@ -154,8 +154,8 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
 
 void StitchEngine::free(DevicePtr ptr) {
   if (ptr == 0) return;
-  const StackTable::Id stack =
-      capture_on_free_.load(std::memory_order_relaxed) ? stack_table().capture(1) : 0;
+  const Origin stack =
+      capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{};
   {
     std::lock_guard lock(mutex_);
     const auto it = live_.find(ptr);
@@ -168,7 +168,7 @@ void StitchEngine::free(DevicePtr ptr) {
       stats_.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
     }
     record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, b->space->arena->stream, stack);
-    b->stack = stack != 0 ? stack : b->stack;
+    if (stack) b->stack = stack;
     if (b->stream_uses.empty()) {
       free_block(b);
     } else {
@@ -259,7 +259,7 @@ StitchEngine::Block* StitchEngine::split_off_front(Block* b, std::size_t size) {
 }
 
 DevicePtr StitchEngine::hand_out(Arena& arena, Block* block, std::size_t size,
-                                 std::size_t requested, StackTable::Id stack) {
+                                 std::size_t requested, const Origin& stack) {
   const bool small = block->space->small;
   Pool& pool = arena.pool(small);
   pool.erase(block);
@@ -294,7 +294,7 @@ void StitchEngine::free_block(Block* b) {
   }
   record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, s.arena->stream, b->stack);
   b->kind = Block::Kind::kFree;
-  b->stack = 0;
+  b->stack = {};
   if (b->prev != nullptr && b->prev->kind == Block::Kind::kFree) {
     Block* p = b->prev;
     pool.erase(p);
@@ -511,7 +511,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
       ++h->mappings[piece];
       s->pages[start + k + i] = Page{h, piece};
     }
-    record_trace(TraceAction::kSegmentMap, va, len * page_, arena.stream, 0);
+    record_trace(TraceAction::kSegmentMap, va, len * page_, arena.stream, Origin{});
     k += len;
   }
   Pool& pool = arena.pool(small);
@@ -609,7 +609,7 @@ void StitchEngine::release_cache() {
           }
           const DevicePtr va = page_va(s, first);
           driver_.unmap(va, n * page_);
-          record_trace(TraceAction::kSegmentUnmap, va, n * page_, arena->stream, 0);
+          record_trace(TraceAction::kSegmentUnmap, va, n * page_, arena->stream, Origin{});
           for (std::size_t i = 0; i < n; ++i) {
             Page& page = s.pages[first + i];
             Handle* h = page.handle;
@@ -784,20 +784,21 @@ void StitchEngine::add_trace_observer(TraceObserver observer) {
 }
 
 void StitchEngine::record_trace(TraceAction action, DevicePtr addr, std::size_t size,
-                                StreamId stream, StackTable::Id stack) {
+                                StreamId stream, const Origin& stack) {
   if (!history_on_ && trace_observers_.empty()) return;
   const std::int64_t now = driver_.now_us();
   if (history_on_) {
     history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
   }
-  const TraceEntry entry{action, addr, size, stream, now};
+  const TraceEntry entry{action, addr, size, stream, now,
+                         stack.context ? &stack.context : nullptr};
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }
 
 void StitchEngine::raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
                              std::size_t requested, std::size_t rounded, bool small,
-                             StackTable::Id stack) {
+                             const Origin& stack) {
   const MemInfo info = driver_.mem_info();
   ++stats_.num_ooms;
   record_trace(TraceAction::kOom, info.free_bytes, rounded, arena.stream, stack);
@@ -836,10 +837,14 @@ void StitchEngine::raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
 void StitchEngine::record_history(const HistoryOptions& options) {
   using O = HistoryOptions;
   const bool on = options.enabled != O::Enabled::kNone;
-  const bool stacks =
-      on && options.stacks == O::Stacks::kCpp && options.context >= O::Context::kAlloc;
+  const bool cpp = options.stacks == O::Stacks::kCpp;
+  const bool caller = static_cast<bool>(options.capture_context);
+  const bool stacks = on && (cpp || caller) && options.context >= O::Context::kAlloc;
   std::lock_guard lock(mutex_);
   history_on_ = on && options.enabled == O::Enabled::kAll;
+  contexts_.set(options.capture_context);
+  capture_cpp_.store(cpp, std::memory_order_relaxed);
+  capture_caller_.store(caller, std::memory_order_relaxed);
   capture_on_malloc_.store(stacks && history_on_, std::memory_order_relaxed);
   capture_on_free_.store(stacks && history_on_ && options.context == O::Context::kAll,
                          std::memory_order_relaxed);
@@ -906,7 +911,9 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
             seg = &out.emplace_back();
             start_segment(*seg, device(), *b, arena->stream, s->small);
           }
-          seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, count_block(*seg, *b)});
+          const BlockState state = count_block(*seg, *b);
+          seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, state,
+                                          state != BlockState::kInactive ? b->stack.context : nullptr});
         }
       }
     }
@@ -919,11 +926,11 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
 Snapshot StitchEngine::snapshot() {
   Snapshot s;
   std::vector<HistoryEntry> entries;
-  std::vector<std::pair<SnapshotSegment, std::vector<StackTable::Id>>> segs;
+  std::vector<std::pair<SnapshotSegment, std::vector<Origin>>> segs;
   {
     std::lock_guard lock(mutex_);
     record_trace(TraceAction::kSnapshot, 0,
-                 static_cast<std::size_t>(stats_.active_bytes[kAggregate].current), 0, 0);
+                 static_cast<std::size_t>(stats_.active_bytes[kAggregate].current), 0, Origin{});
     entries = history_.entries();
     s.allocator_settings = settings_of(config_);
     s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
@@ -948,7 +955,7 @@ Snapshot StitchEngine::snapshot() {
             block.requested_size = b->requested;
             block.state = count_block(*seg, *b);
             seg->blocks.push_back(block);
-            segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : 0);
+            segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});
           }
         }
       }
@@ -956,11 +963,11 @@ Snapshot StitchEngine::snapshot() {
   }
   std::vector<StackTable::Id> ids;
   for (const HistoryEntry& e : entries) {
-    if (e.stack != 0) ids.push_back(e.stack);
+    if (e.stack.cpp != 0) ids.push_back(e.stack.cpp);
   }
   for (const auto& [seg, stacks] : segs) {
-    for (const StackTable::Id id : stacks) {
-      if (id != 0) ids.push_back(id);
+    for (const Origin& o : stacks) {
+      if (o.cpp != 0) ids.push_back(o.cpp);
     }
   }
   std::sort(ids.begin(), ids.end());
@@ -968,8 +975,9 @@ Snapshot StitchEngine::snapshot() {
   const auto frames = stack_table().symbolize(ids);
   for (auto& [seg, stacks] : segs) {
     for (std::size_t i = 0; i < seg.blocks.size(); ++i) {
-      const auto f = frames.find(stacks[i]);
-      if (stacks[i] != 0 && f != frames.end()) seg.blocks[i].frames = f->second;
+      const auto f = frames.find(stacks[i].cpp);
+      if (stacks[i].cpp != 0 && f != frames.end()) seg.blocks[i].frames = f->second;
+      seg.blocks[i].context = std::move(stacks[i].context);
     }
     s.segments.push_back(std::move(seg));
   }

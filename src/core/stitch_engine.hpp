@@ -96,7 +96,7 @@ class StitchEngine final : public Backend {
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
   const Config& config() const override { return config_; }
-  const char* backend_name() const override { return "the stitching policy (stitch_segments)"; }
+  const char* policy_name() const override { return "the stitching policy (stitch_segments)"; }
   Driver& driver() const override { return driver_; }
 
   // Physical pieces held: spare ones (live nowhere) and all; pages mapped dead.
@@ -131,7 +131,7 @@ class StitchEngine final : public Backend {
     Kind kind = Kind::kFree;
     int event_count = 0;
     std::vector<StreamId> stream_uses;
-    StackTable::Id stack = 0;
+    Origin stack;  // of its allocation, while active
     DevicePtr end() const { return ptr + size; }
   };
   struct BySizeThenAddress {
@@ -178,7 +178,7 @@ class StitchEngine final : public Backend {
   Space& new_space(Arena& arena, bool small);
   DevicePtr page_va(const Space& s, std::size_t page) const { return s.base + page * page_; }
   DevicePtr hand_out(Arena& arena, Block* block, std::size_t size, std::size_t requested,
-                     StackTable::Id stack);
+                     const Origin& stack);
   void free_block(Block* block);
   void make_void(Space& s, Block* from, DevicePtr lo, DevicePtr hi);
   Block* split_off_front(Block* b, std::size_t size);
@@ -192,10 +192,10 @@ class StitchEngine final : public Backend {
   void delete_block(Block* b);
   void add_reserved(bool small, std::int64_t bytes);
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
-                    StackTable::Id stack);
+                    const Origin& stack);
   [[noreturn]] void raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
                               std::size_t requested, std::size_t rounded, bool small,
-                              StackTable::Id stack);
+                              const Origin& stack);
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
   }
@@ -206,6 +206,14 @@ class StitchEngine final : public Backend {
   std::atomic<bool> check_invariants_{false};
   std::atomic<bool> capture_on_malloc_{false};
   std::atomic<bool> capture_on_free_{false};
+  std::atomic<bool> capture_cpp_{false};     // a capture takes the C++ stack
+  std::atomic<bool> capture_caller_{false};  // and the caller's context
+  ContextSource contexts_;
+  // The origin of the operation starting now; inlined, so capture_origin skips its frame.
+  [[gnu::always_inline]] Origin capture() const {
+    return capture_origin(capture_cpp_.load(std::memory_order_relaxed),
+                          capture_caller_.load(std::memory_order_relaxed) ? &contexts_ : nullptr);
+  }
 
   mutable std::mutex mutex_;
   std::size_t page_ = 0;          // the driver's granularity

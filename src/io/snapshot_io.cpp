@@ -592,6 +592,16 @@ void write_snapshot(const std::string& path, const Snapshot& s) {
   write_value_file(path, to_value(s));
 }
 
+void write_snapshot(const std::string& path, const Snapshot& s, const ContextFrames& frames) {
+  if (!frames) {
+    write_snapshot(path, s);
+    return;
+  }
+  Snapshot rendered = s;
+  render_contexts(rendered, frames);
+  write_value_file(path, to_value(rendered));
+}
+
 std::vector<TraceRecord> trace_records(const Snapshot& s, int device) {
   std::vector<TraceRecord> out;
   if (device < 0 || static_cast<std::size_t>(device) >= s.device_traces.size()) return out;

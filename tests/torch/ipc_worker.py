@@ -22,15 +22,20 @@ def child(allocator, to_child, to_parent):
     try:
         install(allocator)
         import torch
+        expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        # In the expandable runs, 18 MiB first: `own` then straddles two 20 MiB pages.
+        pad = torch.empty(18 << 20, dtype=torch.uint8, device="cuda") if expandable else None
         received = to_child.get(timeout=120)
         total = float(received.double().sum())
+        exact = bool(torch.equal(received, torch.arange(1000, 2000, dtype=torch.float32, device="cuda")))
         received.add_(1)
         torch.cuda.synchronize()
         own = torch.arange(3 << 20, dtype=torch.float32, device="cuda")
-        to_parent.put({"backend": torch.cuda.get_allocator_backend(), "sum": total,
-                       "tensor": own[1000:1010]})
+        torch.cuda.synchronize()
+        to_parent.put({"backend": torch.cuda.get_allocator_backend(), "sum": total, "exact": exact,
+                       "tensor": own[1000:1000 + (1 << 19)]})
         to_child.get(timeout=120)  # the parent has read `own`
-        del received
+        del received, pad
         to_parent.put({"done": True})
     except BaseException as e:  # reported to the parent, which fails the test with it
         to_parent.put({"error": f"{type(e).__name__}: {e}"})

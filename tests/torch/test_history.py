@@ -81,11 +81,16 @@ trace_html = _memory_viz.trace_plot(dumped)
 segment_html = _memory_viz.segment_plot(dumped)
 named = any(frames_name(e.get("frames"), "allocate_in_named_function")
             for e in dumped["device_traces"][0])
-emit(named=named, trace_html=len(trace_html) > 1000 and "<html" in trace_html.lower(),
+blocks_named = sorted(frames_name(b.get("frames"), "allocate_in_named_function")
+                      for seg in dumped["segments"] for b in seg["blocks"]
+                      if b["state"] == "active_allocated")
+emit(named=named, blocks_named=blocks_named,
+     trace_html=len(trace_html) > 1000 and "<html" in trace_html.lower(),
      segment_html=len(segment_html) > 1000 and "<html" in segment_html.lower(),
      keys=sorted(dumped))
 """)
     assert pytorch["named"] and pytorch["trace_html"] and pytorch["segment_html"]
+    assert pytorch["blocks_named"].count(True) == 2  # the two live tensors of the function
     assert_same(pytorch, ccalloc, "dumped snapshot rendered by _memory_viz")
 
 
@@ -101,3 +106,90 @@ emit(enabled=enabled, stopped=stopped, entries=len(torch.cuda.memory._snapshot()
 """)
     assert pytorch == {"enabled": True, "stopped": False, "entries": 0}
     assert_same(pytorch, ccalloc, "history switched off")
+
+
+CONTEXT_LEVEL = """
+MiB = 1 << 20
+
+def allocate_in_named_function():
+    return torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+
+def free_in_named_function(holder):
+    holder.clear()  # the list holds the only reference: the tensor is freed in here
+
+def named(frames, name):
+    return any(f.get("name") == name for f in frames or [])
+
+def record(context, stacks):
+    torch.cuda.memory._record_memory_history(context=context, stacks=stacks, max_entries=1000)
+    keep = allocate_in_named_function()
+    free_in_named_function([allocate_in_named_function()])
+    torch.cuda.synchronize()
+    s = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    entries = [[e["action"], bool(e.get("frames")),
+                named(e.get("frames"), "allocate_in_named_function"),
+                named(e.get("frames"), "free_in_named_function")]
+               for e in s["device_traces"][0] if e["action"] != "snapshot"]
+    blocks = sorted([b["state"], bool(b.get("frames")),
+                     named(b.get("frames"), "allocate_in_named_function")]
+                    for seg in s["segments"] for b in seg["blocks"])
+    del keep
+    torch.cuda.empty_cache()
+    return {"entries": entries, "blocks": blocks}
+"""
+
+
+def test_context_levels_put_frames_where_pytorch_does():
+    pytorch, ccalloc = both(CONTEXT_LEVEL + """
+emit(**{level: record(level, "python") for level in ("state", "alloc", "all")})
+""")
+    # state: blocks only; alloc: entries too, frees with the allocation's frames; all: frees
+    # with their own.
+    assert not any(has for _, has, _, _ in pytorch["state"]["entries"])
+    assert any(freed for a, _, _, freed in pytorch["all"]["entries"] if a == "free_requested")
+    assert not any(freed for a, _, _, freed in pytorch["alloc"]["entries"])
+    for level in ("state", "alloc", "all"):
+        assert_same(pytorch[level], ccalloc[level], "context=" + level)
+
+
+def test_stacks_choice_gathers_the_same_kinds_of_frames():
+    pytorch, ccalloc = both(CONTEXT_LEVEL + """
+out = {}
+for stacks in ("python", "all", "cpp"):
+    r = record("all", stacks)
+    out[stacks] = [[a, has, py] for a, has, py, _ in r["entries"] if a == "alloc"]
+emit(**out)
+""")
+    assert all(py for _, _, py in pytorch["python"])
+    assert not any(py for _, _, py in pytorch["cpp"])
+    for stacks in ("python", "all", "cpp"):
+        assert_same(pytorch[stacks], ccalloc[stacks], "stacks=" + stacks)
+
+
+def test_blocks_keep_their_frames_after_history_stops():
+    pytorch, ccalloc = both(CONTEXT_LEVEL + """
+torch.cuda.memory._record_memory_history(max_entries=1000)
+keep = allocate_in_named_function()
+torch.cuda.memory._record_memory_history(enabled=None)
+s = torch.cuda.memory._snapshot()
+emit(blocks=sorted(named(b.get("frames"), "allocate_in_named_function")
+                   for seg in s["segments"] for b in seg["blocks"]
+                   if b["state"] == "active_allocated"),
+     entries=len(s["device_traces"][0]))
+""")
+    assert_same(pytorch, ccalloc, "block frames after history stops")
+
+
+def test_max_entries_keeps_the_newest_entries():
+    pytorch, ccalloc = both(CONTEXT_LEVEL + """
+torch.cuda.memory._record_memory_history(max_entries=5)
+for _ in range(4):
+    free_in_named_function([allocate_in_named_function()])
+torch.cuda.synchronize()
+s = torch.cuda.memory._snapshot()
+emit(actions=[[e["action"], named(e.get("frames"), "allocate_in_named_function")]
+              for e in s["device_traces"][0]])
+""")
+    assert len(pytorch["actions"]) == 5
+    assert_same(pytorch, ccalloc, "max_entries ring")

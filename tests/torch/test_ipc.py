@@ -1,7 +1,10 @@
 """CUDA tensors shared through torch.multiprocessing (spawn) between a process on ccalloc and
 a process on PyTorch's allocator, in both directions: each side opens the other's memory
 through its own allocator (PyTorch's shareable-handle format), sees its values and its
-in-place writes."""
+in-place writes. Both with native segments (handle type 'c': the segment's
+cudaIpcMemHandle) and with expandable_segments:True on both sides (type 'e': the pages'
+POSIX file descriptors, copied with pidfd_getfd). In the expandable runs each side first
+allocates 18 MiB, so that the shared tensor straddles two 20 MiB pages at a non-zero offset."""
 
 import pytest
 
@@ -16,15 +19,19 @@ ctx = mp.get_context("spawn")
 to_child, to_parent = ctx.Queue(), ctx.Queue()
 process = ctx.Process(target=ipc_worker.child, args=(CHILD, to_child, to_parent))
 process.start()
+pad = torch.empty(18 << 20, dtype=torch.uint8, device="cuda") if EXPANDABLE else None
 base = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
 view = base[1000:2000]  # an offset inside the allocation, which is inside a segment
 torch.cuda.synchronize()
+segments = torch.cuda.memory_snapshot()
+base_is_expandable = any(s["is_expandable"] for s in segments
+                         if s["address"] <= base.data_ptr() < s["address"] + s["total_size"])
 to_child.put(view)
 reply = to_parent.get(timeout=180)
 if "error" in reply:
     raise RuntimeError("child: " + reply["error"])
 received = reply["tensor"]
-child_backend, child_sum = reply["backend"], reply["sum"]
+child_backend, child_sum, child_exact = reply["backend"], reply["sum"], reply["exact"]
 values = received.cpu().tolist()
 del received, reply
 to_child.put("done")
@@ -33,27 +40,46 @@ if "error" in finished:
     raise RuntimeError("child: " + finished["error"])
 process.join(timeout=180)
 torch.cuda.synchronize()
-emit(child_backend=child_backend, child_sum=child_sum, parent_sees_child_write=bool(
-         torch.equal(base[1000:2000], torch.arange(1000, 2000, dtype=torch.float32, device="cuda") + 1)),
-     parent_reads_child_tensor=values == [float(v) for v in range(1000, 1010)],
+expected = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+expected[1000:2000] += 1
+emit(child_backend=child_backend, child_sum=child_sum, child_exact=child_exact,
+     parent_sees_child_write=bool(torch.equal(base, expected)),
+     parent_reads_child_tensor=values == [float(v) for v in range(1000, 1000 + (1 << 19))],
+     expandable=EXPANDABLE, base_is_expandable=base_is_expandable,
      exitcode=process.exitcode)
 """
 
 
-@pytest.mark.parametrize("parent,child", [("ccalloc", "pytorch"), ("pytorch", "ccalloc")])
-def test_cuda_tensors_cross_between_ccalloc_and_pytorch_processes(parent, child):
-    result = run(parent, f"CHILD = {child!r}\n" + PARENT, timeout=600)
+SEGMENTS = [pytest.param(None, id="native"), pytest.param("expandable_segments:True", id="expandable")]
+
+
+def exchange(parent, child, conf):
+    script = f"CHILD = {child!r}\nEXPANDABLE = {conf is not None!r}\n" + PARENT
+    return run(parent, script, conf=conf, timeout=600)
+
+
+def check(result, child, conf):
     assert result["exitcode"] == 0
     assert result["child_backend"] == ("ccalloc" if child == "ccalloc" else "native")
+    assert result["base_is_expandable"] == (conf is not None), "the parent's tensor is in the wrong kind of segment"
     assert result["child_sum"] == sum(range(1000, 2000)), "the child read wrong values"
-    assert result["parent_sees_child_write"], "the child's in-place add did not reach the parent's tensor"
+    assert result["child_exact"], "the child read wrong values"
+    assert result["parent_sees_child_write"], "the child's in-place add did not reach the parent's tensor (or touched more)"
     assert result["parent_reads_child_tensor"], "the parent read wrong values from the child's tensor"
 
 
-@pytest.mark.parametrize("parent,child", [("ccalloc", "ccalloc")])
-def test_cuda_tensors_cross_between_two_ccalloc_processes(parent, child):
-    result = run(parent, f"CHILD = {child!r}\n" + PARENT, timeout=600)
-    assert result["exitcode"] == 0
-    assert result["child_backend"] == "ccalloc"
-    assert result["child_sum"] == sum(range(1000, 2000))
-    assert result["parent_sees_child_write"] and result["parent_reads_child_tensor"]
+@pytest.mark.parametrize("conf", SEGMENTS)
+@pytest.mark.parametrize("parent,child", [("ccalloc", "pytorch"), ("pytorch", "ccalloc")])
+def test_cuda_tensors_cross_between_ccalloc_and_pytorch_processes(parent, child, conf):
+    check(exchange(parent, child, conf), child, conf)
+
+
+@pytest.mark.parametrize("conf", SEGMENTS)
+def test_cuda_tensors_cross_between_two_ccalloc_processes(conf):
+    check(exchange("ccalloc", "ccalloc", conf), "ccalloc", conf)
+
+
+@pytest.mark.parametrize("conf", SEGMENTS)
+def test_cuda_tensors_cross_between_two_pytorch_processes(conf):
+    """The reference: what the tests above require of ccalloc holds for PyTorch alone."""
+    check(exchange("pytorch", "pytorch", conf), "pytorch", conf)

@@ -166,6 +166,25 @@ emit(error=error, seen=seen, num_ooms=torch.cuda.memory_stats()["num_ooms"])
     assert_same(pytorch["seen"], ccalloc["seen"], "OOM observer calls (device, bytes)")
 
 
+def test_allocator_settings_changed_while_the_allocator_is_live_apply_to_new_segments():
+    # vLLM's pattern: expandable_segments toggled with tensors of both kinds alive.
+    pytorch, ccalloc = both("""
+x = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+y = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._set_allocator_settings("expandable_segments:False,max_split_size_mb:64")
+z = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+segments = torch.cuda.memory._snapshot()["segments"]
+def kind(t):
+    p = t.data_ptr()
+    return next(s["is_expandable"] for s in segments if s["address"] <= p < s["address"] + s["total_size"])
+emit(kinds=[kind(x), kind(y), kind(z)], stats=dict(torch.cuda.memory_stats()))
+""")
+    assert pytorch["kinds"] == [False, True, False], pytorch["kinds"]
+    assert_same(pytorch["kinds"], ccalloc["kinds"], "is_expandable of x, y, z")
+    assert_same(pytorch["stats"], ccalloc["stats"], "memory_stats() after live setting changes")
+
+
 def test_allocator_settings_set_at_run_time_reach_the_allocator():
     pytorch, ccalloc = both("""
 torch.cuda.memory._set_allocator_settings("expandable_segments:True")

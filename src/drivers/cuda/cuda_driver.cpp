@@ -2,10 +2,16 @@
 // time, and libcuda is only opened by the runtime when a device is asked for). The
 // virtual-memory calls are driver API functions that the runtime looks up for us, so
 // libcuda stays a run-time dependency only.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "ccalloc/cuda.hpp"
@@ -77,6 +83,8 @@ struct DriverApi {
   PFN_cuMemMap_v10020 map = nullptr;
   PFN_cuMemSetAccess_v10020 set_access = nullptr;
   PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemExportToShareableHandle_v10020 export_handle = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 import_handle = nullptr;
 };
 
 // The ABI version asked for: the newest version of each symbol at or below it.
@@ -119,6 +127,8 @@ const DriverApi& driver_api(int device) {
     load_entry_point("cuMemMap", a.map, device);
     load_entry_point("cuMemSetAccess", a.set_access, device);
     load_entry_point("cuMemUnmap", a.unmap, device);
+    load_entry_point("cuMemExportToShareableHandle", a.export_handle, device);
+    load_entry_point("cuMemImportFromShareableHandle", a.import_handle, device);
     api = a;
   });
   return api;
@@ -176,6 +186,57 @@ class RelaxedCaptureMode {
  private:
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
+// The CUDA handle type of a share kind. Fabric handles exist since CUDA 12.3.
+CUmemAllocationHandleType handle_type(ShareKind kind, int device) {
+  if (kind == ShareKind::kPosixFd) return CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+#if CUDA_VERSION >= 12030
+  (void)device;
+  return CU_MEM_HANDLE_TYPE_FABRIC;
+#else
+  throw DriverError("ccalloc: this build's CUDA (before 12.3) has no fabric handles (device " +
+                    std::to_string(device) + ")");
+#endif
+}
+
+unsigned requested_handle_types(unsigned kinds, int device) {
+  unsigned types = 0;
+  for (const ShareKind k : {ShareKind::kPosixFd, ShareKind::kFabric}) {
+    if (kinds & share_kind_bit(k)) types |= static_cast<unsigned>(handle_type(k, device));
+  }
+  return types;
+}
+
+unsigned initial_exportable_kinds() {
+  const char* env = std::getenv("TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return 0;
+  return share_kind_bit(ShareKind::kPosixFd);
+}
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+// This process's copy of descriptor `fd` of process `pid`.
+int copy_descriptor(int pid, int fd, int device) {
+  const auto fail_with = [&](const char* call, int err) {
+    throw DriverError(std::string("ccalloc: ") + call + " for descriptor " + std::to_string(fd) +
+                      " of process " + std::to_string(pid) + " failed on CUDA device " +
+                      std::to_string(device) + ": " + std::strerror(err) +
+                      (err == ENOSYS ? " (the kernel lacks it: Linux 5.6 or later is needed)"
+                       : err == EPERM ? " (this process may not ptrace the exporter)"
+                                      : ""));
+  };
+  const long pidfd = syscall(SYS_pidfd_open, pid, 0);
+  if (pidfd < 0) fail_with("pidfd_open", errno);
+  const long mine = syscall(SYS_pidfd_getfd, pidfd, fd, 0);
+  const int err = errno;
+  close(static_cast<int>(pidfd));
+  if (mine < 0) fail_with("pidfd_getfd", err);
+  return static_cast<int>(mine);
+}
 
 }  // namespace
 
@@ -232,7 +293,7 @@ RuntimeInfo probe() {
   return info;
 }
 
-CudaDriver::CudaDriver(int device) : device_(device) {
+CudaDriver::CudaDriver(int device) : device_(device), exportable_kinds_(initial_exportable_kinds()) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
@@ -250,7 +311,10 @@ CudaDriver::CudaDriver(int device) : device_(device) {
           format_size(prop.totalGlobalMem) + ")";
 }
 
-CudaDriver::~CudaDriver() = default;
+CudaDriver::~CudaDriver() {
+  for (const auto& [handle, fd] : exported_fds_)
+    close(fd);
+}
 
 DevicePtr CudaDriver::allocate(std::size_t bytes) {
   DeviceGuard guard(device_);
@@ -357,7 +421,9 @@ PhysicalHandle CudaDriver::create_physical(std::size_t bytes) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
   const RelaxedCaptureMode relaxed;
-  const CUmemAllocationProp prop = device_allocation(device_);
+  CUmemAllocationProp prop = device_allocation(device_);
+  prop.requestedHandleTypes = static_cast<CUmemAllocationHandleType>(
+      requested_handle_types(exportable_kinds_.load(std::memory_order_relaxed), device_));
   CUmemGenericAllocationHandle handle = 0;
   const CUresult r = api.create(&handle, bytes, &prop, 0);
   if (r == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -369,6 +435,14 @@ PhysicalHandle CudaDriver::create_physical(std::size_t bytes) {
 }
 
 void CudaDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
+  {
+    std::lock_guard lock(fds_mutex_);
+    const auto fd = exported_fds_.find(handle);
+    if (fd != exported_fds_.end()) {
+      close(fd->second);
+      exported_fds_.erase(fd);
+    }
+  }
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
   const RelaxedCaptureMode relaxed;
@@ -418,6 +492,102 @@ void CudaDriver::unmap(DevicePtr va, std::size_t bytes) {
   DeviceGuard guard(device_, /*bind_context=*/true);
   cu_check(api, api.unmap(static_cast<CUdeviceptr>(va), bytes),
            "cuMemUnmap(" + range_args(va, bytes) + ")", device_);
+}
+
+// --- Sharing with other processes ---
+
+void CudaDriver::set_exportable_kinds(unsigned kinds) {
+  (void)requested_handle_types(kinds, device_);  // throws for a kind this build lacks
+  exportable_kinds_.store(kinds, std::memory_order_relaxed);
+}
+
+unsigned CudaDriver::exportable_kinds() const {
+  return exportable_kinds_.load(std::memory_order_relaxed);
+}
+
+std::string CudaDriver::export_physical(PhysicalHandle handle, ShareKind kind) {
+  const DriverApi& api = driver_api(device_);
+  if (kind == ShareKind::kPosixFd) {
+    std::lock_guard lock(fds_mutex_);
+    auto it = exported_fds_.find(handle);
+    if (it == exported_fds_.end()) {
+      DeviceGuard guard(device_, /*bind_context=*/true);
+      int fd = -1;
+      cu_check(api,
+               api.export_handle(&fd, static_cast<CUmemGenericAllocationHandle>(handle),
+                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+               "cuMemExportToShareableHandle(POSIX file descriptor)", device_);
+      it = exported_fds_.emplace(handle, fd).first;
+    }
+    const std::int32_t fd = it->second;
+    return std::string(reinterpret_cast<const char*>(&fd), sizeof fd);
+  }
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  std::string out(share_kind_bytes(kind), '\0');
+  cu_check(api,
+           api.export_handle(out.data(), static_cast<CUmemGenericAllocationHandle>(handle),
+                             handle_type(kind, device_), 0),
+           "cuMemExportToShareableHandle(fabric)", device_);
+  return out;
+}
+
+PhysicalHandle CudaDriver::import_physical(std::string_view exported, ShareKind kind, int pid,
+                                           std::size_t bytes) {
+  const DriverApi& api = driver_api(device_);
+  if (exported.size() != share_kind_bytes(kind)) {
+    throw DriverError("ccalloc: import_physical of " + std::to_string(exported.size()) +
+                      " bytes on CUDA device " + std::to_string(device_) + ": expected " +
+                      std::to_string(share_kind_bytes(kind)));
+  }
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  CUmemGenericAllocationHandle handle = 0;
+  if (kind == ShareKind::kPosixFd) {
+    std::int32_t theirs = 0;
+    std::memcpy(&theirs, exported.data(), sizeof theirs);
+    const int mine = copy_descriptor(pid, theirs, device_);
+    const CUresult r = api.import_handle(
+        &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(mine)),
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    close(mine);
+    cu_check(api, r,
+             "cuMemImportFromShareableHandle(descriptor " + std::to_string(theirs) +
+                 " of process " + std::to_string(pid) + ", " + std::to_string(bytes) + " bytes)",
+             device_);
+  } else {
+    std::string copy(exported);
+    cu_check(api, api.import_handle(&handle, copy.data(), handle_type(kind, device_)),
+             "cuMemImportFromShareableHandle(fabric handle of process " + std::to_string(pid) + ")",
+             device_);
+  }
+  return static_cast<PhysicalHandle>(handle);
+}
+
+std::string CudaDriver::export_allocation(DevicePtr base) {
+  DeviceGuard guard(device_);
+  cudaIpcMemHandle_t h;
+  check(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)), "cudaIpcGetMemHandle", device_);
+  static_assert(sizeof h == kAllocationHandleBytes);
+  return std::string(reinterpret_cast<const char*>(&h), sizeof h);
+}
+
+DevicePtr CudaDriver::open_allocation(std::string_view exported) {
+  if (exported.size() != kAllocationHandleBytes) {
+    throw DriverError("ccalloc: open_allocation of " + std::to_string(exported.size()) +
+                      " bytes on CUDA device " + std::to_string(device_) +
+                      ": a cudaIpcMemHandle_t has 64");
+  }
+  DeviceGuard guard(device_);
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, exported.data(), sizeof h);
+  void* p = nullptr;
+  check(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle",
+        device_);
+  return reinterpret_cast<DevicePtr>(p);
+}
+
+void CudaDriver::close_allocation(DevicePtr ptr) {
+  DeviceGuard guard(device_);
+  check(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr)), "cudaIpcCloseMemHandle", device_);
 }
 
 // --- The stream-ordered pool (runtime API) ---
@@ -530,7 +700,7 @@ RuntimeInfo probe() {
   info.error = "ccalloc was built without CUDA support";
   return info;
 }
-CudaDriver::CudaDriver(int device) : device_(device) {
+CudaDriver::CudaDriver(int device) : device_(device), exportable_kinds_(0) {
   unavailable();
 }
 CudaDriver::~CudaDriver() = default;
@@ -610,6 +780,27 @@ void CudaDriver::synchronize_device() {
   unavailable();
 }
 void* CudaDriver::default_pool() {
+  unavailable();
+}
+void CudaDriver::set_exportable_kinds(unsigned) {
+  unavailable();
+}
+unsigned CudaDriver::exportable_kinds() const {
+  return 0;
+}
+std::string CudaDriver::export_physical(PhysicalHandle, ShareKind) {
+  unavailable();
+}
+PhysicalHandle CudaDriver::import_physical(std::string_view, ShareKind, int, std::size_t) {
+  unavailable();
+}
+std::string CudaDriver::export_allocation(DevicePtr) {
+  unavailable();
+}
+DevicePtr CudaDriver::open_allocation(std::string_view) {
+  unavailable();
+}
+void CudaDriver::close_allocation(DevicePtr) {
   unavailable();
 }
 

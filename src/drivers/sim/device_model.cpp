@@ -4,7 +4,7 @@
 //
 // Invariants, all under mutex_:
 //   used_ == sum of the sizes in live_;
-//   the ranges of live_, reservations_ and pool_slots_ are pairwise disjoint and never
+//   the ranges of live_, reservations_, pool_slots_ and opened_ are pairwise disjoint and never
 //   contain 0 (every placement, here and in the other models, goes through first_fit or
 //   avoids all three maps);
 //   for every stream, completed <= recorded, and an event (or pool free) recorded on it at
@@ -84,7 +84,8 @@ DevicePtr SimDriver::first_fit(DevicePtr start, std::size_t bytes, std::size_t a
     const DevicePtr next =
         std::max({overlap_end(live_, addr, end, plain_size),
                   overlap_end(reservations_, addr, end, plain_size),
-                  overlap_end(pool_slots_, addr, end, [](const PoolSlot& s) { return s.bytes; })});
+                  overlap_end(pool_slots_, addr, end, [](const PoolSlot& s) { return s.bytes; }),
+                  overlap_end(opened_, addr, end, [](const Opened& o) { return o.bytes; })});
     if (next == 0) return addr;
     addr = align_up(next, alignment, device);
   }
@@ -93,7 +94,8 @@ DevicePtr SimDriver::first_fit(DevicePtr start, std::size_t bytes, std::size_t a
 bool SimDriver::overlaps_any(DevicePtr addr, DevicePtr end) const {
   return overlap_end(live_, addr, end, plain_size) != 0 ||
          overlap_end(reservations_, addr, end, plain_size) != 0 ||
-         overlap_end(pool_slots_, addr, end, [](const PoolSlot& s) { return s.bytes; }) != 0;
+         overlap_end(pool_slots_, addr, end, [](const PoolSlot& s) { return s.bytes; }) != 0 ||
+         overlap_end(opened_, addr, end, [](const Opened& o) { return o.bytes; }) != 0;
 }
 
 DevicePtr SimDriver::allocate(std::size_t bytes) {
@@ -136,6 +138,7 @@ void SimDriver::free(DevicePtr ptr, std::size_t bytes) {
   }
   live_.erase(it);
   used_ -= bytes;
+  forget_allocation(ptr);
   ++counters_.free_calls;
   driver_us_ += options_.cost.free_us;
 }

@@ -3,7 +3,8 @@
 // per-handle mappings, all in units of vm_granularity.
 //
 // Invariants, all under mutex_:
-//   physical_bytes_ == sum of the sizes in physical_;
+//   physical_bytes_ == sum of the sizes in physical_ of the allocations not imported from
+//   another process (ipc_model.cpp);
 //   every mapping lies inside one reservation, mappings are disjoint, and a handle is
 //   mapped by map() at most once, exactly where its Physical::mapped_at says, and then by
 //   no map_range(); map_range() may map a whole handle at several addresses at once (CUDA
@@ -13,6 +14,7 @@
 //   when it is not mapped.
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "drivers/sim/sim_common.hpp"
@@ -74,7 +76,10 @@ PhysicalHandle SimDriver::create_physical(std::size_t bytes) {
     return 0;
   }
   const PhysicalHandle handle = next_handle_++;
-  physical_.emplace(handle, Physical{bytes, 0});
+  Physical p;
+  p.bytes = bytes;
+  p.exportable = exportable_kinds_;
+  physical_.emplace(handle, std::move(p));
   physical_bytes_ += bytes;
   return handle;
 }
@@ -99,7 +104,8 @@ void SimDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
     fail(what + ": it is still mapped at " + std::to_string(it->second.range_mappings) +
          " addresses; unmap them first");
   }
-  physical_bytes_ -= bytes;
+  if (!it->second.imported) physical_bytes_ -= bytes;
+  forget_exports(it->second.exports);
   physical_.erase(it);
   ++counters_.physical_releases;
   driver_us_ += options_.cost.physical_release_us;
