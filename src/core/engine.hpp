@@ -49,9 +49,9 @@
 //                              segment its own arena owns, so a private pool's blocks are
 //                              only in its arenas; a pool's segment count equals its
 //                              arenas' segments (plain segments plus expandable
-//                              reservations); deferred frees exist only for blocks with
-//                              stream uses, and only while a capture is underway or
-//                              before the next operation after it.
+//                              reservations); a free deferred during capture is in its
+//                              arena's deferred list only, still has its stream uses, and
+//                              the per-arena and device-wide deferred counts match.
 //
 // Private pools (docs/design.md#private-pools): an arena per (pool, stream). The default
 // pool's arenas are found as before; only while a capture is underway
