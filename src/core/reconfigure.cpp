@@ -123,8 +123,9 @@ void Engine::recount_oversize(const AllArenasLock& all) {
   Stat& segs = device_stats_.oversize_segments;
   if (oversize_segments > segs.current) segs.increase(oversize_segments - segs.current);
   if (oversize_segments < segs.current) segs.decrease(segs.current - oversize_segments);
-  device_stats_.max_split_size =
-      config_.max_split_size == SIZE_MAX ? -1 : static_cast<std::int64_t>(config_.max_split_size);
+  // The reported max_split_size stays the value the allocator was created with: PyTorch
+  // sets that statistic once, when its device allocator is constructed, and a live change
+  // does not reach it (observed with torch 2.11: -1 after max_split_size_mb:64 set live).
   settle_peak_debts(all);
 }
 
