@@ -112,10 +112,10 @@ def finetune_bf16(steps=40, warmup=5):
     """Fine-tuning a BERT-base-sized encoder for classification under bf16 autocast: batch
     8-32 and sequence length 32-512 vary per step, rows padded to different lengths, AdamW
     with gradient clipping. Many small, differently sized allocations per step."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, BertConfig
 
     config = BertConfig(num_labels=4)
-    model = BertForSequenceClassification(config, attn_implementation="eager").cuda()
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager").cuda()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
     rng = random.Random(4)

@@ -132,7 +132,8 @@ result["reserved_after_reset"] = torch.cuda.memory_reserved() - reserved_before
 emit(**result)
 """)
     assert pytorch["out2"] == 9.0 and pytorch["out1_pool_is_g1"] and pytorch["out2_pool_is_g1"]
-    assert pytorch["reserved_after_reset"] == 0
+    # What each step keeps reserved is PyTorch's to say (torch 2.11 keeps 2 MiB after both
+    # resets): ccalloc must keep the same.
     assert_same(pytorch, ccalloc, "graphs sharing a pool")
 
 
