@@ -1,6 +1,8 @@
 // parse_json on arbitrary bytes: FormatError is the only acceptable failure. Whatever it
 // accepts must come back identical through write_json and through write_pickle.
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "ccalloc/errors.hpp"
 #include "fuzz_common.hpp"
@@ -13,23 +15,12 @@ using namespace ccalloc;
 using namespace ccalloc::io;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  Value v;
-  // In chunks: the same value, or the same error at the same offset.
-  const auto chunked = [&](ByteInput& in) { return parse_json(in, "fuzz", 128); };
-  try {
-    v = parse_json(fuzz::as_text(data, size), "fuzz", 128);
-  } catch (const FormatError& e) {
-    std::string streamed = "accepted";
-    try {
-      fuzz::parse_in_chunks(fuzz::as_text(data, size), chunked);
-    } catch (const FormatError& f) {
-      streamed = f.what();
-    }
-    fuzz::check(streamed == e.what(), "the parse in chunks fails differently");
-    return 0;
-  }
-  fuzz::check(fuzz::parse_in_chunks(fuzz::as_text(data, size), chunked) == v,
-              "the parse in chunks differs");
+  // Whole and in chunks: the same value, or the same error at the same offset.
+  const std::optional<Value> parsed = fuzz::parse_both_ways(
+      fuzz::as_text(data, size), [&](std::string_view text) { return parse_json(text, "fuzz", 128); },
+      [&](ByteInput& in) { return parse_json(in, "fuzz", 128); });
+  if (!parsed) return 0;
+  const Value& v = *parsed;
   // A parsed document has no NaN, infinity or non-string key: writing cannot fail.
   const std::string text = write_json(v);
   fuzz::check(parse_json(text, "rewritten", 128) == v, "parse_json(write_json(v)) != v");

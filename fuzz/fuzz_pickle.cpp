@@ -2,7 +2,9 @@
 // accepts must survive write_pickle -> parse_pickle unchanged, write_json must produce JSON
 // that reads back to the same JSON, and the snapshot schema must convert it or refuse it
 // with a FormatError.
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "ccalloc/errors.hpp"
 #include "fuzz_common.hpp"
@@ -19,23 +21,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   limits.max_items = std::size_t{1} << 16;
   limits.max_memo = std::size_t{1} << 14;
   limits.max_string_bytes = std::size_t{1} << 22;
-  Value v;
-  // In chunks: the same value, or the same error at the same offset.
-  const auto chunked = [&](ByteInput& in) { return parse_pickle(in, "fuzz", limits); };
-  try {
-    v = parse_pickle(fuzz::as_text(data, size), "fuzz", limits);
-  } catch (const FormatError& e) {
-    std::string streamed = "accepted";
-    try {
-      fuzz::parse_in_chunks(fuzz::as_text(data, size), chunked);
-    } catch (const FormatError& f) {
-      streamed = f.what();
-    }
-    fuzz::check(streamed == e.what(), "the parse in chunks fails differently");
-    return 0;
-  }
-  fuzz::check(fuzz::parse_in_chunks(fuzz::as_text(data, size), chunked) == v,
-              "the parse in chunks differs");
+  // Whole and in chunks: the same value, or the same error at the same offset.
+  const std::optional<Value> parsed = fuzz::parse_both_ways(
+      fuzz::as_text(data, size), [&](std::string_view text) { return parse_pickle(text, "fuzz", limits); },
+      [&](ByteInput& in) { return parse_pickle(in, "fuzz", limits); });
+  if (!parsed) return 0;
+  const Value& v = *parsed;
 
   // Pickle round trip: the same data (NaN equals NaN).
   const std::string pickled = write_pickle(v);
