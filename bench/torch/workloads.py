@@ -21,6 +21,19 @@ def _timed(fn):
     return time.perf_counter() - start, out
 
 
+def _run_steps(steps, warmup, make_step, output=float):
+    """Runs warmup + steps steps. make_step(step) prepares a step's inputs (untimed) and
+    returns the step as a function; its result goes through `output` into the outputs.
+    Returns (times of the steps after the warm-up, outputs of every step)."""
+    times, outputs = [], []
+    for step in range(warmup + steps):
+        t, out = _timed(make_step(step))
+        if step >= warmup:
+            times.append(t)
+        outputs.append(output(out))
+    return times, outputs
+
+
 def resnet50(steps=25, warmup=3, batch=64):
     """torchvision ResNet-50 training, bf16 autocast, SGD; fixed shapes."""
     import torchvision
@@ -28,8 +41,8 @@ def resnet50(steps=25, warmup=3, batch=64):
     model = torchvision.models.resnet50(weights=None).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    times, outputs = [], []
-    for step in range(warmup + steps):
+
+    def make_step(step):
         x = torch.randn(batch, 3, 224, 224, device="cuda", generator=gen)
         y = torch.randint(0, 1000, (batch,), device="cuda", generator=gen)
 
@@ -41,11 +54,9 @@ def resnet50(steps=25, warmup=3, batch=64):
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        t, loss = _timed(train_step)
-        if step >= warmup:
-            times.append(t)
-        outputs.append(float(loss))
-    return times, outputs
+        return train_step
+
+    return _run_steps(steps, warmup, make_step)
 
 
 def gpt2_varlen(steps=30, warmup=3):
@@ -58,8 +69,8 @@ def gpt2_varlen(steps=30, warmup=3):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = random.Random(2)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    times, outputs = [], []
-    for step in range(warmup + steps):
+
+    def make_step(step):
         batch, seq = rng.randint(4, 8), rng.randint(128, 1024)
         ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
 
@@ -70,11 +81,9 @@ def gpt2_varlen(steps=30, warmup=3):
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        t, loss = _timed(train_step)
-        if step >= warmup:
-            times.append(t)
-        outputs.append(float(loss))
-    return times, outputs
+        return train_step
+
+    return _run_steps(steps, warmup, make_step)
 
 
 def llama_generate(steps=12, warmup=2, new_tokens=48):
@@ -90,8 +99,8 @@ def llama_generate(steps=12, warmup=2, new_tokens=48):
     model.eval()
     rng = random.Random(3)
     gen = torch.Generator(device="cuda").manual_seed(3)
-    times, outputs = [], []
-    for step in range(warmup + steps):
+
+    def make_step(step):
         batch, prompt = rng.choice([1, 2, 4, 8]), rng.randint(32, 512)
         ids = torch.randint(3, config.vocab_size, (batch, prompt), device="cuda", generator=gen)
 
@@ -101,11 +110,10 @@ def llama_generate(steps=12, warmup=2, new_tokens=48):
                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                       do_sample=False, pad_token_id=0)
 
-        t, tokens = _timed(generate)
-        if step >= warmup:
-            times.append(t)
-        outputs.append(hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16])
-    return times, outputs
+        return generate
+
+    return _run_steps(steps, warmup, make_step,
+                      lambda tokens: hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16])
 
 
 def finetune_bf16(steps=40, warmup=5):
@@ -120,8 +128,8 @@ def finetune_bf16(steps=40, warmup=5):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
     rng = random.Random(4)
     gen = torch.Generator(device="cuda").manual_seed(4)
-    times, outputs = [], []
-    for step in range(warmup + steps):
+
+    def make_step(step):
         batch, seq = rng.randint(8, 32), rng.randint(32, 512)
         ids = torch.randint(1000, config.vocab_size, (batch, seq), device="cuda", generator=gen)
         lengths = torch.randint(seq // 2, seq + 1, (batch, 1), device="cuda", generator=gen)
@@ -137,11 +145,9 @@ def finetune_bf16(steps=40, warmup=5):
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
-        t, loss = _timed(train_step)
-        if step >= warmup:
-            times.append(t)
-        outputs.append(float(loss))
-    return times, outputs
+        return train_step
+
+    return _run_steps(steps, warmup, make_step)
 
 
 def _reduce_overhead(model, make_input, steps, warmup, dtype):
@@ -150,21 +156,19 @@ def _reduce_overhead(model, make_input, steps, warmup, dtype):
     inductor.fallback_random = True
     inductor.triton.autotune_pointwise = False
     compiled = torch.compile(model, mode="reduce-overhead")
-    times, outputs = [], []
+
+    def make_step(step):
+        x = make_input(step)
+
+        def infer():
+            out = compiled(x)
+            # The graph's output buffer is overwritten by the next replay: reduce it now.
+            return float(out.float().sum())
+
+        return infer
+
     with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-        for step in range(warmup + steps):
-            x = make_input(step)
-
-            def infer():
-                out = compiled(x)
-                # The graph's output buffer is overwritten by the next replay: reduce it now.
-                return float(out.float().sum())
-
-            t, value = _timed(infer)
-            if step >= warmup:
-                times.append(t)
-            outputs.append(value)
-    return times, outputs
+        return _run_steps(steps, warmup, make_step)
 
 
 def compiled_gpt2(steps=60, warmup=9):
