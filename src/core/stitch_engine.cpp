@@ -891,16 +891,44 @@ BlockState count_block(Segment& seg, const Block& b) {
   return state_of(allocated, pending);
 }
 
+// Appends the piece mapped at `page` of `space` to `runs`, extending the last run when the
+// piece follows it in the same handle.
+template <class Space>
+void append_piece(std::vector<PieceRun>& runs, const Space& space, std::size_t page) {
+  const auto& p = space.pages[page];
+  if (!runs.empty() && runs.back().handle == p.handle->id &&
+      runs.back().first + runs.back().count == p.piece) {
+    ++runs.back().count;
+    return;
+  }
+  runs.push_back(PieceRun{p.handle->id, p.piece, 1});
+}
+
+// Sets the pieces of the segments [from, end) of `out`, all of space `space`: their pages
+// are live, so each maps the piece that backs it.
+template <class Segment, class Space>
+void add_pieces(std::vector<Segment>& out, std::size_t from, const Space& space,
+                std::size_t page_size) {
+  for (std::size_t i = from; i < out.size(); ++i) {
+    Segment& seg = out[i];
+    const std::size_t first = (seg.address - space.base) / page_size;
+    for (std::size_t p = first; p < first + seg.total_size / page_size; ++p)
+      append_piece(seg.pieces, space, p);
+  }
+}
+
 }  // namespace
 
 // Each run of non-void blocks of a space is one segment (void pages hold no memory of
-// theirs), as expandable segments report their mapped runs.
+// theirs), as expandable segments report their mapped runs; its pages are live, so its
+// pieces add up to its size and, with the spare pieces, to the reserved bytes.
 std::vector<SegmentInfo> StitchEngine::segments() const {
   std::lock_guard lock(mutex_);
   std::vector<SegmentInfo> out;
   for (const auto& arena : arenas_) {
     for (const auto& spaces : arena->spaces) {
       for (const auto& s : spaces) {
+        const std::size_t from = out.size();
         SegmentInfo* seg = nullptr;
         for (const Block* b = s->first; b != nullptr; b = b->next) {
           if (b->kind == Block::Kind::kVoid) {
@@ -915,6 +943,7 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
           seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, state,
                                           state != BlockState::kInactive ? b->stack.context : nullptr});
         }
+        add_pieces(out, from, *s, page_);
       }
     }
   }
@@ -936,9 +965,47 @@ Snapshot StitchEngine::snapshot() {
     s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
     s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
     s.external_annotations = annotations_;
+    PhysicalMemory& phys = s.physical.emplace_back();
+    phys.device = device();
+    phys.piece_size = page_;
+    for (const auto& [id, h] : handles_) {
+      phys.handles.push_back(
+          PhysicalHandleInfo{id, static_cast<std::uint32_t>(h->live_at.size()), h->small});
+    }
+    for (const auto& [id, piece] : spare_) {
+      if (!phys.spare.empty() && phys.spare.back().handle == id &&
+          phys.spare.back().first + phys.spare.back().count == piece) {
+        ++phys.spare.back().count;
+      } else {
+        phys.spare.push_back(PieceRun{id, piece, 1});
+      }
+    }
     for (const auto& arena : arenas_) {
       for (const auto& spaces : arena->spaces) {
         for (const auto& sp : spaces) {
+          AddressRange& range = phys.ranges.emplace_back();
+          range.address = sp->base;
+          range.size = sp->reserved_pages * page_;
+          range.frontier = sp->pages.size() * page_;
+          range.stream = arena->stream;
+          range.is_small = sp->small;
+          for (std::size_t p = 0; p < sp->pages.size(); ++p) {
+            const Page& page = sp->pages[p];
+            const DevicePtr va = page_va(*sp, p);
+            if (page.handle == nullptr || page.handle->live_at[page.piece] == va) continue;
+            const PieceRun piece{page.handle->id, page.piece, 1};
+            if (!range.dead.empty()) {
+              DeadPages& last = range.dead.back();
+              if (last.address + std::size_t{last.pieces.count} * page_ == va &&
+                  last.pieces.handle == piece.handle &&
+                  last.pieces.first + last.pieces.count == piece.first) {
+                ++last.pieces.count;
+                continue;
+              }
+            }
+            range.dead.push_back(DeadPages{va, piece});
+          }
+          const std::size_t from = segs.size();
           SnapshotSegment* seg = nullptr;
           for (const Block* b = sp->first; b != nullptr; b = b->next) {
             if (b->kind == Block::Kind::kVoid) {
@@ -956,6 +1023,12 @@ Snapshot StitchEngine::snapshot() {
             block.state = count_block(*seg, *b);
             seg->blocks.push_back(block);
             segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});
+          }
+          for (std::size_t i = from; i < segs.size(); ++i) {
+            SnapshotSegment& done = segs[i].first;
+            const std::size_t first = (done.address - sp->base) / page_;
+            for (std::size_t p = first; p < first + done.total_size / page_; ++p)
+              append_piece(done.pieces, *sp, p);
           }
         }
       }
@@ -984,6 +1057,8 @@ Snapshot StitchEngine::snapshot() {
   std::sort(
       s.segments.begin(), s.segments.end(),
       [](const SnapshotSegment& a, const SnapshotSegment& b) { return a.address < b.address; });
+  std::sort(s.physical.front().ranges.begin(), s.physical.front().ranges.end(),
+            [](const AddressRange& a, const AddressRange& b) { return a.address < b.address; });
   s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
   s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
   return s;
