@@ -298,8 +298,7 @@ TEST(StitchViews, PickleAndJsonCarryThePiecesBothWays) {
 TEST(StitchViews, MalformedPhysicalMemoryIsAFormatErrorNamingTheKey) {
   using ccalloc::io::Value;
   const auto err = [](const Value& v) {
-    return message_of<ccalloc::FormatError>(
-        [&] { ccalloc::io::snapshot_from_value(v, "f"); });
+    return message_of<ccalloc::FormatError>([&] { ccalloc::io::snapshot_from_value(v, "f"); });
   };
   const auto with_physical = [](Value p) {
     return Value::dict({{"segments", Value::list()}, {"physical_memory", Value::list({p})}});
@@ -313,22 +312,24 @@ TEST(StitchViews, MalformedPhysicalMemoryIsAFormatErrorNamingTheKey) {
                 {{"piece_size", 2},
                  {"handles", Value::list({Value::dict({{"handle", 1}, {"pieces", 1}})})}}))),
             "f: physical_memory[0]: handles[0]: 'segment_type' is '', expected 'small' or 'large'");
-  EXPECT_EQ(err(with_physical(Value::dict(
-                {{"piece_size", 2},
-                 {"ranges", Value::list({Value::dict({{"address", 0},
-                                                      {"size", 2},
-                                                      {"frontier", 4},
-                                                      {"segment_type", "large"}})})}}))),
-            "f: physical_memory[0]: ranges[0]: 'frontier' 4 passes 'size' 2");
-  EXPECT_EQ(err(with_physical(Value::dict(
-                {{"piece_size", 2},
-                 {"spare", Value::list({Value::dict(
-                               {{"handle", 1}, {"piece", std::int64_t{1} << 32}, {"count", 1}})})}}))),
-            "f: physical_memory[0]: spare[0]: 'piece' is 4294967296, more than 4294967295");
-  EXPECT_EQ(err(Value::list({Value::dict({{"address", 0},
-                                          {"total_size", 2},
-                                          {"pieces", Value::list({Value::dict({{"piece", 0}})})}})})),
-            "f: segments[0]: pieces[0]: missing key 'handle'");
+  EXPECT_EQ(
+      err(with_physical(Value::dict(
+          {{"piece_size", 2},
+           {"ranges",
+            Value::list({Value::dict(
+                {{"address", 0}, {"size", 2}, {"frontier", 4}, {"segment_type", "large"}})})}}))),
+      "f: physical_memory[0]: ranges[0]: 'frontier' 4 passes 'size' 2");
+  EXPECT_EQ(
+      err(with_physical(Value::dict(
+          {{"piece_size", 2},
+           {"spare", Value::list({Value::dict(
+                         {{"handle", 1}, {"piece", std::int64_t{1} << 32}, {"count", 1}})})}}))),
+      "f: physical_memory[0]: spare[0]: 'piece' is 4294967296, more than 4294967295");
+  EXPECT_EQ(
+      err(Value::list({Value::dict({{"address", 0},
+                                    {"total_size", 2},
+                                    {"pieces", Value::list({Value::dict({{"piece", 0}})})}})})),
+      "f: segments[0]: pieces[0]: missing key 'handle'");
 }
 
 TEST(StitchViews, TheViewNamesPiecesThatDoNotAccountForTheMemory) {

@@ -5,8 +5,8 @@
 #include <bit>
 #include <cstring>
 #include <map>
-#include <utility>
 #include <nlohmann/json.hpp>
+#include <utility>
 #include <vector>
 
 #include "ccalloc/config.hpp"
@@ -312,7 +312,7 @@ Json physical_json(const Snapshot& s, int device, Columns& c) {
     if (with_pages) {
       const auto page_of = [&](DevicePtr va) -> std::size_t {
         return va >= r.address && va < r.address + pages * g ? first_page + (va - r.address) / g
-                                                              : total_pages;
+                                                             : total_pages;
       };
       for (const SnapshotSegment& seg : s.segments) {
         if (seg.device != device || seg.address < r.address ||
@@ -358,7 +358,8 @@ Json physical_json(const Snapshot& s, int device, Columns& c) {
           const std::size_t at = (d.address - rv.address) / g;
           for (std::size_t i = 0; i < d.pieces.count && at + i < pages; ++i) {
             const std::size_t k = base + at + i;
-            const auto id = std::make_pair(d.pieces.handle, d.pieces.first + static_cast<std::uint32_t>(i));
+            const auto id =
+                std::make_pair(d.pieces.handle, d.pieces.first + static_cast<std::uint32_t>(i));
             state[k] = 2;
             handle[k] = id.first;
             piece[k] = static_cast<std::int32_t>(id.second);

@@ -128,12 +128,14 @@ struct PhysicalMemory {
 
   std::size_t held_bytes() const {  // handles' pieces x piece_size
     std::size_t n = 0;
-    for (const PhysicalHandleInfo& h : handles) n += h.pieces;
+    for (const PhysicalHandleInfo& h : handles)
+      n += h.pieces;
     return n * piece_size;
   }
   std::size_t spare_bytes() const {  // spare pieces x piece_size
     std::size_t n = 0;
-    for (const PieceRun& r : spare) n += r.count;
+    for (const PieceRun& r : spare)
+      n += r.count;
     return n * piece_size;
   }
 };

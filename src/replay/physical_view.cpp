@@ -100,7 +100,8 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
     rv.is_small = r.is_small;
     for (const DeadPages& d : r.dead) {
       rv.dead_pages += d.pieces.count;
-      if (d.address < r.address || d.address + std::size_t{d.pieces.count} * g > r.address + r.frontier) {
+      if (d.address < r.address ||
+          d.address + std::size_t{d.pieces.count} * g > r.address + r.frontier) {
         problem(v, "dead pages at " + hex(d.address) + " lie outside their range's pages");
       }
     }
@@ -190,17 +191,18 @@ std::string physical_summary(const PhysicalView& v) {
                 size_text(static_cast<double>(v.segment_bytes)).c_str(),
                 size_text(static_cast<double>(v.spare_bytes)).c_str());
   out += line;
-  out += "range               type   stream      mapped      live pages  dead pages  "
-         "unmapped    free        largest free  fragmentation\n";
+  out +=
+      "range               type   stream      mapped      live pages  dead pages  "
+      "unmapped    free        largest free  fragmentation\n";
   for (const RangeView& r : v.ranges) {
-    std::snprintf(line, sizeof line,
-                  "0x%-16llx  %-5s  %-10llu  %-10s  %-10zu  %-10zu  %-10zu  %-10s  %-12s  %5.1f %%\n",
-                  static_cast<unsigned long long>(r.address), r.is_small ? "small" : "large",
-                  static_cast<unsigned long long>(r.stream),
-                  size_text(static_cast<double>(r.mapped_bytes)).c_str(), r.live_pages,
-                  r.dead_pages, r.unmapped_pages,
-                  size_text(static_cast<double>(r.free_bytes)).c_str(),
-                  size_text(static_cast<double>(r.largest_free)).c_str(), 100.0 * r.fragmentation);
+    std::snprintf(
+        line, sizeof line,
+        "0x%-16llx  %-5s  %-10llu  %-10s  %-10zu  %-10zu  %-10zu  %-10s  %-12s  %5.1f %%\n",
+        static_cast<unsigned long long>(r.address), r.is_small ? "small" : "large",
+        static_cast<unsigned long long>(r.stream),
+        size_text(static_cast<double>(r.mapped_bytes)).c_str(), r.live_pages, r.dead_pages,
+        r.unmapped_pages, size_text(static_cast<double>(r.free_bytes)).c_str(),
+        size_text(static_cast<double>(r.largest_free)).c_str(), 100.0 * r.fragmentation);
     out += line;
   }
   std::snprintf(line, sizeof line, "spare pieces: %zu (%s)\ndead pages: %zu\n", v.spare_pieces,
