@@ -904,17 +904,75 @@ void append_piece(std::vector<PieceRun>& runs, const Space& space, std::size_t p
   runs.push_back(PieceRun{p.handle->id, p.piece, 1});
 }
 
+SegmentInfo& segment_of(SegmentInfo& s) {
+  return s;
+}
+template <class Stacks>
+SnapshotSegment& segment_of(std::pair<SnapshotSegment, Stacks>& s) {
+  return s.first;
+}
+
 // Sets the pieces of the segments [from, end) of `out`, all of space `space`: their pages
 // are live, so each maps the piece that backs it.
-template <class Segment, class Space>
-void add_pieces(std::vector<Segment>& out, std::size_t from, const Space& space,
-                std::size_t page_size) {
+template <class Segments, class Space>
+void add_pieces(Segments& out, std::size_t from, const Space& space, std::size_t page_size) {
   for (std::size_t i = from; i < out.size(); ++i) {
-    Segment& seg = out[i];
+    auto& seg = segment_of(out[i]);
     const std::size_t first = (seg.address - space.base) / page_size;
     for (std::size_t p = first; p < first + seg.total_size / page_size; ++p)
       append_piece(seg.pieces, space, p);
   }
+}
+
+// The physical memory behind the spaces of `arenas`: every handle, the spare pieces and,
+// per space, the pages below its frontier that are dead (map a piece whose live page is
+// elsewhere, or none).
+template <class Arenas, class Handles, class Spare>
+PhysicalMemory physical_memory(const Arenas& arenas, const Handles& handles, const Spare& spare,
+                               int device, std::size_t page_size) {
+  PhysicalMemory phys;
+  phys.device = device;
+  phys.piece_size = page_size;
+  for (const auto& [id, h] : handles) {
+    phys.handles.push_back(
+        PhysicalHandleInfo{id, static_cast<std::uint32_t>(h->live_at.size()), h->small});
+  }
+  const auto extend = [](PieceRun& run, PhysicalHandle id, std::uint32_t piece) {
+    if (run.handle != id || run.first + run.count != piece) return false;
+    ++run.count;
+    return true;
+  };
+  for (const auto& [id, piece] : spare) {
+    if (phys.spare.empty() || !extend(phys.spare.back(), id, piece)) {
+      phys.spare.push_back(PieceRun{id, piece, 1});
+    }
+  }
+  for (const auto& arena : arenas) {
+    for (const auto& spaces : arena->spaces) {
+      for (const auto& sp : spaces) {
+        AddressRange& range = phys.ranges.emplace_back();
+        range.address = sp->base;
+        range.size = sp->reserved_pages * page_size;
+        range.frontier = sp->pages.size() * page_size;
+        range.stream = arena->stream;
+        range.is_small = sp->small;
+        for (std::size_t p = 0; p < sp->pages.size(); ++p) {
+          const auto& page = sp->pages[p];
+          const DevicePtr va = sp->base + p * page_size;
+          if (page.handle == nullptr || page.handle->live_at[page.piece] == va) continue;
+          DeadPages* last = range.dead.empty() ? nullptr : &range.dead.back();
+          if (last == nullptr ||
+              last->address + std::size_t{last->pieces.count} * page_size != va ||
+              !extend(last->pieces, page.handle->id, page.piece)) {
+            range.dead.push_back(DeadPages{va, PieceRun{page.handle->id, page.piece, 1}});
+          }
+        }
+      }
+    }
+  }
+  std::sort(phys.ranges.begin(), phys.ranges.end(),
+            [](const AddressRange& a, const AddressRange& b) { return a.address < b.address; });
+  return phys;
 }
 
 }  // namespace
@@ -965,46 +1023,10 @@ Snapshot StitchEngine::snapshot() {
     s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
     s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
     s.external_annotations = annotations_;
-    PhysicalMemory& phys = s.physical.emplace_back();
-    phys.device = device();
-    phys.piece_size = page_;
-    for (const auto& [id, h] : handles_) {
-      phys.handles.push_back(
-          PhysicalHandleInfo{id, static_cast<std::uint32_t>(h->live_at.size()), h->small});
-    }
-    for (const auto& [id, piece] : spare_) {
-      if (!phys.spare.empty() && phys.spare.back().handle == id &&
-          phys.spare.back().first + phys.spare.back().count == piece) {
-        ++phys.spare.back().count;
-      } else {
-        phys.spare.push_back(PieceRun{id, piece, 1});
-      }
-    }
+    s.physical.push_back(physical_memory(arenas_, handles_, spare_, device(), page_));
     for (const auto& arena : arenas_) {
       for (const auto& spaces : arena->spaces) {
         for (const auto& sp : spaces) {
-          AddressRange& range = phys.ranges.emplace_back();
-          range.address = sp->base;
-          range.size = sp->reserved_pages * page_;
-          range.frontier = sp->pages.size() * page_;
-          range.stream = arena->stream;
-          range.is_small = sp->small;
-          for (std::size_t p = 0; p < sp->pages.size(); ++p) {
-            const Page& page = sp->pages[p];
-            const DevicePtr va = page_va(*sp, p);
-            if (page.handle == nullptr || page.handle->live_at[page.piece] == va) continue;
-            const PieceRun piece{page.handle->id, page.piece, 1};
-            if (!range.dead.empty()) {
-              DeadPages& last = range.dead.back();
-              if (last.address + std::size_t{last.pieces.count} * page_ == va &&
-                  last.pieces.handle == piece.handle &&
-                  last.pieces.first + last.pieces.count == piece.first) {
-                ++last.pieces.count;
-                continue;
-              }
-            }
-            range.dead.push_back(DeadPages{va, piece});
-          }
           const std::size_t from = segs.size();
           SnapshotSegment* seg = nullptr;
           for (const Block* b = sp->first; b != nullptr; b = b->next) {
@@ -1024,12 +1046,7 @@ Snapshot StitchEngine::snapshot() {
             seg->blocks.push_back(block);
             segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});
           }
-          for (std::size_t i = from; i < segs.size(); ++i) {
-            SnapshotSegment& done = segs[i].first;
-            const std::size_t first = (done.address - sp->base) / page_;
-            for (std::size_t p = first; p < first + done.total_size / page_; ++p)
-              append_piece(done.pieces, *sp, p);
-          }
+          add_pieces(segs, from, *sp, page_);
         }
       }
     }
@@ -1057,8 +1074,6 @@ Snapshot StitchEngine::snapshot() {
   std::sort(
       s.segments.begin(), s.segments.end(),
       [](const SnapshotSegment& a, const SnapshotSegment& b) { return a.address < b.address; });
-  std::sort(s.physical.front().ranges.begin(), s.physical.front().ranges.end(),
-            [](const AddressRange& a, const AddressRange& b) { return a.address < b.address; });
   s.device_traces.resize(static_cast<std::size_t>(device()) + 1);
   s.device_traces[static_cast<std::size_t>(device())] = snapshot_trace(entries, frames);
   return s;
