@@ -21,7 +21,6 @@ class PiecesView {
     this.app = app;
     this.p = app.data.meta.physical;
     this.cols = app.data.pieceCols;
-    this.strips = [];  // {canvas, range, cell, perRow}
   }
 
   render() {
@@ -30,7 +29,8 @@ class PiecesView {
     html.push('<div class="card" id="pc-totals"><h2>Physical memory</h2><p>' +
       fmtInt(p.handles) + ' handles of ' + fmtSize(p.piece_size) + ' pieces hold <b>' + fmtSizeFull(p.held) + '</b> (reserved) = ' +
       fmtSize(p.segment_bytes) + ' behind the segments\u2019 pages + ' + fmtSize(p.spare_bytes) + ' in ' + fmtInt(p.spare_pieces) +
-      ' spare pieces. ' + fmtInt(p.dead_pages) + ' dead pages map pieces lent to later pages: address space, not memory.</p>' +
+      (p.spare_pieces === 1 ? ' spare piece. ' : ' spare pieces. ') + fmtInt(p.dead_pages) +
+      (p.dead_pages === 1 ? ' dead page maps a piece' : ' dead pages map pieces') + ' lent to later pages: address space, not memory.</p>' +
       (p.problems.length ? p.problems.map((w) => '<div class="warn">' + esc(w) + '</div>').join('') : '') +
       '<div class="legend"><span><i class="sw" style="background:' + PALETTE[0] + '"></i>Live page (colour: its handle; light top: free share)</span>' +
       '<span><i class="sw" style="background:' + DEAD_COLOR + '"></i>Dead page (piece lent elsewhere)</span>' +
@@ -53,7 +53,6 @@ class PiecesView {
     if (!p.pages_shown) html.push('<p class="muted">Too many pages to draw one cell each: the table above has the figures.</p>');
     const page = $('pieces-page');
     page.innerHTML = html.join('');
-    this.strips = [];
     for (const c of page.querySelectorAll('canvas.pc-strip')) {
       if (c.id === 'pc-spare') this.drawSpare(c);
       else if (p.pages_shown) this.drawRange(c, p.ranges[+c.dataset.range]);
@@ -96,7 +95,6 @@ class PiecesView {
         ctx.fillRect(x, y, w, w);
       }
     }
-    this.strips.push({ canvas, range: r, cell, perRow });
     canvas.onmousemove = (ev) => this.hover(ev, canvas, r, cell, perRow);
     canvas.onmouseleave = () => tooltip.hide();
   }
