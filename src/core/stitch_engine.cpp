@@ -891,16 +891,102 @@ BlockState count_block(Segment& seg, const Block& b) {
   return state_of(allocated, pending);
 }
 
+// Appends the piece mapped at `page` of `space` to `runs`, extending the last run when the
+// piece follows it in the same handle.
+template <class Space>
+void append_piece(std::vector<PieceRun>& runs, const Space& space, std::size_t page) {
+  const auto& p = space.pages[page];
+  if (!runs.empty() && runs.back().handle == p.handle->id &&
+      runs.back().first + runs.back().count == p.piece) {
+    ++runs.back().count;
+    return;
+  }
+  runs.push_back(PieceRun{p.handle->id, p.piece, 1});
+}
+
+SegmentInfo& segment_of(SegmentInfo& s) {
+  return s;
+}
+template <class Stacks>
+SnapshotSegment& segment_of(std::pair<SnapshotSegment, Stacks>& s) {
+  return s.first;
+}
+
+// Sets the pieces of the segments [from, end) of `out`, all of space `space`: their pages
+// are live, so each maps the piece that backs it.
+template <class Segments, class Space>
+void add_pieces(Segments& out, std::size_t from, const Space& space, std::size_t page_size) {
+  for (std::size_t i = from; i < out.size(); ++i) {
+    auto& seg = segment_of(out[i]);
+    const std::size_t first = (seg.address - space.base) / page_size;
+    for (std::size_t p = first; p < first + seg.total_size / page_size; ++p)
+      append_piece(seg.pieces, space, p);
+  }
+}
+
+// The physical memory behind the spaces of `arenas`: every handle, the spare pieces and,
+// per space, the pages below its frontier that are dead (map a piece whose live page is
+// elsewhere, or none).
+template <class Arenas, class Handles, class Spare>
+PhysicalMemory physical_memory(const Arenas& arenas, const Handles& handles, const Spare& spare,
+                               int device, std::size_t page_size) {
+  PhysicalMemory phys;
+  phys.device = device;
+  phys.piece_size = page_size;
+  for (const auto& [id, h] : handles) {
+    phys.handles.push_back(
+        PhysicalHandleInfo{id, static_cast<std::uint32_t>(h->live_at.size()), h->small});
+  }
+  const auto extend = [](PieceRun& run, PhysicalHandle id, std::uint32_t piece) {
+    if (run.handle != id || run.first + run.count != piece) return false;
+    ++run.count;
+    return true;
+  };
+  for (const auto& [id, piece] : spare) {
+    if (phys.spare.empty() || !extend(phys.spare.back(), id, piece)) {
+      phys.spare.push_back(PieceRun{id, piece, 1});
+    }
+  }
+  for (const auto& arena : arenas) {
+    for (const auto& spaces : arena->spaces) {
+      for (const auto& sp : spaces) {
+        AddressRange& range = phys.ranges.emplace_back();
+        range.address = sp->base;
+        range.size = sp->reserved_pages * page_size;
+        range.frontier = sp->pages.size() * page_size;
+        range.stream = arena->stream;
+        range.is_small = sp->small;
+        for (std::size_t p = 0; p < sp->pages.size(); ++p) {
+          const auto& page = sp->pages[p];
+          const DevicePtr va = sp->base + p * page_size;
+          if (page.handle == nullptr || page.handle->live_at[page.piece] == va) continue;
+          DeadPages* last = range.dead.empty() ? nullptr : &range.dead.back();
+          if (last == nullptr ||
+              last->address + std::size_t{last->pieces.count} * page_size != va ||
+              !extend(last->pieces, page.handle->id, page.piece)) {
+            range.dead.push_back(DeadPages{va, PieceRun{page.handle->id, page.piece, 1}});
+          }
+        }
+      }
+    }
+  }
+  std::sort(phys.ranges.begin(), phys.ranges.end(),
+            [](const AddressRange& a, const AddressRange& b) { return a.address < b.address; });
+  return phys;
+}
+
 }  // namespace
 
 // Each run of non-void blocks of a space is one segment (void pages hold no memory of
-// theirs), as expandable segments report their mapped runs.
+// theirs), as expandable segments report their mapped runs; its pages are live, so its
+// pieces add up to its size and, with the spare pieces, to the reserved bytes.
 std::vector<SegmentInfo> StitchEngine::segments() const {
   std::lock_guard lock(mutex_);
   std::vector<SegmentInfo> out;
   for (const auto& arena : arenas_) {
     for (const auto& spaces : arena->spaces) {
       for (const auto& s : spaces) {
+        const std::size_t from = out.size();
         SegmentInfo* seg = nullptr;
         for (const Block* b = s->first; b != nullptr; b = b->next) {
           if (b->kind == Block::Kind::kVoid) {
@@ -915,6 +1001,7 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
           seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, state,
                                           state != BlockState::kInactive ? b->stack.context : nullptr});
         }
+        add_pieces(out, from, *s, page_);
       }
     }
   }
@@ -936,9 +1023,11 @@ Snapshot StitchEngine::snapshot() {
     s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
     s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
     s.external_annotations = annotations_;
+    s.physical.push_back(physical_memory(arenas_, handles_, spare_, device(), page_));
     for (const auto& arena : arenas_) {
       for (const auto& spaces : arena->spaces) {
         for (const auto& sp : spaces) {
+          const std::size_t from = segs.size();
           SnapshotSegment* seg = nullptr;
           for (const Block* b = sp->first; b != nullptr; b = b->next) {
             if (b->kind == Block::Kind::kVoid) {
@@ -957,6 +1046,7 @@ Snapshot StitchEngine::snapshot() {
             seg->blocks.push_back(block);
             segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});
           }
+          add_pieces(segs, from, *sp, page_);
         }
       }
     }
