@@ -330,6 +330,32 @@ TEST(SimMapRange, RejectsAnOffsetAndAPartOfAHandleAsCudaDoes) {
   EXPECT_EQ(gpu.counters().maps, 0u);
 }
 
+// Access is set per handle (an H100 measurement, docs/simulated-gpu.md): each map_range maps
+// one whole handle and is charged one cuMemMap + cuMemSetAccess whatever the handle's size;
+// a range over several handles is several calls, never one cheaper call.
+TEST(SimMapRange, ChargesOneMapAndAccessPerHandleWhateverItsSize) {
+  ccalloc::sim::SimDriver gpu(Fixture::options(64 * kMiB));
+  const ccalloc::sim::CostModel cost;
+  const double per_map = cost.map_us + cost.set_access_us;
+  const DevicePtr r = gpu.reserve_address_range(64 * kMiB);
+  const ccalloc::PhysicalHandle big = gpu.create_physical(20 * kMiB);
+  std::vector<ccalloc::PhysicalHandle> pieces;
+  for (int i = 0; i < 10; ++i)
+    pieces.push_back(gpu.create_physical(2 * kMiB));
+  const double created = gpu.simulated_driver_us();
+  EXPECT_DOUBLE_EQ(created, cost.reserve_us + 11 * cost.physical_create_us);
+  gpu.map_range(r, 20 * kMiB, big, 0);
+  EXPECT_DOUBLE_EQ(gpu.simulated_driver_us() - created, per_map);
+  // Two pieces side by side cannot be mapped by one call over both.
+  const std::string both =
+      message_of<ccalloc::DriverError>([&] { gpu.map_range(r + 20 * kMiB, 4 * kMiB, pieces[0], 0); });
+  EXPECT_NE(both.find("a mapping covers a whole physical allocation"), std::string::npos) << both;
+  for (std::size_t i = 0; i < pieces.size(); ++i)
+    gpu.map_range(r + 20 * kMiB + i * 2 * kMiB, 2 * kMiB, pieces[i], 0);
+  EXPECT_DOUBLE_EQ(gpu.simulated_driver_us() - created, 11 * per_map);
+  EXPECT_EQ(gpu.counters().maps, 11u);
+}
+
 // fit: a 3 MiB and a 3 MiB block (6 MiB mapped: a handle of 4 MiB, one of 2), the first
 // freed, then 5 MiB. The first handle's last page holds the second block, so nothing is
 // wholly free to lend: 5 MiB is three new pieces, 12 MiB. On 10 MiB the creation fails and
