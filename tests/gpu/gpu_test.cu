@@ -7,8 +7,9 @@
 // passes on CI machines without a GPU.
 //
 // The allocator tests run under every kConfigs entry: the native engine with PyTorch's and
-// ccalloc's policies, expandable segments (CUDA virtual memory) and the cudaMallocAsync
-// backend (the device's stream-ordered pool). GpuSnapshot.WritesASnapshotOfARealRun writes
+// ccalloc's policies, expandable segments (CUDA virtual memory), the stitching policy (CUDA
+// virtual memory in whole handles lent between ranges) and the cudaMallocAsync backend (the
+// device's stream-ordered pool). GpuSnapshot.WritesASnapshotOfARealRun writes
 // a snapshot of a real run for scripts/check_memory_viz.py; it runs only when
 // CCALLOC_GPU_SNAPSHOT_OUT names the file (scripts/gpu-check sets it).
 #include <cuda_runtime.h>
@@ -53,7 +54,7 @@ constexpr std::size_t kGiB = 1024 * kMiB;
 
 // The allocator configurations every allocator test runs under.
 constexpr const char* kConfigs[] = {"pytorch", "ccalloc", "pytorch,expandable_segments:True",
-                                    "backend:cudaMallocAsync"};
+                                    "ccalloc,stitch_segments:True", "backend:cudaMallocAsync"};
 
 // The cudaMallocAsync backend: the pool decides placement and reuse; statistics come from
 // the pool (allocated/active/reserved bytes "all"), and its OOM message is PyTorch's
