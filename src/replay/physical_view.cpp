@@ -159,9 +159,10 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
     v.dead_pages += r.dead_pages;
   }
 
-  // Each piece backs one page at most, or is spare. Runs span whole handles of many pieces,
-  // so a run is checked against the furthest-reaching earlier run of its handle (not only
-  // the one before it), and a page is named for the piece itself, not its run's first page.
+  // Each piece backs one page at most, or is spare. A run may span a whole handle of many
+  // pieces and hold several shorter runs, so each run is checked against the
+  // furthest-reaching earlier run of its handle, and a page is named for the piece itself.
+  // On a tie the spare run comes first, so that the messages do not depend on the sort.
   std::sort(claims.begin(), claims.end(), [](const Claim& a, const Claim& b) {
     return std::tie(a.handle, a.first, b.spare, a.page) <
            std::tie(b.handle, b.first, a.spare, b.page);
