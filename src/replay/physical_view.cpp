@@ -159,18 +159,25 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
     v.dead_pages += r.dead_pages;
   }
 
-  // Each piece backs one page at most, or is spare.
+  // Each piece backs one page at most, or is spare. A run may span a whole handle of many
+  // pieces and hold several shorter runs, so each run is checked against the
+  // furthest-reaching earlier run of its handle, and a page is named for the piece itself.
+  // On a tie the spare run comes first, so that the messages do not depend on the sort.
   std::sort(claims.begin(), claims.end(), [](const Claim& a, const Claim& b) {
-    return std::tie(a.handle, a.first) < std::tie(b.handle, b.first);
+    return std::tie(a.handle, a.first, b.spare, a.page) <
+           std::tie(b.handle, b.first, a.spare, b.page);
   });
-  for (std::size_t i = 1; i < claims.size(); ++i) {
-    const Claim& a = claims[i - 1];
-    const Claim& b = claims[i];
-    if (a.handle != b.handle || b.first >= a.end) continue;
-    const auto where = [&](const Claim& c) {
-      return c.spare ? std::string("spare") : "behind the page at " + hex(c.page);
-    };
-    problem(v, piece_name(b.handle, b.first) + " is both " + where(a) + " and " + where(b));
+  const auto where = [&](const Claim& c, std::uint64_t piece) {
+    return c.spare ? std::string("spare")
+                   : "behind the page at " + hex(c.page + (piece - c.first) * g);
+  };
+  const Claim* reach = nullptr;  // of the runs so far of this handle, the one ending last
+  for (const Claim& c : claims) {
+    if (reach != nullptr && reach->handle == c.handle && c.first < reach->end) {
+      problem(v, piece_name(c.handle, c.first) + " is both " + where(*reach, c.first) + " and " +
+                     where(c, c.first));
+    }
+    if (reach == nullptr || reach->handle != c.handle || c.end > reach->end) reach = &c;
   }
   if (v.segment_bytes + v.spare_bytes != v.held_bytes) {
     problem(v, "the segments (" + std::to_string(v.segment_bytes) + " bytes) and spare pieces (" +

@@ -41,7 +41,7 @@ class PiecesView {
         '" data-frag="' + r.fragmentation + '">' + ['<code>' + hex(r.address) + '</code>', r.small ? 'small' : 'large', esc(r.stream), fmtSize(r.mapped),
         fmtInt(r.live_pages), fmtInt(r.dead_pages), fmtInt(r.unmapped_pages), fmtSize(r.free), fmtSize(r.largest_free), pct(r.fragmentation)]
         .map((c, k) => '<td' + (k >= 3 ? ' class="num"' : '') + '>' + c + '</td>').join('') + '</tr>').join('') +
-      '</table><p class="muted">Fragmentation = 1 \u2212 largest free block / free bytes inside the range\u2019s segments: the share of its free bytes a request as large as all of them could not use in place (stitching lends their whole pages instead).</p></div>');
+      '</table><p class="muted">Fragmentation = 1 \u2212 largest free block / free bytes inside the range\u2019s segments: the share of its free bytes a request as large as all of them could not use in place (stitching lends the whole handles inside them instead).</p></div>');
     for (let i = 0; i < p.ranges.length; i++) {
       const r = p.ranges[i];
       html.push('<div class="card pc-range"><h3>' + (r.small ? 'Small' : 'Large') + ' pool, stream ' + esc(r.stream) + ' \u2014 <code>' + hex(r.address) + '</code>, ' +
