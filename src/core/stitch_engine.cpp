@@ -112,9 +112,10 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   Arena& arena = arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
-  Block* block = find_free(arena, small, rounded);
-  if (block == nullptr) return malloc_slow(arena, std::move(lock), size, rounded, small, stack);
-  const DevicePtr ptr = hand_out(arena, block, rounded, size, stack);
+  Pool& pool = arena.pool(small);
+  const auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
+  if (pos == pool.end()) return malloc_slow(arena, std::move(lock), size, rounded, small, stack);
+  const DevicePtr ptr = hand_out(arena, pos, rounded, size, stack);
   const bool debt = arena.in_debt;
   lock.unlock();
   if (debt) [[unlikely]] settle_peak_debts();
@@ -136,7 +137,7 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
     g = grow(arena, small, rounded, /*gc_allowed=*/true, &block);
   }
   if (g == Grow::kDone) {
-    const DevicePtr ptr = hand_out(arena, block, rounded, size, stack);
+    const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
     const bool debt = arena.in_debt;
     lock.unlock();
     if (debt) settle_peak_debts();
@@ -195,7 +196,7 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
     }
     raise_oom(std::move(all), arena, size, rounded, small, stack);
   }
-  const DevicePtr ptr = hand_out(arena, block, rounded, size, stack);
+  const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
   settle_peak_debts(*all);
   device_mutex_.unlock();
   all.reset();
@@ -354,15 +355,22 @@ StitchEngine::Block* StitchEngine::split_off_front(Arena& arena, Block* b, std::
   return f;
 }
 
-DevicePtr StitchEngine::hand_out(Arena& arena, Block* block, std::size_t size,
+// The rest of a split keeps the block's place in the pool when its smaller key still sorts
+// after its predecessor (no tree operation on the usual hit).
+DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t size,
                                  std::size_t requested, const Origin& stack) {
+  Block* block = *pos;
   const bool small = block->space->small;
   Pool& pool = arena.pool(small);
-  pool.erase(block);
   if (block->size - size >= kMinBlockSize) {
     Block* rest = block;
     block = split_off_front(arena, rest, size);
-    pool.insert(rest);
+    if (pos != pool.begin() && !BySizeThenAddress{}(*std::prev(pos), rest)) {
+      pool.erase(pos);
+      pool.insert(rest);
+    }
+  } else {
+    pool.erase(pos);
   }
   block->kind = Block::Kind::kAllocated;
   block->requested = requested;
@@ -395,32 +403,43 @@ void StitchEngine::free_block(Arena& arena, Block* b) {
   record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
   b->kind = Block::Kind::kFree;
   b->stack = {};
-  if (b->prev != nullptr && b->prev->kind == Block::Kind::kFree) {
-    Block* p = b->prev;
-    pool.erase(p);
-    b->ptr = p->ptr;
-    b->size += p->size;
-    b->prev = p->prev;
-    if (b->prev != nullptr) {
-      b->prev->next = b;
-    } else {
-      s.first = b;
-    }
-    delete_block(arena, p);
+  Block* const prev = b->prev != nullptr && b->prev->kind == Block::Kind::kFree ? b->prev : nullptr;
+  Block* const next = b->next != nullptr && b->next->kind == Block::Kind::kFree ? b->next : nullptr;
+  if (prev == nullptr && next == nullptr) {
+    pool.insert(b);
+    return;
   }
-  if (b->next != nullptr && b->next->kind == Block::Kind::kFree) {
-    Block* n = b->next;
-    pool.erase(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (b->next != nullptr) {
-      b->next->prev = b;
-    } else {
-      s.last = b;
-    }
-    delete_block(arena, n);
+  // The survivor is a neighbour already in the pool; the others are absorbed into it. It
+  // only grew, so it keeps its place unless it now sorts after its successor.
+  Block* const merged = prev != nullptr ? prev : next;
+  const Pool::iterator pos = pool.find(merged);
+  if (prev != nullptr && next != nullptr) pool.erase(next);
+  const DevicePtr start = prev != nullptr ? prev->ptr : b->ptr;
+  Block* const last = next != nullptr ? next : b;
+  Block* const before = prev != nullptr ? prev->prev : b->prev;
+  Block* const after = last->next;
+  merged->size = last->end() - start;
+  merged->ptr = start;
+  merged->requested = b->requested;  // the freed block's, as before the merge
+  merged->prev = before;
+  merged->next = after;
+  if (before != nullptr) {
+    before->next = merged;
+  } else {
+    s.first = merged;
   }
-  pool.insert(b);
+  if (after != nullptr) {
+    after->prev = merged;
+  } else {
+    s.last = merged;
+  }
+  for (Block* absorbed : {prev, b, next}) {
+    if (absorbed != nullptr && absorbed != merged) delete_block(arena, absorbed);
+  }
+  if (std::next(pos) != pool.end() && !BySizeThenAddress{}(merged, *std::next(pos))) {
+    pool.erase(pos);
+    pool.insert(merged);
+  }
 }
 
 // Turns the page-aligned [lo, hi), covered by free and void blocks starting with `from`

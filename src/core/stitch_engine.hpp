@@ -261,7 +261,8 @@ class StitchEngine final : public Backend {
       REQUIRES(arena.mutex, device_mutex_);
   Space& new_space(Arena& arena, bool small) REQUIRES(arena.mutex, device_mutex_);
   DevicePtr page_va(const Space& s, std::size_t page) const { return s.base + page * page_; }
-  DevicePtr hand_out(Arena& arena, Block* block, std::size_t size, std::size_t requested,
+  // Hands out the pooled block at `pos` (split to `size` when the rest is worth a block).
+  DevicePtr hand_out(Arena& arena, Pool::iterator pos, std::size_t size, std::size_t requested,
                      const Origin& stack) REQUIRES(arena.mutex);
   void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
   void make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, DevicePtr hi)
