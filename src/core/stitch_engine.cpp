@@ -1416,7 +1416,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
   // device's, their sums, do too).
   for (Arena* arena : all.arenas()) {
     all.held(*arena);
-    const DeviceStats& st = arena->stats;
+    const DeviceStats st = arena->stats;  // a copy: the analysis does not follow the alias
     const DeviceStats& rc = recount[arena->owner - 1];
     for (StatType t : {kAggregate, kSmallPool, kLargePool}) {
       const auto differs = [&](const StatArray& a, const StatArray& b, const char* name) {

@@ -43,7 +43,7 @@
 // may nest:
 //   registry_mutex_ -> Arena::mutex (several only via AllArenasLock, by creation order)
 //   -> device_mutex_ -> trace_mutex_ / EventPool / HistoryRing
-// (observers_mutex_ is taken alone). The hot path takes one arena lock: malloc that finds a
+// (observers_mutex_, EventPool and HistoryRing are leaves: nothing is taken under them). The hot path takes one arena lock: malloc that finds a
 // free block in its arena, free of a block with no other stream's uses (one with them also
 // records events, taking the EventPool's lock), record_stream and allocation_size; the
 // arena of a stream comes from a per-thread cache (ThreadArenaCache), that of a pointer
