@@ -147,7 +147,7 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
   lock.unlock();
 
   auto all = std::make_unique<AllArenasLock>(*this);
-  device_mutex_.lock();
+  Lock device(device_mutex_);
   all->held(arena);
   bool gc_done = false, callbacks_done = false, synchronized = false, released = false;
   // The first round answers grow()'s result above; later ones search and grow again.
@@ -172,14 +172,14 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
         Lock observers(observers_mutex_);
         callbacks = free_memory_callbacks_;
       }
-      device_mutex_.unlock();
+      device.unlock();
       all.reset();
       bool freed = false;
       for (const auto& callback : callbacks)
         freed = callback() || freed;
       if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
       all = std::make_unique<AllArenasLock>(*this);
-      device_mutex_.lock();
+      device.lock();
       all->held(arena);
       if (freed) continue;
     }
@@ -194,11 +194,14 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
       release_cache(*all);
       continue;
     }
-    raise_oom(std::move(all), arena, size, rounded, small, stack);
+    const OomReport report = prepare_oom(*all, arena, size, rounded, small, stack);
+    device.unlock();
+    all.reset();
+    raise_oom(report);
   }
   const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
   settle_peak_debts(*all);
-  device_mutex_.unlock();
+  device.unlock();
   all.reset();
   after_operation();
   return ptr;
@@ -981,17 +984,17 @@ void StitchEngine::record_trace_entry(TraceAction action, DevicePtr addr, std::s
     observer(entry);
 }
 
-void StitchEngine::raise_oom(std::unique_ptr<AllArenasLock> all, Arena& arena,
-                             std::size_t requested, std::size_t rounded, bool small,
-                             const Origin& stack) {
+StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Arena& arena,
+                                                  std::size_t requested, std::size_t rounded,
+                                                  bool small, const Origin& stack) {
   const MemInfo info = driver_.mem_info();
   ++stats_.num_ooms;
   record_trace(TraceAction::kOom, info.free_bytes, rounded, arena.stream, stack);
   const Pool& pool = arena.pool(small);
   const std::size_t largest = pool.empty() ? 0 : (*pool.rbegin())->size;
   std::size_t allocated = 0;
-  for (Arena* a : all->arenas()) {
-    all->held(*a);
+  for (Arena* a : all.arenas()) {
+    all.held(*a);
     allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
   }
   std::string m = "CUDA out of memory on device " + std::to_string(device()) +
@@ -1014,18 +1017,19 @@ void StitchEngine::raise_oom(std::unique_ptr<AllArenasLock> all, Arena& arena,
     m += " The per_process_memory_fraction limit refused it: raise the fraction "
          "(set_memory_fraction or per_process_memory_fraction) to let it succeed.";
   }
-  const std::size_t limit_bytes = limit();
-  device_mutex_.unlock();
-  all.reset();
+  return OomReport{std::move(m), requested, limit(), info.free_bytes};
+}
+
+void StitchEngine::raise_oom(const OomReport& report) {
   std::vector<Allocator::OomObserver> observers;
   {
     Lock lock(observers_mutex_);
     observers = oom_observers_;
   }
   for (const auto& observer : observers)
-    observer(device(), requested, limit_bytes, info.free_bytes);
+    observer(device(), report.requested, report.limit, report.free_bytes);
   after_operation();
-  throw OutOfMemoryError(m, device(), requested);
+  throw OutOfMemoryError(report.message, device(), report.requested);
 }
 
 void StitchEngine::record_history(const HistoryOptions& options) {

@@ -77,6 +77,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -293,10 +294,18 @@ class StitchEngine final : public Backend {
   }
   void record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
                           const Origin& stack) EXCLUDES(trace_mutex_);
-  // Builds the message with every lock held, then releases them and tells the observers.
-  [[noreturn]] void raise_oom(std::unique_ptr<AllArenasLock> all, Arena& arena,
-                              std::size_t requested, std::size_t rounded, bool small,
-                              const Origin& stack) RELEASE(device_mutex_) REQUIRES(arena.mutex);
+  // An OutOfMemoryError: built with every lock held, raised (after the OOM observers are
+  // told) with none.
+  struct OomReport {
+    std::string message;
+    std::size_t requested = 0;
+    std::size_t limit = 0;
+    std::size_t free_bytes = 0;
+  };
+  OomReport prepare_oom(const AllArenasLock& all, Arena& arena, std::size_t requested,
+                        std::size_t rounded, bool small, const Origin& stack)
+      REQUIRES(device_mutex_, arena.mutex);
+  [[noreturn]] void raise_oom(const OomReport& report) EXCLUDES(device_mutex_);
   [[noreturn]] void throw_not_live(const char* what, DevicePtr ptr) const;
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
