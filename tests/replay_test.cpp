@@ -632,7 +632,7 @@ TEST_F(ReplayCli, EmitTraceWithTwoConfigsWritesNumberedFiles) {
 }
 
 // fit on a synthetic trace (3 MiB and 3 MiB, the first freed, then 5 MiB): the ccalloc
-// policy needs exactly 10 MiB (tests/stitch_policy_test.cpp derives it), PyTorch's one
+// policy needs exactly 12 MiB (tests/stitch_policy_test.cpp derives it), PyTorch's one
 // 20 MiB segment; both answers verified, stderr silent when it is not a terminal.
 TEST_F(ReplayCli, FitPrintsTheSmallestCapacityPerConfigVerified) {
   const std::string csv = dir_.file("fit.csv");
@@ -651,15 +651,15 @@ TEST_F(ReplayCli, FitPrintsTheSmallestCapacityPerConfigVerified) {
   ASSERT_EQ(j.size(), 2u);
   EXPECT_EQ(j[0]["conf"], "ccalloc,stitch_segments:True");
   EXPECT_EQ(j[0]["floor_bytes"], 8 * 1024 * 1024);
-  EXPECT_EQ(j[0]["capacity_bytes"], 10 * 1024 * 1024);
-  EXPECT_EQ(j[0]["ratio_to_floor"], 1.25);
-  EXPECT_EQ(j[0]["peak_reserved_bytes"], 10 * 1024 * 1024);
+  EXPECT_EQ(j[0]["capacity_bytes"], 12 * 1024 * 1024);
+  EXPECT_EQ(j[0]["ratio_to_floor"], 1.5);
+  EXPECT_EQ(j[0]["peak_reserved_bytes"], 12 * 1024 * 1024);
   EXPECT_EQ(j[0]["verified"], true);
   EXPECT_EQ(j[1]["capacity_bytes"], 20 * 1024 * 1024);
   EXPECT_EQ(j[1]["verified"], true);
   const CliResult text = run_cli("fit '" + csv + "' --conf ccalloc,stitch_segments:True", dir_);
   ASSERT_EQ(text.exit_code, 0) << text.err;
-  EXPECT_NE(text.out.find("smallest capacity     10,485,760 (10.00 MiB)"), std::string::npos)
+  EXPECT_NE(text.out.find("smallest capacity     12,582,912 (12.00 MiB)"), std::string::npos)
       << text.out;
   EXPECT_NE(text.out.find("verified              yes: no OOM at this capacity, at least one "
                           "at 2 MiB less"),

@@ -211,6 +211,7 @@ void expect_same_snapshot(const Snapshot& a, const Snapshot& b) {
     EXPECT_EQ(x.pool_id, y.pool_id);
     EXPECT_EQ(x.is_expandable, y.is_expandable);
     EXPECT_TRUE(same_frames(x.frames, y.frames, true));
+    EXPECT_EQ(x.pieces, y.pieces);
     ASSERT_EQ(x.blocks.size(), y.blocks.size());
     for (std::size_t j = 0; j < x.blocks.size(); ++j) {
       EXPECT_EQ(x.blocks[j].address, y.blocks[j].address);
@@ -245,6 +246,7 @@ void expect_same_snapshot(const Snapshot& a, const Snapshot& b) {
   EXPECT_EQ(x.graph_capture_record_stream_reuse, y.graph_capture_record_stream_reuse);
   EXPECT_EQ(x.trace_alloc_overflowed, y.trace_alloc_overflowed);
   EXPECT_EQ(x.trace_alloc_max_entries, y.trace_alloc_max_entries);
+  EXPECT_EQ(a.physical, b.physical);
   ASSERT_EQ(a.external_annotations.size(), b.external_annotations.size());
   for (std::size_t i = 0; i < a.external_annotations.size(); ++i) {
     EXPECT_EQ(a.external_annotations[i].name, b.external_annotations[i].name);
@@ -949,7 +951,15 @@ TEST(SnapshotSchema, ToValueWritesPyTorchKeys) {
   seg.frames = frames;
   seg.blocks.push_back({seg.address, 512, 500, BlockState::kActiveAllocated, frames});
   seg.blocks.push_back({seg.address + 512, (2 << 20) - 512, 0, BlockState::kInactive, nullptr});
+  seg.pieces = {{5, 1, 1}};  // the stitching policy's: piece 1 of handle 5
   s.segments.push_back(seg);
+  PhysicalMemory& phys = s.physical.emplace_back();
+  phys.device = 1;
+  phys.piece_size = 2 << 20;
+  phys.handles = {{5, 3, true}};
+  phys.spare = {{5, 2, 1}};
+  phys.ranges.push_back({seg.address - (2 << 20), 64 << 20, 4 << 20, seg.stream, true,
+                         {{seg.address - (2 << 20), {5, 0, 1}}}});
   s.device_traces.resize(2);
   s.device_traces[1].push_back({TraceAction::kAlloc, seg.address, 500, 0, 1000, frames, "meta"});
   s.device_traces[1].push_back({TraceAction::kOom, 12345, 1 << 30, 0, 1001, nullptr, ""});
@@ -974,6 +984,13 @@ TEST(SnapshotSchema, ToValueWritesPyTorchKeys) {
   EXPECT_EQ(v.at("allocator_settings").at("roundup_power2_divisions").at("32768").as_int(), 8);
   EXPECT_TRUE(v.at("external_annotations").as_list()[0] ==
               Value::dict({{"stage", "START"}, {"name", "fwd"}, {"device", 1}, {"time_us", 999}}));
+  EXPECT_TRUE(sv.at("pieces") ==
+              Value::list({Value::dict({{"handle", 5}, {"piece", 1}, {"count", 1}})}));
+  const Value& pv = v.at("physical_memory").as_list()[0];
+  EXPECT_EQ(pv.at("device").as_int(), 1);
+  EXPECT_TRUE(pv.at("handles") ==
+              Value::list({Value::dict({{"handle", 5}, {"pieces", 3}, {"segment_type", "small"}})}));
+  EXPECT_EQ(pv.at("ranges").as_list()[0].at("stream").as_int(), -1);
   const Snapshot back = snapshot_from_value(parse_pickle(write_pickle(v), "x"), "x");
   expect_same_snapshot(s, back);
   EXPECT_EQ(back.device_traces[1][0].frames.get(), back.segments[0].frames.get());

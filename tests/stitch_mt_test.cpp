@@ -55,8 +55,8 @@ void ExpectPeaksCoverCurrent(const DeviceStats& s) {
   }
 }
 
-// Memory returned: no block, no piece (each piece is a handle of its own, so empty_cache
-// releases all of them once nothing is live).
+// Memory returned: no block, no piece (empty_cache releases every handle once nothing is
+// live).
 void ExpectAllReturned(StitchEngine& engine) {
   engine.empty_cache();
   const DeviceStats s = engine.stats();

@@ -1,8 +1,8 @@
-// The `ccalloc` preset's policy (src/core/stitch_engine.hpp): physical pieces of 2 MiB,
-// free pages stitched into the range that needs them, dead pages until empty_cache or the
-// OOM ladder. Exact values on the simulated GPU. Most tests use devices too small for a
-// 20 MiB chunk, so that new memory is exactly what a request lacks (the policy's fallback);
-// one test covers the chunk.
+// The `ccalloc` preset's policy (src/core/stitch_engine.hpp): physical memory in handles of
+// 2 MiB pieces, each handle mapped whole; wholly free handles stitched into the range that
+// needs them, dead pages until empty_cache or the OOM ladder. Exact values on the simulated
+// GPU. Most tests use devices too small for a 20 MiB chunk, so that new memory is exactly
+// what a request lacks (the policy's fallback); two tests cover the chunk and the handle cap.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -62,9 +62,15 @@ TEST(StitchPolicy, LargeRequestsPackContiguouslyInWholePages) {
   EXPECT_EQ(a, kVa);
   EXPECT_EQ(b, kVa + 3 * kMiB);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(6 * kMiB));  // not two 4 MiB blocks
-  // One handle and one mapping per 2 MiB piece: CUDA maps handles only whole.
-  EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
-  EXPECT_EQ(f.gpu.counters().maps, 3u);
+  // One handle per growth, mapped whole by one call: a's two pieces, then the one piece b
+  // lacks beyond a's free 1 MiB.
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(f.gpu.counters().maps, 2u);
+  using M = ccalloc::sim::SimDriver::MappingInfo;
+  const auto m = f.gpu.mappings_in(kVa, 1 * kGiB);
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[0], (M{kVa, 4 * kMiB, m[0].handle, 0}));
+  EXPECT_EQ(m[1], (M{kVa + 4 * kMiB, 2 * kMiB, m[1].handle, 0}));
 }
 
 TEST(StitchPolicy, SmallRequestsShareOneSmallPoolPage) {
@@ -81,22 +87,40 @@ TEST(StitchPolicy, SmallRequestsShareOneSmallPoolPage) {
             static_cast<std::int64_t>(2 * kMiB));
 }
 
-TEST(StitchPolicy, NewMemoryIsAtLeastAChunkAndTheRestStaysSpare) {
+TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {
   Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
-  f.engine.malloc(5 * kMiB, 0);
-  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));
+  const DevicePtr a = f.engine.malloc(5 * kMiB, 0);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one 20 MiB handle
   EXPECT_EQ(f.engine.piece_counts().total, 10u);
-  EXPECT_EQ(f.engine.piece_counts().spare, 7u);
-  // The next growth maps two spare pieces: no new memory (10 creates in all: the chunk).
-  f.engine.malloc(5 * kMiB, 0);
-  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));
-  EXPECT_EQ(f.gpu.counters().physical_creates, 10u);
-  EXPECT_EQ(f.gpu.counters().maps, 3u + 2u);
-  EXPECT_EQ(f.engine.piece_counts().spare, 5u);
+  EXPECT_EQ(f.engine.piece_counts().spare, 0u);  // all mapped: the rest is a free block
+  EXPECT_EQ(f.gpu.counters().physical_creates, 1u);
+  EXPECT_EQ(f.gpu.counters().maps, 1u);
+  // The next request fits the chunk's free rest: no driver call.
+  EXPECT_EQ(f.engine.malloc(5 * kMiB, 0), a + 5 * kMiB);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 1u);
+  EXPECT_EQ(f.gpu.counters().maps, 1u);
+  // 16 MiB lacks 6 MiB beyond the free 10 MiB: another chunk, one create and one map.
+  EXPECT_EQ(f.engine.malloc(16 * kMiB, 0), a + 10 * kMiB);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(40 * kMiB));
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(f.gpu.counters().maps, 2u);
 }
 
-// a | b | c, 4 MiB each; a freed; a request of 4 MiB + 512 fits no free block: the two
-// wholly free pages of a are lent to the frontier and only one new piece is created.
+TEST(StitchPolicy, LargeGrowthIsCreatedInHandlesOfAtMost64MiB) {
+  Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
+  f.engine.malloc(100 * kMiB, 0);  // 50 pieces: 32 + 18
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(100 * kMiB));
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(f.gpu.counters().maps, 2u);
+  const auto m = f.gpu.mappings_in(kVa, 1 * kGiB);
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[0].bytes, 64 * kMiB);
+  EXPECT_EQ(m[1].bytes, 36 * kMiB);
+}
+
+// a | b | c, 4 MiB each (one 2-piece handle each); a freed; a request of 4 MiB + 512 fits
+// no free block: a's handle, wholly free, is lent to the frontier and only one new piece is
+// created.
 struct Stitched : Fixture {
   Stitched() {
     a = engine.malloc(4 * kMiB, 0);
@@ -112,21 +136,19 @@ TEST(StitchPolicy, StitchingLendsFreePagesInsteadOfCreatingMemory) {
   Stitched f;
   EXPECT_EQ(f.d, kVa + 12 * kMiB);                                // at the frontier
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(14 * kMiB));  // growth alone: 18 MiB
-  // a, b and c: six pieces; d: a's two pieces lent and one new.
-  EXPECT_EQ(f.gpu.counters().physical_creates, 7u);
-  EXPECT_EQ(f.gpu.counters().maps, 6u + 3u);
+  // a, b and c: three handles; d: a's handle lent (one map) and one new piece.
+  EXPECT_EQ(f.gpu.counters().physical_creates, 4u);
+  EXPECT_EQ(f.gpu.counters().maps, 3u + 2u);
   EXPECT_EQ(f.gpu.counters().unmaps, 0u);
   EXPECT_EQ(f.engine.piece_counts().dead_pages, 2u);
   EXPECT_EQ(f.engine.piece_counts().spare, 0u);
-  // Each of a's pieces at two virtual addresses: a's old page and one of d's first two.
+  // a's handle at two virtual addresses: a's old pages and d's first two.
   const auto old_map = f.gpu.mappings_in(kVa, 4 * kMiB);
   const auto new_map = f.gpu.mappings_in(kVa + 12 * kMiB, 4 * kMiB);
-  ASSERT_EQ(old_map.size(), 2u);
-  ASSERT_EQ(new_map.size(), 2u);
-  for (std::size_t i = 0; i < 2; ++i) {
-    EXPECT_EQ(old_map[i].handle, new_map[i].handle);
-    EXPECT_EQ(new_map[i].bytes, 2 * kMiB);
-  }
+  ASSERT_EQ(old_map.size(), 1u);
+  ASSERT_EQ(new_map.size(), 1u);
+  EXPECT_EQ(old_map[0].handle, new_map[0].handle);
+  EXPECT_EQ(new_map[0].bytes, 4 * kMiB);
 }
 
 TEST(StitchPolicy, DeadPagesAreNeitherFreeNorReported) {
@@ -154,8 +176,9 @@ TEST(StitchPolicy, EmptyCacheUnmapsDeadAndFreePagesAndReleasesUnusedMemory) {
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(4 * kMiB));
   EXPECT_EQ(f.gpu.used_bytes(), 4 * kMiB);
   EXPECT_EQ(f.engine.piece_counts().dead_pages, 0u);
-  EXPECT_EQ(f.gpu.counters().physical_releases, 5u);               // of 7 pieces
-  EXPECT_EQ(f.gpu.mappings_in(kVa, 1 * kGiB).size(), 2u);          // c's two
+  EXPECT_EQ(f.gpu.counters().physical_releases, 3u);               // of 4 handles
+  EXPECT_EQ(f.gpu.counters().unmaps, 4u);                          // a's two, b's, d's piece
+  EXPECT_EQ(f.gpu.mappings_in(kVa, 1 * kGiB).size(), 1u);          // c's
   EXPECT_EQ(f.gpu.counters().stream_synchronizes, 1u);
   f.engine.free(f.c);
   f.engine.empty_cache();
@@ -181,8 +204,8 @@ TEST(StitchPolicy, OomLadderReleasesOtherStreamsCacheAndRetries) {
   EXPECT_NE(p, 0u);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
   EXPECT_EQ(f.engine.stats().num_alloc_retries, 1);
-  EXPECT_EQ(f.gpu.counters().physical_releases, 4u);  // stream 1's four pieces
-  EXPECT_EQ(f.gpu.counters().unmaps, 4u);
+  EXPECT_EQ(f.gpu.counters().physical_releases, 1u);  // stream 1's handle of four pieces
+  EXPECT_EQ(f.gpu.counters().unmaps, 1u);
   // The device's capacity refuses the creation without a driver call.
   EXPECT_EQ(f.gpu.counters().physical_create_ooms, 0u);
 }
@@ -218,7 +241,7 @@ TEST(StitchPolicy, GcThresholdReleasesTheCacheBeforeCreatingPastIt) {
   f.engine.free(f.engine.malloc(20 * kMiB, 1));
   f.engine.malloc(16 * kMiB, 0);  // 20 + 16 > 32 MiB: stream 1's cache goes first
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one new 20 MiB chunk
-  EXPECT_EQ(f.gpu.counters().physical_releases, 10u);             // stream 1's ten pieces
+  EXPECT_EQ(f.gpu.counters().physical_releases, 1u);              // stream 1's 20 MiB handle
   EXPECT_EQ(f.engine.stats().num_alloc_retries, 0);
 }
 
@@ -254,7 +277,7 @@ TEST(StitchPolicy, InvariantCheckerComparesTheDevicesMappingsWithTheModel) {
   const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
   f.engine.check_invariants();
   const auto m = f.gpu.mappings_in(a, 4 * kMiB);
-  ASSERT_EQ(m.size(), 2u);
+  ASSERT_EQ(m.size(), 1u);
   f.gpu.unmap(a, 4 * kMiB);  // behind the allocator's back
   const std::string message =
       message_of<ccalloc::InvariantError>([&] { f.engine.check_invariants(); });
@@ -307,10 +330,37 @@ TEST(SimMapRange, RejectsAnOffsetAndAPartOfAHandleAsCudaDoes) {
   EXPECT_EQ(gpu.counters().maps, 0u);
 }
 
-// fit: a 3 MiB and a 3 MiB block (6 MiB mapped), the first freed, then 5 MiB. Stitching
-// lends the first block's one wholly free page and creates two: 10 MiB. On 8 MiB the
-// creation fails and the ladder finds nothing to release (both mappings touch live pages).
-// PyTorch's policy needs one 20 MiB segment for requests of 1-10 MiB.
+// Access is set per handle (an H100 measurement, docs/simulated-gpu.md): each map_range maps
+// one whole handle and is charged one cuMemMap + cuMemSetAccess whatever the handle's size;
+// a range over several handles is several calls, never one cheaper call.
+TEST(SimMapRange, ChargesOneMapAndAccessPerHandleWhateverItsSize) {
+  ccalloc::sim::SimDriver gpu(Fixture::options(64 * kMiB));
+  const ccalloc::sim::CostModel cost;
+  const double per_map = cost.map_us + cost.set_access_us;
+  const DevicePtr r = gpu.reserve_address_range(64 * kMiB);
+  const ccalloc::PhysicalHandle big = gpu.create_physical(20 * kMiB);
+  std::vector<ccalloc::PhysicalHandle> pieces;
+  for (int i = 0; i < 10; ++i)
+    pieces.push_back(gpu.create_physical(2 * kMiB));
+  const double created = gpu.simulated_driver_us();
+  EXPECT_DOUBLE_EQ(created, cost.reserve_us + 11 * cost.physical_create_us);
+  gpu.map_range(r, 20 * kMiB, big, 0);
+  EXPECT_DOUBLE_EQ(gpu.simulated_driver_us() - created, per_map);
+  // Two pieces side by side cannot be mapped by one call over both.
+  const std::string both =
+      message_of<ccalloc::DriverError>([&] { gpu.map_range(r + 20 * kMiB, 4 * kMiB, pieces[0], 0); });
+  EXPECT_NE(both.find("a mapping covers a whole physical allocation"), std::string::npos) << both;
+  for (std::size_t i = 0; i < pieces.size(); ++i)
+    gpu.map_range(r + 20 * kMiB + i * 2 * kMiB, 2 * kMiB, pieces[i], 0);
+  EXPECT_DOUBLE_EQ(gpu.simulated_driver_us() - created, 11 * per_map);
+  EXPECT_EQ(gpu.counters().maps, 11u);
+}
+
+// fit: a 3 MiB and a 3 MiB block (6 MiB mapped: a handle of 4 MiB, one of 2), the first
+// freed, then 5 MiB. The first handle's last page holds the second block, so nothing is
+// wholly free to lend: 5 MiB is three new pieces, 12 MiB. On 10 MiB the creation fails and
+// the ladder finds nothing to release (both mappings touch live pages). PyTorch's policy
+// needs one 20 MiB segment for requests of 1-10 MiB.
 std::vector<ccalloc::io::TraceRecord> small_trace() {
   using ccalloc::TraceAction;
   const auto row = [](TraceAction a, DevicePtr addr, std::size_t size) {
@@ -336,8 +386,8 @@ TEST(StitchFit, FindsTheSmallestPassingCapacityAndVerifiesIt) {
   options.conf = kExact;
   const auto r = ccalloc::replay::fit(small_trace(), options);
   EXPECT_EQ(r.floor_bytes, static_cast<std::int64_t>(8 * kMiB));
-  EXPECT_EQ(r.capacity, 10 * kMiB);
-  EXPECT_EQ(r.peak_reserved_bytes, static_cast<std::int64_t>(10 * kMiB));
+  EXPECT_EQ(r.capacity, 12 * kMiB);
+  EXPECT_EQ(r.peak_reserved_bytes, static_cast<std::int64_t>(12 * kMiB));
   EXPECT_TRUE(r.passes_at_capacity);
   EXPECT_TRUE(r.fails_below);
 }

@@ -4,12 +4,15 @@
 
 #include <bit>
 #include <cstring>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <utility>
 #include <vector>
 
 #include "ccalloc/config.hpp"
 #include "ccalloc/errors.hpp"
 #include "core/rounding.hpp"
+#include "replay/physical_view.hpp"
 #include "replay/replay.hpp"
 #include "viz/model.hpp"
 #include "viz/what_if.hpp"
@@ -257,6 +260,138 @@ Json what_if_json(const WhatIfReport& r) {
           {"runs", runs}};
 }
 
+// The stitching policy's physical memory (replay/physical_view.hpp): per range its
+// figures in the meta, and per page below each range's frontier, in columns: pg_state
+// (0 unmapped, 1 live, 2 dead), pg_handle and pg_piece (the piece it maps), pg_free (the
+// share of a live page inside free blocks, 0-255) and pg_lent (for a dead page: the page
+// its piece backs now, 0 if none). Null when the snapshot has none.
+constexpr std::size_t kMaxPiecePages = std::size_t{1} << 22;  // 8 TiB of 2 MiB pages
+
+Json physical_json(const Snapshot& s, int device, Columns& c) {
+  const auto view = replay::physical_view(s, device);
+  if (!view) return nullptr;
+  const PhysicalMemory& p = *s.physical_of(device);
+  const std::size_t g = view->piece_size;
+  Json ranges = Json::array();
+  std::size_t total_pages = 0;
+  for (const replay::RangeView& r : view->ranges)
+    total_pages += g > 0 ? r.frontier / g : 0;
+  const bool with_pages = g > 0 && total_pages <= kMaxPiecePages;
+  std::vector<std::uint8_t> state, free_share;
+  std::vector<std::uint64_t> handle, lent;
+  std::vector<std::int32_t> piece;
+  if (with_pages) {
+    state.assign(total_pages, 0);
+    free_share.assign(total_pages, 0);
+    handle.assign(total_pages, 0);
+    lent.assign(total_pages, 0);
+    piece.assign(total_pages, -1);
+  }
+  // Where each piece is live, for the dead pages' "lent to".
+  std::map<std::pair<PhysicalHandle, std::uint32_t>, DevicePtr> live_at;
+  std::size_t first_page = 0;
+  for (const replay::RangeView& r : view->ranges) {
+    const std::size_t pages = g > 0 ? r.frontier / g : 0;
+    ranges.push_back({{"address", r.address},
+                      {"size", r.size},
+                      {"frontier", r.frontier},
+                      {"stream", std::to_string(r.stream)},
+                      {"small", r.is_small},
+                      {"segments", r.segments},
+                      {"live_pages", r.live_pages},
+                      {"dead_pages", r.dead_pages},
+                      {"unmapped_pages", r.unmapped_pages},
+                      {"mapped", r.mapped_bytes},
+                      {"physical", r.physical_bytes},
+                      {"allocated", r.allocated_bytes},
+                      {"free", r.free_bytes},
+                      {"largest_free", r.largest_free},
+                      {"fragmentation", r.fragmentation},
+                      {"first_page", first_page},
+                      {"pages", with_pages ? pages : 0}});
+    if (with_pages) {
+      const auto page_of = [&](DevicePtr va) -> std::size_t {
+        return va >= r.address && va < r.address + pages * g ? first_page + (va - r.address) / g
+                                                             : total_pages;
+      };
+      for (const SnapshotSegment& seg : s.segments) {
+        if (seg.device != device || seg.address < r.address ||
+            seg.address + seg.total_size > r.address + pages * g) {
+          continue;
+        }
+        DevicePtr va = seg.address;
+        for (const PieceRun& run : seg.pieces) {
+          for (std::uint32_t i = 0; i < run.count; ++i, va += g) {
+            const std::size_t k = page_of(va);
+            if (k == total_pages) break;
+            state[k] = 1;
+            handle[k] = run.handle;
+            piece[k] = static_cast<std::int32_t>(run.first + i);
+            live_at[{run.handle, run.first + i}] = va;
+          }
+        }
+        for (const SnapshotBlock& b : seg.blocks) {
+          if (b.state != BlockState::kInactive) continue;
+          for (DevicePtr lo = b.address; lo < b.address + b.size;) {
+            const std::size_t k = page_of(lo);
+            if (k == total_pages) break;
+            const DevicePtr page_end = (lo - r.address) / g * g + r.address + g;
+            const DevicePtr hi = std::min<DevicePtr>(page_end, b.address + b.size);
+            free_share[k] = static_cast<std::uint8_t>(
+                std::min<std::size_t>(255, free_share[k] + ((hi - lo) * 255 + g / 2) / g));
+            lo = hi;
+          }
+        }
+      }
+    }
+    first_page += with_pages ? pages : 0;
+  }
+  if (with_pages) {
+    // The view's ranges are sorted by address and their pages laid out in that order.
+    std::size_t base = 0;
+    for (const replay::RangeView& rv : view->ranges) {
+      const std::size_t pages = rv.frontier / g;
+      for (const AddressRange& r : p.ranges) {
+        if (r.address != rv.address) continue;
+        for (const DeadPages& d : r.dead) {
+          if (d.address < rv.address) continue;
+          const std::size_t at = (d.address - rv.address) / g;
+          for (std::size_t i = 0; i < d.pieces.count && at + i < pages; ++i) {
+            const std::size_t k = base + at + i;
+            const auto id =
+                std::make_pair(d.pieces.handle, d.pieces.first + static_cast<std::uint32_t>(i));
+            state[k] = 2;
+            handle[k] = id.first;
+            piece[k] = static_cast<std::int32_t>(id.second);
+            const auto live = live_at.find(id);
+            lent[k] = live != live_at.end() ? live->second : 0;
+          }
+        }
+      }
+      base += pages;
+    }
+    c.add("pg_state", "u8", state);
+    c.add("pg_free", "u8", free_share);
+    c.add64("pg_handle", "u64", handle);
+    c.add64("pg_lent", "u64", lent);
+    c.add("pg_piece", "i32", piece);
+  }
+  Json spare = Json::array();
+  for (const PieceRun& r : p.spare)
+    spare.push_back(Json::array({r.handle, r.first, r.count}));
+  return {{"piece_size", g},
+          {"handles", view->handles},
+          {"held", view->held_bytes},
+          {"segment_bytes", view->segment_bytes},
+          {"spare_pieces", view->spare_pieces},
+          {"spare_bytes", view->spare_bytes},
+          {"dead_pages", view->dead_pages},
+          {"spare", spare},
+          {"ranges", ranges},
+          {"pages_shown", with_pages},
+          {"problems", view->problems}};
+}
+
 // Splices `parts` into the template at its {{NAME}} markers, each found once.
 std::string fill_template(std::string_view tpl,
                           const std::vector<std::pair<std::string, const std::string*>>& parts) {
@@ -323,7 +458,8 @@ std::string render_page(const Snapshot& s, const PageOptions& options) {
     meta["what_if"] = what_if_json(oom_what_if(s, model, conf, options.capacity));
   }
 
-  const Columns columns = encode(model);
+  Columns columns = encode(model);
+  meta["physical"] = physical_json(s, device, columns);
   meta["columns"] = columns.table();
   const std::string meta_text = script_json(meta);
   const std::string data = base64(gzip(columns.bytes()));

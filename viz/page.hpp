@@ -13,7 +13,10 @@
 // Columns: ev_* per event (kind, addr, size, stream, time_us, stack, alloc, entry), al_* per
 // allocation (start, free_requested, end, addr, size, block_size, slack, stack, stream,
 // flags) and sp_* per segment span (start, end, addr, size, stack, stream, flags); see
-// model.hpp for their meaning.
+// model.hpp for their meaning. For the stitching policy only (meta "physical", else null):
+// pg_* per page below each address range's frontier, ranges in address order (state: 0
+// unmapped, 1 live, 2 dead; handle, piece: the piece it maps, -1 none; free: the live page's
+// share in free blocks, 0-255; lent: where a dead page's piece is live now, 0 none).
 #pragma once
 
 #include <cstddef>

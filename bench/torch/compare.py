@@ -21,7 +21,7 @@ MODES = {
 }
 
 
-def run(workload, allocator, mode):
+def run(workload, allocator, mode, cpus=None):
     torch_conf, ccalloc_conf = MODES[mode]
     env = dict(os.environ)
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
@@ -31,8 +31,12 @@ def run(workload, allocator, mode):
         env["PYTORCH_CUDA_ALLOC_CONF"] = torch_conf
     if allocator == "ccalloc":
         env["CCALLOC_CONF"] = ccalloc_conf
+    # The same CPUs for every process: where the scheduler places a process (and how far its
+    # cores are from the GPU) otherwise moves a CPU-bound step time by several per cent.
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.run([sys.executable, os.path.join(HERE, "run_one.py"), workload,
-                           "--allocator", allocator], env=env, capture_output=True, text=True)
+                           "--allocator", allocator], env=env, capture_output=True, text=True,
+                          preexec_fn=pin)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -64,21 +68,35 @@ def main():
     parser.add_argument("--modes", default="native,expandable")
     parser.add_argument("--repeats", type=int, default=2,
                         help="processes per allocator, interleaved; step times are pooled")
+    parser.add_argument("--cpus", help="run every process on these CPUs, e.g. 0-7 or 0,2,4")
+    parser.add_argument("--control", action="store_true",
+                        help="also run PyTorch's allocator with ccalloc's libraries loaded")
     args = parser.parse_args()
+    cpus = None
+    if args.cpus:
+        cpus = set()
+        for part in args.cpus.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    allocators = ("pytorch", "ccalloc") + (("pytorch-loaded",) if args.control else ())
 
     rows, failures = [], 0
     for mode in args.modes.split(","):
         for workload in args.workloads.split(","):
             # Interleaved processes per allocator: a slow phase of the machine hits both.
-            runs = {"pytorch": [], "ccalloc": []}
+            runs = {a: [] for a in allocators}
             for _ in range(args.repeats):
-                for allocator in ("pytorch", "ccalloc"):
-                    runs[allocator].append(run(workload, allocator, mode))
+                for allocator in allocators:
+                    runs[allocator].append(run(workload, allocator, mode, cpus))
             pt, cc = (pool(runs["pytorch"]), pool(runs["ccalloc"]))
+            per_process = {a: [round(r["median_step_s"] * 1e3, 3) for r in rs] for a, rs in runs.items()}
             identical = pt["outputs"] == cc["outputs"]
             delta = cc["median_step_s"] / pt["median_step_s"] - 1.0
             rows.append({"mode": mode, "workload": workload, "pytorch": pt, "ccalloc": cc,
-                         "outputs_identical": identical, "step_time_delta": delta})
+                         "outputs_identical": identical, "step_time_delta": delta,
+                         "per_process_median_ms": per_process})
+            if args.control:
+                rows[-1]["pytorch-loaded"] = pool(runs["pytorch-loaded"])
             ok = identical and delta <= 0.03 and cc["peak_reserved_bytes"] <= pt["peak_reserved_bytes"]
             failures += 0 if ok else 1
             print(f"{mode:10s} {workload:15s} step {pt['median_step_s']*1e3:8.2f} ms -> "
@@ -86,6 +104,8 @@ def main():
                   f"{gib(pt['peak_reserved_bytes'])} -> {gib(cc['peak_reserved_bytes'])}  "
                   f"device allocs {pt['num_device_alloc']} -> {cc['num_device_alloc']}  "
                   f"outputs {'identical' if identical else 'DIFFER'}  [{cc['installed']}]",
+                  flush=True)
+            print("    per process (ms): " + "; ".join(f"{a} {v}" for a, v in per_process.items()),
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -21,12 +21,17 @@ sys.path.insert(0, HERE)
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("workload")
-    parser.add_argument("--allocator", choices=["pytorch", "ccalloc"], required=True)
+    # "pytorch-loaded": PyTorch's allocator, with ccalloc's libraries loaded but not
+    # installed; a control that separates what loading them costs from what ccalloc does.
+    parser.add_argument("--allocator", choices=["pytorch", "ccalloc", "pytorch-loaded"], required=True)
     args = parser.parse_args()
 
     if args.allocator == "ccalloc":
         import ccalloc_torch
         how = ccalloc_torch.install()
+    elif args.allocator == "pytorch-loaded":
+        import ccalloc_torch
+        assert ccalloc_torch._native_library() is not None, "libccalloc_torch.so was not built"
     import torch
     import workloads
 
@@ -43,7 +48,7 @@ def main():
     result = {
         "workload": args.workload,
         "allocator": args.allocator,
-        "installed": how if args.allocator == "ccalloc" else "native",
+        "installed": how if args.allocator == "ccalloc" else "PyTorch's",
         "conf": os.environ.get("CCALLOC_CONF" if args.allocator == "ccalloc"
                                else "PYTORCH_CUDA_ALLOC_CONF", ""),
         "median_step_s": statistics.median(times),

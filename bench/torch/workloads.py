@@ -21,12 +21,19 @@ def _timed(fn):
     return time.perf_counter() - start, out
 
 
+# Called, when set, once the warm-up steps are done and before the first timed step: a
+# profiler starts here so that it sees steady steps only (not compilation or recording).
+on_timed_start = None
+
+
 def _run_steps(steps, warmup, make_step, output=float):
     """Runs warmup + steps steps. make_step(step) prepares a step's inputs (untimed) and
     returns the step as a function; its result goes through `output` into the outputs.
     Returns (times of the steps after the warm-up, outputs of every step)."""
     times, outputs = [], []
     for step in range(warmup + steps):
+        if step == warmup and on_timed_start is not None:
+            on_timed_start()
         t, out = _timed(make_step(step))
         if step >= warmup:
             times.append(t)

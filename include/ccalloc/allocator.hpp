@@ -91,6 +91,17 @@ struct PoolRestore {
   std::vector<DevicePtr> allocated;
 };
 
+// Stitching policy (stitch_segments) only: `count` consecutive pieces of one physical
+// handle, pieces [first, first + count), each of the policy's piece size (the device's
+// mapping granularity). A segment's runs, concatenated, name the piece behind each of its
+// pages in address order.
+struct PieceRun {
+  PhysicalHandle handle = 0;
+  std::uint32_t first = 0;
+  std::uint32_t count = 0;
+  bool operator==(const PieceRun&) const = default;
+};
+
 struct SegmentInfo {
   int device = 0;
   DevicePtr address = 0;
@@ -104,6 +115,9 @@ struct SegmentInfo {
   PoolId pool;                    // the private pool that owns it; {0, 0}: the default pool
   ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<BlockInfo> blocks;  // address order, tiling the segment
+  // Stitching policy only (empty for the others): the physical pieces behind the segment's
+  // pages, in address order; they add up to total_size. Each piece backs one page at most.
+  std::vector<PieceRun> pieces;
 };
 
 class Allocator {

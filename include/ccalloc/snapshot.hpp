@@ -49,6 +49,9 @@ struct SnapshotSegment {
   Frames frames;          // C++ stack of the device allocation (or first mapping)
   ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<SnapshotBlock> blocks;
+  // Stitching policy only (empty for the others; the key "pieces" in files): the physical
+  // pieces behind the segment's pages in address order, adding up to total_size.
+  std::vector<PieceRun> pieces;
 };
 
 struct SnapshotTraceEntry {
@@ -84,11 +87,73 @@ struct AllocatorSettings {
   std::int64_t trace_alloc_max_entries = 0;
 };
 
+// The physical memory of the stitching policy (stitch_segments) on one device, beside the
+// segments (written under the key "physical_memory", which PyTorch's tools ignore).
+// Segments are the runs of live pages of the policy's address ranges; a piece held by the
+// policy is either live (behind exactly one page of one segment) or spare, so
+//   sum of the device's segments' total_size + spare pieces x piece_size
+//     == sum of handles' pieces x piece_size == reserved_bytes (physical bytes held);
+// address space (ranges' size, dead and unmapped pages) is not counted.
+struct PhysicalHandleInfo {
+  PhysicalHandle handle = 0;
+  std::uint32_t pieces = 0;
+  bool is_small = false;  // the pool whose growth created it: its reserved bytes count there
+  bool operator==(const PhysicalHandleInfo&) const = default;
+};
+// Pages [address, address + pieces.count x piece_size) of a range that still map pieces
+// lent to a later page (or spare since): they hold no memory of their own.
+struct DeadPages {
+  DevicePtr address = 0;
+  PieceRun pieces;
+  bool operator==(const DeadPages&) const = default;
+};
+// One address range (space) of a stream and pool: pages are mapped from `address` up to
+// `frontier`; below it each page is live (in a segment), dead (in `dead`) or unmapped.
+struct AddressRange {
+  DevicePtr address = 0;
+  std::size_t size = 0;      // address space reserved (no memory)
+  std::size_t frontier = 0;  // bytes from `address` that have pages
+  StreamId stream = 0;
+  bool is_small = false;
+  std::vector<DeadPages> dead;  // by address
+  bool operator==(const AddressRange&) const = default;
+};
+struct PhysicalMemory {
+  int device = 0;
+  std::size_t piece_size = 0;
+  std::vector<PhysicalHandleInfo> handles;  // every handle held, by id
+  std::vector<PieceRun> spare;              // pieces live nowhere, by (handle, piece)
+  std::vector<AddressRange> ranges;         // by address
+  bool operator==(const PhysicalMemory&) const = default;
+
+  std::size_t held_bytes() const {  // handles' pieces x piece_size
+    std::size_t n = 0;
+    for (const PhysicalHandleInfo& h : handles)
+      n += h.pieces;
+    return n * piece_size;
+  }
+  std::size_t spare_bytes() const {  // spare pieces x piece_size
+    std::size_t n = 0;
+    for (const PieceRun& r : spare)
+      n += r.count;
+    return n * piece_size;
+  }
+};
+
 struct Snapshot {
   std::vector<SnapshotSegment> segments;  // every device, by address within a device
   std::vector<std::vector<SnapshotTraceEntry>> device_traces;  // index = device
   AllocatorSettings allocator_settings;
   std::vector<Annotation> external_annotations;
+  std::vector<PhysicalMemory> physical;  // stitching policy only: one per device using it
+
+  // The physical memory of `device`, or null (not the stitching policy).
+  const PhysicalMemory* physical_of(int device) const {
+    for (const PhysicalMemory& p : physical) {
+      if (p.device == device) return &p;
+    }
+    return nullptr;
+  }
 };
 
 // What history recording keeps (PyTorch's _record_memory_history arguments).

@@ -167,6 +167,8 @@ Snapshot ProcessAllocator::snapshot() {
         std::move(one.device_traces[static_cast<std::size_t>(d)]);
     for (auto& a2 : one.external_annotations)
       all.external_annotations.push_back(std::move(a2));
+    for (auto& p : one.physical)
+      all.physical.push_back(std::move(p));
     all.allocator_settings = std::move(one.allocator_settings);
   }
   if (all.device_traces.empty()) all.device_traces.resize(1);

@@ -44,8 +44,8 @@ std::size_t align_down(std::size_t v, std::size_t a) {
   return v / a * a;
 }
 
-// See grow(): new memory is at least 1/64 of the memory held.
-constexpr std::size_t kGrowthDivisor = 64;
+// See grow(): new memory is created in handles of at most this many pieces (64 MiB of 2 MiB).
+constexpr std::size_t kMaxHandlePieces = 32;
 
 StatType pool_stat(bool small) {
   return small ? kSmallPool : kLargePool;
@@ -514,52 +514,92 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   Space* s = spaces.empty() ? nullptr : spaces.back().get();
   Block* tail =
       s != nullptr && s->last != nullptr && s->last->kind == Block::Kind::kFree ? s->last : nullptr;
-  std::size_t pages = align_up(size - (tail != nullptr ? tail->size : 0), page_) / page_;
-  const bool fresh = s == nullptr || s->pages.size() + pages > s->reserved_pages;
-  if (fresh) {
-    tail = nullptr;
-    pages = align_up(size, page_) / page_;
-    if (pages > space_pages_) return Grow::kOutOfMemory;  // more than twice the device
-  }
+  bool fresh = s == nullptr;
+  std::size_t pages = 0;
 
   // Plan without changing anything, so that running out of memory leaves all as it was.
-  std::vector<PieceRef> got;
-  got.reserve(pages);
-  for (auto it = spare_.begin(); it != spare_.end() && got.size() < pages; ++it) {
-    got.push_back(PieceRef{handles_.at(it->first).get(), it->second});
-  }
-  const std::size_t from_spare = got.size();
+  // CUDA maps a handle only whole, so the frontier receives whole handles: spare ones, then
+  // lent ones, then new ones. Whole handles may pass what the request lacks; the rest
+  // extends the new free block.
   struct Lend {
+    Handle* handle;
     Block* block;
     DevicePtr lo;
-    std::size_t pages;
   };
+  std::vector<Handle*> from_spare;
   std::vector<Lend> lends;
-  if (got.size() < pages) {
-    std::vector<Block*> candidates;
+  std::size_t have = 0;  // pages of the spare and lent handles
+  const auto pieces_of = [](const Handle* h) { return h->live_at.size(); };
+  const auto plan = [&] {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    device_mutex_.assert_held();
+    from_spare.clear();
+    lends.clear();
+    have = 0;
+    for (auto it = spare_.begin(); it != spare_.end() && have < pages; ++it) {
+      if (it->second != 0) continue;  // a handle is spare whole: name it once
+      Handle* h = handles_.at(it->first).get();
+      from_spare.push_back(h);
+      have += pieces_of(h);
+    }
+    if (have >= pages) return;
+    // Handles live wholly inside the whole pages of one free block of the stream.
+    std::vector<Lend> candidates;
     for (const Pool& pool : arena.pools) {
       for (Block* b : pool) {
-        if (b != tail && align_down(b->end(), page_) > align_up(b->ptr, page_)) {
-          candidates.push_back(b);
+        if (b == tail) continue;
+        const DevicePtr hi = align_down(b->end(), page_);
+        const Space& bs = *b->space;
+        for (DevicePtr va = align_up(b->ptr, page_); va < hi;) {
+          const Page& p = bs.pages[(va - bs.base) / page_];
+          const std::size_t n = pieces_of(p.handle);
+          if (p.piece == 0 && va + n * page_ <= hi) {
+            candidates.push_back(Lend{p.handle, b, va});
+            va += n * page_;
+          } else {
+            va += page_;
+          }
         }
       }
     }
     // The smallest free blocks are the least useful to keep whole.
-    std::sort(candidates.begin(), candidates.end(), BySizeThenAddress{});
-    for (Block* b : candidates) {
-      if (got.size() == pages) break;
-      const DevicePtr lo = align_up(b->ptr, page_);
-      const std::size_t whole = (align_down(b->end(), page_) - lo) / page_;
-      const std::size_t take = std::min(whole, pages - got.size());
-      const Space& bs = *b->space;
-      for (std::size_t i = 0; i < take; ++i) {
-        const Page& p = bs.pages[(lo - bs.base) / page_ + i];
-        got.push_back(PieceRef{p.handle, p.piece});
-      }
-      lends.push_back(Lend{b, lo, take});
+    std::sort(candidates.begin(), candidates.end(), [](const Lend& x, const Lend& y) {
+      if (x.block != y.block) return BySizeThenAddress{}(x.block, y.block);
+      return x.lo < y.lo;
+    });
+    for (const Lend& l : candidates) {
+      if (have >= pages) break;
+      lends.push_back(l);
+      have += pieces_of(l.handle);
     }
+  };
+  std::size_t lacking = 0, created = 0;
+  for (;;) {
+    if (fresh) tail = nullptr;
+    pages = align_up(size - (tail != nullptr ? tail->size : 0), page_) / page_;
+    if (fresh && pages > space_pages_) return Grow::kOutOfMemory;  // more than twice the device
+    if (!fresh && s->pages.size() + pages > s->reserved_pages) {
+      fresh = true;
+      continue;
+    }
+    plan();
+    lacking = have < pages ? pages - have : 0;
+    created = 0;
+    if (lacking > 0) {
+      // Large growth creates at least a chunk (large_segment_size), so that creations and
+      // mappings stay as few as expandable segments' (one per 20 MiB page); the small pool
+      // and a chunk that would not fit the limit create exactly what is lacking.
+      const std::size_t chunk = small ? lacking : std::max(lacking, chunk_pieces_);
+      for (const std::size_t tried : {chunk, lacking}) {
+        if (tried * page_ > limit() || reserved_ > limit() - tried * page_) continue;
+        created = tried;
+        break;
+      }
+    }
+    const std::size_t room = fresh ? space_pages_ : s->reserved_pages - s->pages.size();
+    if (have + std::max(created, lacking) <= room || fresh) break;
+    fresh = true;  // the whole handles would pass the reservation: start a new space
   }
-  const std::size_t lacking = pages - got.size();
   if (lacking > 0) {
     const std::size_t bytes = lacking * page_;
     if (gc_allowed && config_.garbage_collection_threshold > 0.0 &&
@@ -567,72 +607,84 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
             config_.garbage_collection_threshold * static_cast<double>(limit())) {
       return Grow::kNeedsGc;
     }
-    // Large growth creates at least chunk_pieces_ and 1/kGrowthDivisor of what is held:
-    // creates stay few (logarithmic in the peak) and the spare overshoot at the peak
-    // stays under 1/kGrowthDivisor of it.
-    const std::size_t chunk =
-        small ? lacking : std::max({lacking, chunk_pieces_, reserved_ / page_ / kGrowthDivisor});
-    // Each piece is a handle of its own: CUDA maps a handle only whole, from its start
-    // (cuMemMap rejects a non-zero offset), so a piece that may be stitched elsewhere later
-    // must be one.
-    std::vector<PhysicalHandle> ids;
-    for (const std::size_t tried : {chunk, lacking}) {
-      if (tried * page_ > limit() || reserved_ > limit() - tried * page_) continue;
-      ids.clear();
-      while (ids.size() < tried) {
-        const PhysicalHandle id = driver_.create_physical(page_);
-        if (id == 0) break;
-        ids.push_back(id);
+    if (created == 0) return Grow::kOutOfMemory;
+  }
+  if (have + created > (fresh ? space_pages_ : s->reserved_pages - s->pages.size())) {
+    return Grow::kOutOfMemory;
+  }
+  // New memory in handles of at most kMaxHandlePieces: large enough that creating and
+  // mapping stay cheap, small enough that the free pages of a large freed block hold whole
+  // handles that can be lent.
+  std::vector<std::size_t> sizes;
+  std::vector<PhysicalHandle> ids;
+  const auto create_all = [&](std::size_t n) {
+    sizes.clear();
+    ids.clear();
+    for (std::size_t left = n; left > 0;) {
+      const std::size_t k = std::min(left, kMaxHandlePieces);
+      const PhysicalHandle id = driver_.create_physical(k * page_);
+      if (id == 0) {
+        for (std::size_t j = 0; j < ids.size(); ++j)
+          driver_.release_physical(ids[j], sizes[j] * page_);
+        sizes.clear();
+        ids.clear();
+        return false;
       }
-      if (ids.size() >= lacking) break;  // the chunk, or at least what the request needs
-      for (const PhysicalHandle id : ids) driver_.release_physical(id, page_);
-      ids.clear();
-      if (tried == lacking) break;
+      sizes.push_back(k);
+      ids.push_back(id);
+      left -= k;
     }
-    if (ids.empty()) return Grow::kOutOfMemory;
-    const std::size_t n = ids.size();
-    for (std::size_t i = 0; i < n; ++i) {
-      auto h = std::make_unique<Handle>();
-      h->id = ids[i];
-      h->small = small;
-      h->live_at.assign(1, 0);
-      h->mappings.assign(1, 0);
-      if (i < lacking) {
-        got.push_back(PieceRef{h.get(), 0});
-      } else {
-        spare_.emplace(ids[i], 0);
-      }
-      handles_.emplace(ids[i], std::move(h));
-    }
-    add_reserved(small, static_cast<std::int64_t>(n * page_));
-    stats_.num_device_alloc += n;
-    for (StatType t : {kAggregate, pool_stat(small)})
-      stats_.segment[t].increase(n);
+    return true;
+  };
+  if (created > 0 && !create_all(created)) {
+    if (created == lacking || !create_all(lacking)) return Grow::kOutOfMemory;
+    created = lacking;
   }
 
   // Commit.
   if (fresh) s = &new_space(arena, small);
-  for (std::size_t i = 0; i < from_spare; ++i)
-    spare_.erase({got[i].handle->id, got[i].index});
-  for (const Lend& l : lends)
-    make_void(arena, *l.block->space, l.block, l.lo, l.lo + l.pages * page_);
+  std::vector<Handle*> order;  // as mapped at the frontier
+  for (Handle* h : from_spare) {
+    for (std::uint32_t i = 0; i < pieces_of(h); ++i)
+      spare_.erase({h->id, i});
+    order.push_back(h);
+  }
+  // In address order, so that each lend's block still starts at or below its range:
+  // make_void keeps the block object for the free part above the voided range.
+  std::sort(lends.begin(), lends.end(), [](const Lend& x, const Lend& y) { return x.lo < y.lo; });
+  for (const Lend& l : lends) {
+    make_void(arena, *l.block->space, l.block, l.lo, l.lo + pieces_of(l.handle) * page_);
+    order.push_back(l.handle);
+  }
+  for (std::size_t j = 0; j < ids.size(); ++j) {
+    auto h = std::make_unique<Handle>();
+    h->id = ids[j];
+    h->small = small;
+    h->live_at.assign(sizes[j], 0);
+    h->mappings.assign(sizes[j], 0);
+    order.push_back(h.get());
+    handles_.emplace(ids[j], std::move(h));
+  }
+  if (created > 0) {
+    add_reserved(small, static_cast<std::int64_t>(created * page_));
+    stats_.num_device_alloc += ids.size();
+    for (StatType t : {kAggregate, pool_stat(small)})
+      stats_.segment[t].increase(static_cast<std::int64_t>(ids.size()));
+  }
+  // One map_range per handle, each whole.
   const std::size_t start = s->pages.size();
-  s->pages.resize(start + pages);
-  for (std::size_t k = 0; k < pages;) {
-    std::size_t len = 1;
-    while (k + len < pages && got[k + len].handle == got[k].handle &&
-           got[k + len].index == got[k].index + len) {
-      ++len;
-    }
-    Handle* h = got[k].handle;
+  const std::size_t mapped = have + created;
+  s->pages.resize(start + mapped);
+  std::size_t k = 0;
+  for (Handle* h : order) {
+    const std::size_t len = pieces_of(h);
     const DevicePtr va = page_va(*s, start + k);
-    driver_.map_range(va, len * page_, h->id, std::size_t{got[k].index} * page_);
-    s->mappings.emplace(start + k, Mapping{len, h, got[k].index});
-    for (std::size_t i = 0; i < len; ++i) {
-      const std::uint32_t piece = got[k].index + static_cast<std::uint32_t>(i);
-      h->live_at[piece] = va + i * page_;
-      ++h->mappings[piece];
-      s->pages[start + k + i] = Page{h, piece};
+    driver_.map_range(va, len * page_, h->id, 0);
+    s->mappings.emplace(start + k, Mapping{len, h, 0});
+    for (std::uint32_t i = 0; i < len; ++i) {
+      h->live_at[i] = va + i * page_;
+      ++h->mappings[i];
+      s->pages[start + k + i] = Page{h, i};
     }
     record_trace(TraceAction::kSegmentMap, va, len * page_, arena.stream, Origin{});
     k += len;
@@ -640,13 +692,13 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   Pool& pool = arena.pool(small);
   if (tail != nullptr) {
     pool.erase(tail);
-    tail->size += pages * page_;
+    tail->size += mapped * page_;
     pool.insert(tail);
     *out = tail;
   } else {
     Block* b = new_block(arena);
     b->ptr = page_va(*s, start);
-    b->size = pages * page_;
+    b->size = mapped * page_;
     b->space = s;
     b->prev = s->last;
     if (s->last != nullptr) {
@@ -1090,10 +1142,95 @@ BlockState count_block(Segment& seg, const Block& b) {
   return state_of(allocated, pending);
 }
 
+// Appends the piece mapped at `page` of `space` to `runs`, extending the last run when the
+// piece follows it in the same handle.
+template <class Space>
+void append_piece(std::vector<PieceRun>& runs, const Space& space, std::size_t page) {
+  const auto& p = space.pages[page];
+  if (!runs.empty() && runs.back().handle == p.handle->id &&
+      runs.back().first + runs.back().count == p.piece) {
+    ++runs.back().count;
+    return;
+  }
+  runs.push_back(PieceRun{p.handle->id, p.piece, 1});
+}
+
+SegmentInfo& segment_of(SegmentInfo& s) {
+  return s;
+}
+template <class Stacks>
+SnapshotSegment& segment_of(std::pair<SnapshotSegment, Stacks>& s) {
+  return s.first;
+}
+
+// Sets the pieces of the segments [from, end) of `out`, all of space `space`: their pages
+// are live, so each maps the piece that backs it.
+template <class Segments, class Space>
+void add_pieces(Segments& out, std::size_t from, const Space& space, std::size_t page_size) {
+  for (std::size_t i = from; i < out.size(); ++i) {
+    auto& seg = segment_of(out[i]);
+    const std::size_t first = (seg.address - space.base) / page_size;
+    for (std::size_t p = first; p < first + seg.total_size / page_size; ++p)
+      append_piece(seg.pieces, space, p);
+  }
+}
+
+// The physical memory behind the spaces of `arenas`: every handle, the spare pieces and,
+// per space, the pages below its frontier that are dead (map a piece whose live page is
+// elsewhere, or none).
+template <class Arenas, class Handles, class Spare>
+PhysicalMemory physical_memory(const Arenas& arenas, const Handles& handles, const Spare& spare,
+                               int device, std::size_t page_size) {
+  PhysicalMemory phys;
+  phys.device = device;
+  phys.piece_size = page_size;
+  for (const auto& [id, h] : handles) {
+    phys.handles.push_back(
+        PhysicalHandleInfo{id, static_cast<std::uint32_t>(h->live_at.size()), h->small});
+  }
+  const auto extend = [](PieceRun& run, PhysicalHandle id, std::uint32_t piece) {
+    if (run.handle != id || run.first + run.count != piece) return false;
+    ++run.count;
+    return true;
+  };
+  for (const auto& [id, piece] : spare) {
+    if (phys.spare.empty() || !extend(phys.spare.back(), id, piece)) {
+      phys.spare.push_back(PieceRun{id, piece, 1});
+    }
+  }
+  for (const auto& arena : arenas) {
+    for (const auto& spaces : arena->spaces) {
+      for (const auto& sp : spaces) {
+        AddressRange& range = phys.ranges.emplace_back();
+        range.address = sp->base;
+        range.size = sp->reserved_pages * page_size;
+        range.frontier = sp->pages.size() * page_size;
+        range.stream = arena->stream;
+        range.is_small = sp->small;
+        for (std::size_t p = 0; p < sp->pages.size(); ++p) {
+          const auto& page = sp->pages[p];
+          const DevicePtr va = sp->base + p * page_size;
+          if (page.handle == nullptr || page.handle->live_at[page.piece] == va) continue;
+          DeadPages* last = range.dead.empty() ? nullptr : &range.dead.back();
+          if (last == nullptr ||
+              last->address + std::size_t{last->pieces.count} * page_size != va ||
+              !extend(last->pieces, page.handle->id, page.piece)) {
+            range.dead.push_back(DeadPages{va, PieceRun{page.handle->id, page.piece, 1}});
+          }
+        }
+      }
+    }
+  }
+  std::sort(phys.ranges.begin(), phys.ranges.end(),
+            [](const AddressRange& a, const AddressRange& b) { return a.address < b.address; });
+  return phys;
+}
+
 }  // namespace
 
 // Each run of non-void blocks of a space is one segment (void pages hold no memory of
-// theirs), as expandable segments report their mapped runs.
+// theirs), as expandable segments report their mapped runs; its pages are live, so its
+// pieces add up to its size and, with the spare pieces, to the reserved bytes.
 std::vector<SegmentInfo> StitchEngine::segments() const {
   const AllArenasLock all(*this);
   std::vector<SegmentInfo> out;
@@ -1101,6 +1238,7 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
     all.held(*arena);
     for (const auto& spaces : arena->spaces) {
       for (const auto& s : spaces) {
+        const std::size_t from = out.size();
         SegmentInfo* seg = nullptr;
         for (const Block* b = s->first; b != nullptr; b = b->next) {
           if (b->kind == Block::Kind::kVoid) {
@@ -1115,6 +1253,7 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
           seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, state,
                                           state != BlockState::kInactive ? b->stack.context : nullptr});
         }
+        add_pieces(out, from, *s, page_);
       }
     }
   }
@@ -1143,10 +1282,15 @@ Snapshot StitchEngine::snapshot() {
       Lock lock(trace_mutex_);
       s.external_annotations = annotations_;
     }
+    {
+      Lock device_lock(device_mutex_);
+      s.physical.push_back(physical_memory(all.arenas(), handles_, spare_, device(), page_));
+    }
     for (Arena* arena : all.arenas()) {
       all.held(*arena);
       for (const auto& spaces : arena->spaces) {
         for (const auto& sp : spaces) {
+          const std::size_t from = segs.size();
           SnapshotSegment* seg = nullptr;
           for (const Block* b = sp->first; b != nullptr; b = b->next) {
             if (b->kind == Block::Kind::kVoid) {
@@ -1165,6 +1309,7 @@ Snapshot StitchEngine::snapshot() {
             seg->blocks.push_back(block);
             segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});
           }
+          add_pieces(segs, from, *sp, page_);
         }
       }
     }

@@ -17,16 +17,18 @@
 //
 // malloc takes the best-fitting free block of its stream and pool. When none fits, the
 // space grows at its frontier by the pages the request lacks beyond a free tail block, and
-// those pages are backed, in order of preference, by
-//   1. spare pieces: created but not live anywhere (new, or returned by an unmapping);
-//   2. lent pieces: the wholly free pages inside the stream's own free blocks, smallest
-//      block first (stream order makes their reuse safe without waiting); their old pages
-//      become void;
-//   3. a new handle of max(lacking pieces, chunk, held pieces / 64) pieces (chunk:
-//      large_segment_size; the small pool creates just what it lacks), or of exactly the
-//      lacking pieces when the larger one does not fit the device or the memory fraction.
-// Runs of pieces contiguous in one handle are mapped with one call. Free pages are thus
-// stitched into the range that needs them instead of new memory being created.
+// those pages are backed by whole handles (CUDA maps a handle only whole, from its start),
+// in order of preference,
+//   1. spare handles: created but live nowhere (returned by an unmapping);
+//   2. lent handles: handles live wholly inside the whole pages of one of the stream's free
+//      blocks, smallest block first (stream order makes their reuse safe without waiting);
+//      their old pages become void;
+//   3. new memory of max(lacking pieces, chunk) pieces (chunk: large_segment_size; the small
+//      pool creates just what it lacks), or exactly the lacking pieces when the chunk does
+//      not fit the device or the memory fraction, in handles of at most 32 pieces (64 MiB).
+// Each handle is mapped with one call; whole handles may pass what the request lacks, and
+// the rest extends the new free block. Free memory is thus stitched into the range that
+// needs it instead of new memory being created, at one mapping per handle.
 //
 // OOM ladder (the only place besides empty_cache that synchronizes or unmaps): free-memory
 // callbacks; waiting for every pending event; releasing the cache (synchronize the streams,

@@ -64,15 +64,71 @@ class ToValue {
           {"time_us", a.time_us},
       }));
     }
-    return Value::dict({
-        {"segments", Value::list(std::move(segments))},
-        {"device_traces", Value::list(std::move(traces))},
-        {"allocator_settings", settings(s.allocator_settings)},
-        {"external_annotations", Value::list(std::move(annotations))},
-    });
+    Dict top;
+    top.reserve(5);
+    top.emplace_back("segments", Value::list(std::move(segments)));
+    top.emplace_back("device_traces", Value::list(std::move(traces)));
+    top.emplace_back("allocator_settings", settings(s.allocator_settings));
+    top.emplace_back("external_annotations", Value::list(std::move(annotations)));
+    // The stitching policy's physical memory: a key of ccalloc's own, which PyTorch's
+    // viewer and _memory_viz ignore. Absent for the other policies.
+    if (!s.physical.empty()) {
+      List devices;
+      devices.reserve(s.physical.size());
+      for (const PhysicalMemory& p : s.physical)
+        devices.push_back(physical(p));
+      top.emplace_back("physical_memory", Value::list(std::move(devices)));
+    }
+    return Value::dict(std::move(top));
   }
 
  private:
+  static Value piece_run(const PieceRun& r) {
+    return Value::dict({{"handle", to_int(r.handle, "physical handle")},
+                        {"piece", std::int64_t{r.first}},
+                        {"count", std::int64_t{r.count}}});
+  }
+  static Value piece_runs(const std::vector<PieceRun>& runs) {
+    List out;
+    out.reserve(runs.size());
+    for (const PieceRun& r : runs)
+      out.push_back(piece_run(r));
+    return Value::list(std::move(out));
+  }
+
+  static Value physical(const PhysicalMemory& p) {
+    List handles;
+    handles.reserve(p.handles.size());
+    for (const PhysicalHandleInfo& h : p.handles) {
+      handles.push_back(Value::dict({{"handle", to_int(h.handle, "physical handle")},
+                                     {"pieces", std::int64_t{h.pieces}},
+                                     {"segment_type", h.is_small ? "small" : "large"}}));
+    }
+    List ranges;
+    ranges.reserve(p.ranges.size());
+    for (const AddressRange& r : p.ranges) {
+      List dead;
+      dead.reserve(r.dead.size());
+      for (const DeadPages& d : r.dead) {
+        dead.push_back(Value::dict({{"address", to_int(d.address, "dead page address")},
+                                    {"handle", to_int(d.pieces.handle, "physical handle")},
+                                    {"piece", std::int64_t{d.pieces.first}},
+                                    {"count", std::int64_t{d.pieces.count}}}));
+      }
+      ranges.push_back(Value::dict({{"address", to_int(r.address, "range address")},
+                                    {"size", to_int(r.size, "range size")},
+                                    {"frontier", to_int(r.frontier, "range frontier")},
+                                    {"stream", stream_int(r.stream)},
+                                    {"segment_type", r.is_small ? "small" : "large"},
+                                    {"dead", Value::list(std::move(dead))}}));
+    }
+    return Value::dict({{"device", p.device},
+                        {"piece_size", to_int(p.piece_size, "piece_size")},
+                        {"handles", Value::list(std::move(handles))},
+                        {"spare", piece_runs(p.spare)},
+                        {"ranges", Value::list(std::move(ranges))}});
+  }
+
   Value segment(const SnapshotSegment& seg) {
     List blocks;
     blocks.reserve(seg.blocks.size());
@@ -85,7 +141,7 @@ class ToValue {
           {"frames", frames(b.frames)},
       }));
     }
-    return Value::dict({
+    Dict d{
         {"device", seg.device},
         {"address", to_int(seg.address, "segment address")},
         {"total_size", to_int(seg.total_size, "segment total_size")},
@@ -98,7 +154,9 @@ class ToValue {
         {"is_expandable", seg.is_expandable},
         {"frames", frames(seg.frames)},
         {"blocks", Value::list(std::move(blocks))},
-    });
+    };
+    if (!seg.pieces.empty()) d.emplace_back("pieces", piece_runs(seg.pieces));
+    return Value::dict(std::move(d));
   }
 
   Value entry(const SnapshotTraceEntry& e) {
@@ -302,6 +360,14 @@ class FromValue {
     if (const Value* a = field(v, "allocator_settings")) {
       located("allocator_settings", [&] { settings(*a, s.allocator_settings); });
     }
+    if (const Value* p = field(v, "physical_memory")) {
+      const List& devices = list_of("physical_memory", *p);
+      s.physical.reserve(devices.size());
+      for (std::size_t i = 0; i < devices.size(); ++i) {
+        located("physical_memory[" + std::to_string(i) + "]",
+                [&] { s.physical.push_back(physical(devices[i])); });
+      }
+    }
     if (const Value* a = field(v, "external_annotations")) {
       const List& items = list_of("external_annotations", *a);
       s.external_annotations.reserve(items.size());
@@ -380,10 +446,100 @@ class FromValue {
         });
       }
     }
+    if (const Value* p = field(v, "pieces")) seg.pieces = piece_runs("pieces", *p);
     seg.allocated_size = static_cast<std::size_t>(opt_uint(v, "allocated_size", allocated));
     seg.active_size = static_cast<std::size_t>(opt_uint(v, "active_size", active));
     seg.requested_size = static_cast<std::size_t>(opt_uint(v, "requested_size", requested));
     return seg;
+  }
+
+  static std::uint32_t u32_of(const Value& d, std::string_view key) {
+    const std::uint64_t v = req_uint(d, key);
+    if (v > std::numeric_limits<std::uint32_t>::max()) {
+      bad("'" + std::string(key) + "' is " + std::to_string(v) + ", more than 4294967295");
+    }
+    return static_cast<std::uint32_t>(v);
+  }
+  static bool small_of(const Value& d) {
+    const std::string type = opt_string(d, "segment_type");
+    if (type != "small" && type != "large") {
+      bad("'segment_type' is '" + type + "', expected 'small' or 'large'");
+    }
+    return type == "small";
+  }
+  // {"handle", "piece", "count"}: a run of `count` (at least 1) pieces of one handle.
+  static PieceRun piece_run(const Value& d) {
+    require_dict(d, "a piece run");
+    PieceRun r{req_uint(d, "handle"), u32_of(d, "piece"), u32_of(d, "count")};
+    if (r.count == 0) bad("'count' is 0, expected at least 1");
+    if (std::uint64_t{r.first} + r.count > std::numeric_limits<std::uint32_t>::max()) {
+      bad("pieces " + std::to_string(r.first) + " + " + std::to_string(r.count) +
+          " pass 4294967295");
+    }
+    return r;
+  }
+  static std::vector<PieceRun> piece_runs(std::string_view key, const Value& v) {
+    const List& items = list_of(key, v);
+    std::vector<PieceRun> out;
+    out.reserve(items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      located(std::string(key) + "[" + std::to_string(i) + "]",
+              [&] { out.push_back(piece_run(items[i])); });
+    }
+    return out;
+  }
+
+  static PhysicalMemory physical(const Value& v) {
+    require_dict(v, "physical memory");
+    PhysicalMemory p;
+    p.device = static_cast<int>(opt_int(v, "device", 0));
+    p.piece_size = static_cast<std::size_t>(req_uint(v, "piece_size"));
+    if (p.piece_size == 0) bad("'piece_size' is 0");
+    if (const Value* h = field(v, "handles")) {
+      const List& items = list_of("handles", *h);
+      p.handles.reserve(items.size());
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        located("handles[" + std::to_string(i) + "]", [&] {
+          require_dict(items[i], "a handle");
+          p.handles.push_back(PhysicalHandleInfo{req_uint(items[i], "handle"),
+                                                 u32_of(items[i], "pieces"), small_of(items[i])});
+        });
+      }
+    }
+    if (const Value* sp = field(v, "spare")) p.spare = piece_runs("spare", *sp);
+    if (const Value* r = field(v, "ranges")) {
+      const List& items = list_of("ranges", *r);
+      p.ranges.reserve(items.size());
+      for (std::size_t i = 0; i < items.size(); ++i) {
+        located("ranges[" + std::to_string(i) + "]", [&] {
+          const Value& it = items[i];
+          require_dict(it, "an address range");
+          AddressRange range;
+          range.address = static_cast<DevicePtr>(req_uint(it, "address"));
+          range.size = static_cast<std::size_t>(req_uint(it, "size"));
+          range.frontier = static_cast<std::size_t>(req_uint(it, "frontier"));
+          if (range.frontier > range.size) {
+            bad("'frontier' " + std::to_string(range.frontier) + " passes 'size' " +
+                std::to_string(range.size));
+          }
+          range.stream = stream_of(it);
+          range.is_small = small_of(it);
+          if (const Value* dead = field(it, "dead")) {
+            const List& runs = list_of("dead", *dead);
+            range.dead.reserve(runs.size());
+            for (std::size_t j = 0; j < runs.size(); ++j) {
+              located("dead[" + std::to_string(j) + "]", [&] {
+                const PieceRun run = piece_run(runs[j]);
+                range.dead.push_back(
+                    DeadPages{static_cast<DevicePtr>(req_uint(runs[j], "address")), run});
+              });
+            }
+          }
+          p.ranges.push_back(std::move(range));
+        });
+      }
+    }
+    return p;
   }
 
   static BlockState state_of(const Value& v) {

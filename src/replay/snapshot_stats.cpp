@@ -47,6 +47,20 @@ DeviceStats stats_from_segments(const Snapshot& s, int device) {
       }
     }
   }
+  // The stitching policy reserves physical pieces, live behind the segments' pages or
+  // spare, and counts each handle as a segment: reserved bytes are the handles' pieces.
+  if (const PhysicalMemory* p = s.physical_of(device)) {
+    for (StatArray* a : {&st.reserved_bytes, &st.segment}) {
+      for (Stat& stat : *a)
+        stat.current = 0;
+    }
+    for (const PhysicalHandleInfo& h : p->handles) {
+      const StatType pool = h.is_small ? kSmallPool : kLargePool;
+      add(st.reserved_bytes, pool,
+          static_cast<std::int64_t>(std::size_t{h.pieces} * p->piece_size));
+      add(st.segment, pool, 1);
+    }
+  }
   st.reset_peak();
   st.max_split_size = max_split;
   return st;

@@ -11,7 +11,8 @@
 // state has the segment count `ccalloc summary` prints after the last event, and the count
 // the trace implies after an event found by searching an address; the event list follows
 // the arrow keys. Then: the first frame of gpt2_train_varlen.pickle.gz within 3 s, an OOM
-// page (gpt2 replayed on 10.2 GiB) explained and verified, and a synthetic trace of 1.2
+// page (gpt2 replayed on 10.2 GiB) explained and verified, the stitching policy's pieces
+// tab (resnet50 replayed under it) against `ccalloc summary`, and a synthetic trace of 1.2
 // million entries (gpt2 seven times over) loading and panning. Screenshots and
 // results.json go to --out.
 'use strict';
@@ -222,6 +223,8 @@ async function testTrace(browser, file) {
   header = await page.evaluate(() => ({ ...document.getElementById('st-header').dataset }));
   check(+header.event === Math.min(r.searchEvent + 2, info.data.events - 1), name + ': arrow keys move through the events');
   await page.screenshot({ path: path.join(args.out, shot + '-state.png') });
+  // Only the stitching policy has physical pieces to show.
+  check(await page.evaluate(() => document.getElementById('tabbtn-pieces').hidden), name + ': no pieces tab (not the stitching policy)');
 
   check(problems.length === 0, name + ': no console errors, page errors or requests: ' + problems.slice(0, 5).join('; '));
   r.problems = problems;
@@ -298,6 +301,81 @@ async function testOom(browser, traces) {
   await context.close();
 }
 
+// The stitching policy's pieces tab: a trace replayed under it, against `ccalloc summary`
+// of the same replay's snapshot: one row per address range with the same live, dead and
+// unmapped pages and fragmentation; every page's cell agrees with those counts; no piece
+// is live behind two pages; each dead page's piece is live where the page says it was
+// lent; hovering a cell names its piece.
+function physicalRowsFromSummary(text) {
+  const lines = text.split('\n');
+  const at = lines.findIndex((l) => l.startsWith('range '));
+  if (at < 0) throw new Error('ccalloc summary printed no physical ranges table');
+  const rows = [];
+  for (const l of lines.slice(at + 1)) {
+    if (!l.startsWith('0x')) break;
+    const f = l.trim().split(/\s+/);
+    rows.push({ address: f[0], live: +f[4], dead: +f[5], unmapped: +f[6], frag: f[9] + '%' });
+  }
+  return rows;
+}
+
+async function testPieces(browser, traces) {
+  const conf = 'ccalloc,stitch_segments:True';
+  const trace = path.join(traces, 'resnet50_train.csv.gz');
+  console.log('== pieces: resnet50_train.csv.gz replayed under ' + conf);
+  const html = path.join(args.work, 'resnet50_stitching.html');
+  ccalloc('viz', trace, '--conf', conf, '-o', html);
+  const snap = path.join(args.work, 'resnet50_stitching.pickle.gz');
+  ccalloc('replay', trace, '--conf', conf, '--address-oracle', '--snapshot-out', snap);
+  const expected = physicalRowsFromSummary(ccalloc('summary', snap));
+  const { context, page, problems } = await openPage(browser, html);
+  check(!(await page.evaluate(() => document.getElementById('tabbtn-pieces').hidden)), 'pieces: the tab is shown');
+  await page.keyboard.press('5');
+  await nextFrame(page);
+  const rows = await page.evaluate(() => [...document.querySelectorAll('#pc-ranges tr[data-range]')].map((tr) => ({
+    address: tr.cells[0].innerText, live: +tr.dataset.live, dead: +tr.dataset.dead, unmapped: +tr.dataset.unmapped,
+    frag: (100 * +tr.dataset.frag).toFixed(1) + '%' })));
+  check(expected.length > 0 && JSON.stringify(rows) === JSON.stringify(expected),
+    'pieces: the ranges table equals ccalloc summary\'s: ' + JSON.stringify(rows) + ' vs ' + JSON.stringify(expected));
+  check(expected.some((r) => r.dead > 0), 'pieces: the replay has dead pages to show');
+  const cells = await page.evaluate(() => {
+    const ranges = window.__viz.app.data.meta.physical.ranges;
+    const out = { counts: [], twice: 0, badLent: 0, dead: 0 };
+    const live = new Map();
+    const pages = ranges.map((r, ri) => Array.from({ length: r.pages }, (_, i) => window.__viz.piecePage(ri, i)));
+    for (const list of pages) {
+      const n = { live: 0, dead: 0, unmapped: 0 };
+      for (const p of list) {
+        n[p.state]++;
+        if (p.state === 'live') { const k = p.handle + ':' + p.piece; if (live.has(k)) out.twice++; live.set(k, p.address); }
+      }
+      out.counts.push(n);
+    }
+    for (const list of pages) {
+      for (const p of list) {
+        if (p.state !== 'dead') continue;
+        out.dead++;
+        const at = live.get(p.handle + ':' + p.piece);
+        if ((at === undefined ? 0 : at) !== p.lentTo) out.badLent++;
+      }
+    }
+    return out;
+  });
+  check(JSON.stringify(cells.counts) === JSON.stringify(expected.map((r) => ({ live: r.live, dead: r.dead, unmapped: r.unmapped }))),
+    'pieces: the cells of each range count its live, dead and unmapped pages: ' + JSON.stringify(cells.counts));
+  check(cells.twice === 0, 'pieces: no piece is live behind two pages (' + cells.twice + ')');
+  check(cells.dead > 0 && cells.badLent === 0, 'pieces: every dead page\'s piece is live where it was lent (' + cells.badLent + ' of ' + cells.dead + ' not)');
+  const box = await page.locator('canvas.pc-strip').first().boundingBox();
+  await page.mouse.move(box.x + 2, box.y + 2);
+  await nextFrame(page);
+  const tip = await page.evaluate(() => { const t = document.getElementById('tooltip'); return t.hidden ? '' : t.innerText; });
+  check(/Piece\s+\d+ of handle \d+/.test(tip), 'pieces: hovering a page names its piece (' + tip.replace(/\n/g, ' ') + ')');
+  await page.screenshot({ path: path.join(args.out, 'pieces.png') });
+  check(problems.length === 0, 'pieces: no console errors, page errors or requests: ' + problems.slice(0, 5).join('; '));
+  results.pieces = { ranges: rows, deadPages: cells.dead };
+  await context.close();
+}
+
 // gpt2's trace seven times over (addresses shifted by 1 TiB per copy, times by its
 // duration): 1.2 million entries with a real allocation pattern.
 function writeBigTrace(traces, file) {
@@ -356,6 +434,7 @@ async function testBig(browser, traces) {
     if (fs.existsSync(gpt2) && !args.only) {
       await testFirstFrame(browser, gpt2);
       await testOom(browser, args.traces);
+      await testPieces(browser, args.traces);
       if (args.big) await testBig(browser, args.traces);
     }
   } catch (e) {

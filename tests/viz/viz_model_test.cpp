@@ -220,21 +220,8 @@ TEST(VizModel, RealTraceEndsWithTheSnapshotsSegments) {
   }
 }
 
-// The page's payload decodes back to the model: meta JSON, then base64 + gzip columns.
-TEST(VizPage, EmbedsAPayloadThatDecodesToTheModel) {
-  const Snapshot s = with_trace({
-      entry(TraceAction::kSegmentAlloc, kBase, 20 * kMiB, 100),
-      entry(TraceAction::kAlloc, kBase, 4 * kMiB, 150),
-      entry(TraceAction::kFreeRequested, kBase, 4 * kMiB, 200),
-      entry(TraceAction::kFreeCompleted, kBase, 4 * kMiB, 200),
-  });
-  ccalloc::viz::PageOptions options;
-  options.title = "t</script><b>.pickle";
-  const std::string html = ccalloc::viz::render_page(s, options);
-  EXPECT_EQ(html.find("http://"), std::string::npos);
-  EXPECT_EQ(html.find("https://"), std::string::npos);
-  EXPECT_NE(html.find("t&lt;/script&gt;&lt;b&gt;.pickle"), std::string::npos);
-
+// A page's payload: its meta JSON and its columns (base64 + gzip decoded).
+std::pair<nlohmann::json, std::string> decode_page(const std::string& html) {
   const auto body = [&](const std::string& id) {
     const std::string open = "id=\"" + id + "\"";
     const std::size_t at = html.find('>', html.find(open)) + 1;
@@ -243,8 +230,6 @@ TEST(VizPage, EmbedsAPayloadThatDecodesToTheModel) {
   const std::string meta_text = body("ccalloc-meta");
   EXPECT_EQ(meta_text.find('<'), std::string::npos) << "no '<' may end the script early";
   const auto meta = nlohmann::json::parse(meta_text);
-  EXPECT_EQ(meta["title"], "t</script><b>.pickle");
-  EXPECT_EQ(meta["counts"]["events"], 3);
 
   // Base64 decode.
   const std::string b64 = body("ccalloc-data");
@@ -272,7 +257,28 @@ TEST(VizPage, EmbedsAPayloadThatDecodesToTheModel) {
       gz += static_cast<char>((acc >> bits) & 0xff);
     }
   }
-  const std::string raw = ccalloc::io::gunzip(gz, "payload");
+  return {meta, ccalloc::io::gunzip(gz, "payload")};
+}
+
+// The page's payload decodes back to the model: meta JSON, then base64 + gzip columns.
+TEST(VizPage, EmbedsAPayloadThatDecodesToTheModel) {
+  const Snapshot s = with_trace({
+      entry(TraceAction::kSegmentAlloc, kBase, 20 * kMiB, 100),
+      entry(TraceAction::kAlloc, kBase, 4 * kMiB, 150),
+      entry(TraceAction::kFreeRequested, kBase, 4 * kMiB, 200),
+      entry(TraceAction::kFreeCompleted, kBase, 4 * kMiB, 200),
+  });
+  ccalloc::viz::PageOptions options;
+  options.title = "t</script><b>.pickle";
+  const std::string html = ccalloc::viz::render_page(s, options);
+  EXPECT_EQ(html.find("http://"), std::string::npos);
+  EXPECT_EQ(html.find("https://"), std::string::npos);
+  EXPECT_NE(html.find("t&lt;/script&gt;&lt;b&gt;.pickle"), std::string::npos);
+
+  const auto [meta, raw] = decode_page(html);
+  EXPECT_EQ(meta["title"], "t</script><b>.pickle");
+  EXPECT_EQ(meta["counts"]["events"], 3);
+
   const auto col = [&](const std::string& name) { return meta["columns"][name]; };
   const auto kinds = col("ev_kind");
   ASSERT_EQ(kinds[0], "u8");
@@ -293,6 +299,76 @@ TEST(VizPage, EmbedsAPayloadThatDecodesToTheModel) {
   std::memcpy(&lo, raw.data() + static_cast<std::size_t>(time[1]) + 4, 4);
   EXPECT_EQ(lo, 50u);
   EXPECT_EQ(meta["time0_us"], 100);
+}
+
+// The stitching policy's pieces, per page of its ranges: a range of four 2 MiB pages whose
+// first page is dead (its piece, handle 1's, lent to the third), the second unmapped and
+// the last two live behind handles 1 and 2, with 1 MiB free in the last; handle 3 spare.
+TEST(VizPage, CarriesTheStitchingPolicysPiecesPerPage) {
+  constexpr std::size_t g = 2 * kMiB;
+  Snapshot s;
+  ccalloc::SnapshotSegment seg;
+  seg.address = kBase + 2 * g;
+  seg.total_size = 2 * g;
+  seg.is_expandable = true;
+  seg.blocks.push_back({seg.address, 3 * kMiB, 3 * kMiB, BlockState::kActiveAllocated, nullptr});
+  seg.blocks.push_back({seg.address + 3 * kMiB, kMiB, 0, BlockState::kInactive, nullptr});
+  seg.pieces = {{1, 0, 1}, {2, 0, 1}};
+  s.segments.push_back(seg);
+  ccalloc::PhysicalMemory& p = s.physical.emplace_back();
+  p.piece_size = g;
+  p.handles = {{1, 1, false}, {2, 1, false}, {3, 1, false}};
+  p.spare = {{3, 0, 1}};
+  ccalloc::AddressRange r;
+  r.address = kBase;
+  r.size = 64 * g;
+  r.frontier = 4 * g;
+  r.dead = {{kBase, {1, 0, 1}}};
+  p.ranges.push_back(r);
+
+  const auto [meta, raw] = decode_page(ccalloc::viz::render_page(s, {}));
+  const auto& phys = meta["physical"];
+  EXPECT_EQ(phys["held"], 3 * g);
+  EXPECT_EQ(phys["segment_bytes"], 2 * g);
+  EXPECT_EQ(phys["spare_bytes"], g);
+  EXPECT_EQ(phys["spare"], nlohmann::json::parse("[[3, 0, 1]]"));
+  EXPECT_EQ(phys["problems"], nlohmann::json::array());
+  ASSERT_EQ(phys["ranges"].size(), 1u);
+  const auto& range = phys["ranges"][0];
+  EXPECT_EQ(range["live_pages"], 2);
+  EXPECT_EQ(range["dead_pages"], 1);
+  EXPECT_EQ(range["unmapped_pages"], 1);
+  EXPECT_EQ(range["mapped"], 3 * g);
+  EXPECT_EQ(range["free"], kMiB);
+  EXPECT_EQ(range["fragmentation"], 0.0);
+  EXPECT_EQ(range["first_page"], 0);
+  EXPECT_EQ(range["pages"], 4);
+  const auto column = [&, &meta = meta, &raw = raw](const std::string& name, std::size_t bytes) {
+    const auto c = meta["columns"][name];
+    std::vector<std::uint64_t> out;
+    for (std::size_t i = 0; i < c[2]; ++i) {
+      std::uint64_t v = 0;
+      std::memcpy(&v, raw.data() + static_cast<std::size_t>(c[1]) + i * bytes, bytes);
+      if (c[0] == "u64") {
+        std::uint32_t hi = 0;
+        std::memcpy(&hi, raw.data() + static_cast<std::size_t>(c[3]) + i * 4, 4);
+        v |= std::uint64_t{hi} << 32;
+      }
+      out.push_back(v);
+    }
+    return out;
+  };
+  using V = std::vector<std::uint64_t>;
+  EXPECT_EQ(column("pg_state", 1), (V{2, 0, 1, 1}));
+  EXPECT_EQ(column("pg_handle", 4), (V{1, 0, 1, 2}));
+  EXPECT_EQ(column("pg_piece", 4), (V{0, 0xffffffff, 0, 0}));  // -1: no piece
+  EXPECT_EQ(column("pg_free", 1), (V{0, 0, 0, 128}));          // half of the last page
+  EXPECT_EQ(column("pg_lent", 4), (V{kBase + 2 * g, 0, 0, 0}));
+
+  // Other policies' snapshots have no pieces.
+  const auto [plain, plain_raw] = decode_page(ccalloc::viz::render_page(Snapshot{}, {}));
+  EXPECT_TRUE(plain["physical"].is_null());
+  EXPECT_FALSE(plain["columns"].contains("pg_state"));
 }
 
 // gpt2 on a device too small for PyTorch's native policy (10.2 GiB: it fragments and OOMs

@@ -33,6 +33,7 @@
 #include "io/trace_csv.hpp"
 #include "io/trace_file.hpp"
 #include "replay/fit.hpp"
+#include "replay/physical_view.hpp"
 #include "replay/replay.hpp"
 #include "viz.hpp"
 
@@ -410,6 +411,12 @@ int run_summary(const std::string& path, int device) {
             << bytes(allocated) << " (requested sizes of live blocks)\n"
             << "total_free: " << viz_size(static_cast<double>(total_free)) << " (" << pct
             << "% internal)  " << bytes(total_free) << "\n";
+  // The stitching policy: its segments are the live pages of its address ranges; the
+  // memory held also counts spare pieces (total_reserved above is PyTorch's sum of
+  // segments, which _memory_viz prints too).
+  if (const auto physical = ccalloc::replay::physical_view(s, device)) {
+    std::cout << "\n" << ccalloc::replay::physical_summary(*physical);
+  }
   return 0;
 }
 

@@ -22,6 +22,9 @@
 //                   free bytes are stranded, the reason (the logic of ccalloc's OOM message,
 //                   src/core/oom_ladder.cpp) and the replays that test alternative configs.
 //   Summary         memory_summary(), peaks, settings.
+//   Pieces          stitching policy only: the physical pieces behind each address range's
+//                   pages at the snapshot, dead and unmapped pages, spare pieces, and each
+//                   range's fragmentation (pieces_view.js).
 
 // ---------------------------------------------------------------------------------------
 // App
@@ -35,6 +38,8 @@ class App {
     this.timeline = new Timeline(this);
     this.state = new StateView(this);
     this.oom = new OomView(this);
+    this.pieces = m.physical ? new PiecesView(this) : null;
+    $('tabbtn-pieces').hidden = !this.pieces;
     this.tab = 'timeline';
     this.rendered = {};
     for (const b of document.querySelectorAll('.tabs button')) b.addEventListener('click', () => this.showTab(b.dataset.tab));
@@ -50,6 +55,7 @@ class App {
     if (name === 'state') { if (!this.state.state) this.state.select(this.state.sel); else this.state.refresh(); }
     if (name === 'oom' && !this.rendered.oom) { this.oom.show(0); this.rendered.oom = true; }
     if (name === 'summary' && !this.rendered.summary) { renderSummary(this); this.rendered.summary = true; }
+    if (name === 'pieces' && !this.rendered.pieces) { this.pieces.render(); this.rendered.pieces = true; }
   }
   openState(e, alloc) {
     this.showTab('state');
@@ -68,7 +74,7 @@ class App {
     const typing = t && (t.tagName === 'INPUT' || t.tagName === 'SELECT' || t.tagName === 'TEXTAREA');
     if (ev.key === 'Escape') { this.timeline.pin(-1); tooltip.hide(); return; }
     if (typing || ev.ctrlKey || ev.metaKey || ev.altKey) return;
-    const tabs = { 1: 'timeline', 2: 'state', 3: 'oom', 4: 'summary' };
+    const tabs = { 1: 'timeline', 2: 'state', 3: 'oom', 4: 'summary', 5: this.pieces ? 'pieces' : null };
     if (tabs[ev.key]) { this.showTab(tabs[ev.key]); ev.preventDefault(); return; }
     if (ev.key === '?') { $('help').showModal(); return; }
     if (ev.key === '/') { this.showTab('state'); $('ev-search').focus(); ev.preventDefault(); return; }
@@ -96,6 +102,8 @@ async function main() {
     viz.bandPoint = (opts) => app.timeline.bandPoint(opts);
     viz.setView = (x0, x1) => { app.timeline.view = [x0, x1]; app.timeline.clampView(); app.timeline.invalidate(); };
     viz.view = () => app.timeline.view.slice();
+    // The pieces tab: page i of range r ({address, state, handle, piece, free, lentTo}).
+    viz.piecePage = (r, i) => (app.pieces ? app.pieces.pageInfo(data.meta.physical.ranges[r], i) : null);
     app.timeline.resize();
     app.timeline.invalidate();
     if (data.N === 0) { viz.ready = true; viz.firstFrameMs = performance.now(); $('loading').hidden = true; }

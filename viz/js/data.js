@@ -54,6 +54,8 @@ class Data {
     this.alFlags = c.al_flags;
     this.spStart = c.sp_start; this.spEnd = c.sp_end; this.spAddr = c.sp_addr; this.spSize = c.sp_size;
     this.spStack = c.sp_stack; this.spStream = c.sp_stream; this.spFlags = c.sp_flags;
+    // Stitching policy only: per page of its address ranges (viz/page.cpp physical_json).
+    this.pieceCols = c.pg_state ? { state: c.pg_state, free: c.pg_free, handle: c.pg_handle, lent: c.pg_lent, piece: c.pg_piece } : null;
 
     // The allocations that start and end at each event (an end may be shared only in an
     // inconsistent trace: those go to extraEnds).
