@@ -31,9 +31,9 @@ void BM_CacheHitPair(benchmark::State& state) {
     allocator.free(p);
   }
   state.SetItemsProcessed(state.iterations());
-  state.counters["ns_per_pair"] = benchmark::Counter(
-      static_cast<double>(state.iterations()),
-      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["ns_per_pair"] =
+      benchmark::Counter(static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
 constexpr char kNative[] = "pytorch";
@@ -45,7 +45,17 @@ constexpr char kStitch[] = "ccalloc,stitch_segments:True";
 // threads, each on its own stream: per-stream arenas should let throughput scale.
 BENCHMARK(BM_CacheHitPair<kNative>)->Name("native")->Arg(512)->Arg(1 << 20)->UseRealTime();
 BENCHMARK(BM_CacheHitPair<kStitch>)->Name("stitch")->Arg(512)->Arg(1 << 20)->UseRealTime();
-BENCHMARK(BM_CacheHitPair<kNative>)->Name("native")->Arg(512)->Arg(1 << 20)->ThreadRange(2, 8)->UseRealTime();
-BENCHMARK(BM_CacheHitPair<kStitch>)->Name("stitch")->Arg(512)->Arg(1 << 20)->ThreadRange(2, 8)->UseRealTime();
+BENCHMARK(BM_CacheHitPair<kNative>)
+    ->Name("native")
+    ->Arg(512)
+    ->Arg(1 << 20)
+    ->ThreadRange(2, 8)
+    ->UseRealTime();
+BENCHMARK(BM_CacheHitPair<kStitch>)
+    ->Name("stitch")
+    ->Arg(512)
+    ->Arg(1 << 20)
+    ->ThreadRange(2, 8)
+    ->UseRealTime();
 
 BENCHMARK_MAIN();

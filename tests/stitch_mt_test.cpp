@@ -143,8 +143,8 @@ TEST(StitchMt, PhasedThreadsOnTheirOwnStreamsGiveTheExactPeak) {
         const std::size_t size = rng() % 3 == 0 ? 1 + rng() % (12 * kMiB) : 1 + rng() % kMiB;
         const DevicePtr p = engine.malloc(size, stream);
         const auto block = static_cast<std::int64_t>(engine.allocation_size(p));
-        held[static_cast<std::size_t>(t)].push_back(
-            Held{p, block, static_cast<std::int64_t>(size), block <= static_cast<std::int64_t>(kMiB)});
+        held[static_cast<std::size_t>(t)].push_back(Held{p, block, static_cast<std::int64_t>(size),
+                                                         block <= static_cast<std::int64_t>(kMiB)});
       }
       sync.arrive_and_wait();
       if (t == 0) check(round, "grow");
@@ -199,7 +199,8 @@ TEST(StitchMt, PhasedThreadsOnTheirOwnStreamsGiveTheExactPeak) {
 // must be accounted for.
 TEST(StitchMt, GrowthLendingAndTheOomLadderRaceWithTheHotPath) {
   sim::SimDriver gpu(device_of(64 * kMiB));
-  StitchEngine engine(gpu, Config::parse("ccalloc,stitch_segments:True,garbage_collection_threshold:0.8"));
+  StitchEngine engine(
+      gpu, Config::parse("ccalloc,stitch_segments:True,garbage_collection_threshold:0.8"));
   engine.set_check_invariants(true);
   std::atomic<int> ooms{0};
   std::atomic<bool> done{false};

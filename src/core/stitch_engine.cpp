@@ -1511,7 +1511,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
   if (pending_outstanding != pending_entries) {
     violated("an event waits for a block that is not pending");
   }
-  if (pending_events_.load(std::memory_order_relaxed) != static_cast<std::int64_t>(pending_entries)) {
+  const auto pending_total = static_cast<std::int64_t>(pending_entries);
+  if (pending_events_.load(std::memory_order_relaxed) != pending_total) {
     violated("the device counts pending events wrongly");
   }
 

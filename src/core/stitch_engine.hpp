@@ -45,9 +45,10 @@
 // may nest:
 //   registry_mutex_ -> Arena::mutex (several only via AllArenasLock, by creation order)
 //   -> device_mutex_ -> trace_mutex_ / EventPool / HistoryRing
-// (observers_mutex_, EventPool and HistoryRing are leaves: nothing is taken under them). The hot path takes one arena lock: malloc that finds a
-// free block in its arena, free of a block with no other stream's uses (one with them also
-// records events, taking the EventPool's lock), record_stream and allocation_size; the
+// (observers_mutex_, EventPool and HistoryRing are leaves: nothing is taken under them).
+// The hot path takes one arena lock: malloc that finds a free block in its arena, free of a
+// block with no other stream's uses (one with them also records events, taking the
+// EventPool's lock), record_stream and allocation_size; the
 // arena of a stream comes from a per-thread cache (ThreadArenaCache), that of a pointer
 // from the SegmentMap of the spaces' reservations (no lock). Growth holds the arena's lock
 // and the device lock: lending takes only the stream's own free pages, spare pieces and new
@@ -222,8 +223,10 @@ class StitchEngine final : public Backend {
     // destroyed after them).
     NodeRecycler pool_nodes GUARDED_BY(mutex);
     NodeRecycler block_nodes GUARDED_BY(mutex);
-    Pool pools[2] GUARDED_BY(mutex){Pool(BySizeThenAddress{}, RecyclingAllocator<Block*>(&pool_nodes)),
-                                    Pool(BySizeThenAddress{}, RecyclingAllocator<Block*>(&pool_nodes))};  // [0] large, [1] small
+    // [0] large, [1] small
+    Pool pools[2] GUARDED_BY(mutex){
+        Pool(BySizeThenAddress{}, RecyclingAllocator<Block*>(&pool_nodes)),
+        Pool(BySizeThenAddress{}, RecyclingAllocator<Block*>(&pool_nodes))};
     std::vector<std::unique_ptr<Space>> spaces[2] GUARDED_BY(mutex);
     PtrMap<Block*> live GUARDED_BY(mutex);  // allocated blocks by address
     std::vector<PendingEvent> pending GUARDED_BY(mutex);
@@ -244,7 +247,9 @@ class StitchEngine final : public Backend {
     AllArenasLock(const AllArenasLock&) = delete;
     AllArenasLock& operator=(const AllArenasLock&) = delete;
     // `arena` (one of the engine's) is locked while this object lives.
-    void held(const Arena& arena) const ASSERT_CAPABILITY(arena.mutex) { arena.mutex.assert_held(); }
+    void held(const Arena& arena) const ASSERT_CAPABILITY(arena.mutex) {
+      arena.mutex.assert_held();
+    }
     const std::vector<Arena*>& arenas() const { return arenas_; }  // by creation
 
    private:
@@ -292,7 +297,9 @@ class StitchEngine final : public Backend {
   DeviceStats stats_locked(const AllArenasLock& all) const REQUIRES(device_mutex_);
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
                     const Origin& stack) {
-    if (tracing_.load(std::memory_order_relaxed)) record_trace_entry(action, addr, size, stream, stack);
+    if (tracing_.load(std::memory_order_relaxed)) {
+      record_trace_entry(action, addr, size, stream, stack);
+    }
   }
   void record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
                           const Origin& stack) EXCLUDES(trace_mutex_);
