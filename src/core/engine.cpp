@@ -9,23 +9,12 @@
 #include <utility>
 
 #include "core/engine.hpp"
+#include "core/arena_cache.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {
 namespace {
-
-std::atomic<std::uint64_t> g_next_engine_uid{1};
-
-// Per-thread cache of the last arenas used: most threads use one or two streams.
-struct CachedArena {
-  std::uint64_t engine_uid = 0;
-  StreamId stream = 0;
-  Arena* arena = nullptr;
-};
-constexpr std::size_t kArenaCacheSize = 4;
-thread_local std::array<CachedArena, kArenaCacheSize> t_arena_cache{};
-thread_local std::size_t t_arena_cache_next = 0;
 
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
@@ -40,7 +29,7 @@ bool env_flag(const char* name) {
 Engine::Engine(Driver& driver, Config config)
     : driver_(driver),
       config_(std::move(config)),
-      uid_(g_next_engine_uid.fetch_add(1)),
+      uid_(next_engine_uid()),
       event_pool_(driver) {
   check_invariants_ = env_flag("CCALLOC_CHECK_INVARIANTS");
   capacity_ = driver_.mem_info().total_bytes;
@@ -153,9 +142,7 @@ void Engine::throw_not_live(const char* what, DevicePtr ptr) const {
 
 Arena* Engine::arena_by_owner(SegmentMap::Owner owner) const {
   if (owner == 0) return nullptr;
-  const std::size_t i = owner - 1;
-  const ArenaChunk* chunk = arena_table_[i / kArenaChunk].load(std::memory_order_acquire);
-  return chunk == nullptr ? nullptr : (*chunk)[i % kArenaChunk].load(std::memory_order_acquire);
+  return arena_table_.get(owner);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -400,9 +387,7 @@ void Engine::fix_pool_position(FreePool& pool, PoolPos pos, Change change) {
 // Arenas and the active-block index
 
 Arena& Engine::arena_for(StreamId stream) {
-  for (const CachedArena& c : t_arena_cache) {
-    if (c.engine_uid == uid_ && c.stream == stream) return *c.arena;
-  }
+  if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) return *cached;
   Arena* arena;
   {
     Lock lock(registry_mutex_);
@@ -412,7 +397,7 @@ Arena& Engine::arena_for(StreamId stream) {
     }
     arena = it->second;
   }
-  t_arena_cache[t_arena_cache_next++ % kArenaCacheSize] = {uid_, stream, arena};
+  ThreadArenaCache<Arena>::put(uid_, stream, arena);
   return *arena;
 }
 
@@ -442,14 +427,7 @@ Arena& Engine::make_arena(StreamId stream, PrivatePool* pool) {
   }
   arenas_.push_back(std::make_unique<Arena>(stream, index, pool));
   Arena* arena = arenas_.back().get();
-  auto& chunk_slot = arena_table_[index / kArenaChunk];
-  ArenaChunk* chunk = chunk_slot.load(std::memory_order_relaxed);
-  if (chunk == nullptr) {
-    arena_chunks_.push_back(std::make_unique<ArenaChunk>());
-    chunk = arena_chunks_.back().get();
-    chunk_slot.store(chunk, std::memory_order_release);
-  }
-  (*chunk)[index % kArenaChunk].store(arena, std::memory_order_release);
+  arena_table_.set(arena->owner, arena);
   return *arena;
 }
 

@@ -73,6 +73,7 @@
 #include "core/arena.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
+#include "core/event_pool.hpp"
 #include "core/history.hpp"
 #include "core/segment_map.hpp"
 #include "core/thread_annotations.hpp"
@@ -87,20 +88,6 @@ struct Request {
   bool small = false;            // small pool
   StreamId stream = 0;
   bool exact = false;  // split off any remainder (restoring a checkpoint's block sizes)
-};
-
-// Driver events are costly to create: keep completed ones for reuse.
-class EventPool {
- public:
-  explicit EventPool(Driver& d) : driver_(d) {}
-  ~EventPool();
-  EventId get();
-  void put(EventId e);
-
- private:
-  Driver& driver_;
-  Mutex mutex_;
-  std::vector<EventId> free_ GUARDED_BY(mutex_);
 };
 
 class Engine final : public Backend {
@@ -378,10 +365,7 @@ class Engine final : public Backend {
   std::atomic<std::int64_t> deferred_frees_{0};  // sum of Arena::deferred_count
 
   // Arenas by SegmentMap owner (creation index + 1), readable without a lock.
-  static constexpr std::size_t kArenaChunk = 1024;
-  using ArenaChunk = std::array<std::atomic<Arena*>, kArenaChunk>;
-  std::array<std::atomic<ArenaChunk*>, (SegmentMap::kMaxOwner + 1) / kArenaChunk> arena_table_{};
-  std::vector<std::unique_ptr<ArenaChunk>> arena_chunks_ GUARDED_BY(registry_mutex_);
+  OwnerTable<Arena> arena_table_;  // written under registry_mutex_
   SegmentMap owners_;                                      // written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events

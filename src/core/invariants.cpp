@@ -446,17 +446,6 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
   }
 }
 
-// The memory_stats() name of the j-th counter for_each_tracked() visits.
-static std::string tracked_counter_name(std::size_t j) {
-  static constexpr const char* kNames[7] = {"allocation",   "active",
-                                            "inactive_split", "allocated_bytes",
-                                            "active_bytes", "inactive_split_bytes",
-                                            "requested_bytes"};
-  static constexpr const char* kPools[3] = {"all", "small_pool", "large_pool"};
-  if (j == kTrackedCounters - 1) return "oversize_allocations";
-  return std::string(kNames[j % 7]) + "." + kPools[j / 7];
-}
-
 // An arena in debt has an operation under way (between its lock's release and the
 // settlement): only its own counters may exceed their baselines. The baseline is the
 // counter's Stat::peak less its unsettled debt (arena.hpp).

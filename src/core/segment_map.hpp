@@ -74,4 +74,40 @@ class SegmentMap {
   std::vector<std::unique_ptr<Leaf>> leaves_;
 };
 
+// Owner -> object (an engine's arenas), readable without a lock. Writers are serialised by
+// the caller; an object, once set, lives as long as the table.
+template <typename T>
+class OwnerTable {
+ public:
+  OwnerTable() = default;
+  OwnerTable(const OwnerTable&) = delete;
+  OwnerTable& operator=(const OwnerTable&) = delete;
+
+  // The object of `owner`, or nullptr (also for 0, "no segment").
+  T* get(SegmentMap::Owner owner) const {
+    if (owner == 0) return nullptr;
+    const std::size_t i = owner - 1;
+    const Chunk* chunk = table_[i / kChunk].load(std::memory_order_acquire);
+    return chunk == nullptr ? nullptr : (*chunk)[i % kChunk].load(std::memory_order_acquire);
+  }
+  // owner in 1 .. SegmentMap::kMaxOwner.
+  void set(SegmentMap::Owner owner, T* object) {
+    const std::size_t i = owner - 1;
+    auto& slot = table_[i / kChunk];
+    Chunk* chunk = slot.load(std::memory_order_relaxed);
+    if (chunk == nullptr) {
+      chunks_.push_back(std::make_unique<Chunk>());
+      chunk = chunks_.back().get();
+      slot.store(chunk, std::memory_order_release);
+    }
+    (*chunk)[i % kChunk].store(object, std::memory_order_release);
+  }
+
+ private:
+  static constexpr std::size_t kChunk = 1024;
+  using Chunk = std::array<std::atomic<T*>, kChunk>;
+  std::array<std::atomic<Chunk*>, (SegmentMap::kMaxOwner + 1) / kChunk> table_{};
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+};
+
 }  // namespace ccalloc::core

@@ -139,24 +139,42 @@ DeviceStats Engine::stats() const {
   PeakBaselines peaks;
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
-    for (int pool = 0; pool < 3; ++pool) {
-      total.allocation[pool] += arena->stats.allocation[pool];
-      total.active[pool] += arena->stats.active[pool];
-      total.inactive_split[pool] += arena->stats.inactive_split[pool];
-      total.allocated_bytes[pool] += arena->stats.allocated_bytes[pool];
-      total.active_bytes[pool] += arena->stats.active_bytes[pool];
-      total.inactive_split_bytes[pool] += arena->stats.inactive_split_bytes[pool];
-      total.requested_bytes[pool] += arena->stats.requested_bytes[pool];
-    }
-    total.oversize_allocations += arena->stats.oversize_allocations;
-    for_each_tracked(peaks, arena->debts, [](std::int64_t& sum, const std::int64_t& debt) {
-      sum -= debt;  // 0 once settled
-    });
-    for_each_tracked(arena->stats, peaks,
-                     [](const Stat& s, std::int64_t& sum) { sum += s.peak; });
+    add_block_stats(total, peaks, arena->stats, arena->debts);
   }
-  for_each_tracked(total, peaks, [](Stat& s, const std::int64_t& peak) { s.peak = peak; });
+  set_tracked_peaks(total, peaks);
   return total;
+}
+
+void add_block_stats(DeviceStats& total, PeakBaselines& peaks, const DeviceStats& arena,
+                     const PeakBaselines& debts) {
+  for (int pool = 0; pool < 3; ++pool) {
+    total.allocation[pool] += arena.allocation[pool];
+    total.active[pool] += arena.active[pool];
+    total.inactive_split[pool] += arena.inactive_split[pool];
+    total.allocated_bytes[pool] += arena.allocated_bytes[pool];
+    total.active_bytes[pool] += arena.active_bytes[pool];
+    total.inactive_split_bytes[pool] += arena.inactive_split_bytes[pool];
+    total.requested_bytes[pool] += arena.requested_bytes[pool];
+  }
+  total.oversize_allocations += arena.oversize_allocations;
+  for_each_tracked(peaks, debts, [](std::int64_t& sum, const std::int64_t& debt) {
+    sum -= debt;  // 0 once settled
+  });
+  for_each_tracked(arena, peaks, [](const Stat& s, std::int64_t& sum) { sum += s.peak; });
+}
+
+void set_tracked_peaks(DeviceStats& total, const PeakBaselines& peaks) {
+  for_each_tracked(total, peaks, [](Stat& s, const std::int64_t& peak) { s.peak = peak; });
+}
+
+std::string tracked_counter_name(std::size_t j) {
+  static constexpr const char* kNames[7] = {"allocation",   "active",
+                                            "inactive_split", "allocated_bytes",
+                                            "active_bytes", "inactive_split_bytes",
+                                            "requested_bytes"};
+  static constexpr const char* kPools[3] = {"all", "small_pool", "large_pool"};
+  if (j == kTrackedCounters - 1) return "oversize_allocations";
+  return std::string(kNames[j % 7]) + "." + kPools[j / 7];
 }
 
 // Per counter: D, the debt of the arenas above their baseline, and R, the room of those
@@ -165,13 +183,9 @@ DeviceStats Engine::stats() const {
 // first, so the sum of the baselines (the peak) is unchanged and arenas keep what room they
 // can: handing all of it to the settling arena would make every other arena settle on its
 // next increase, and streams taking turns would settle on every operation.
-void Engine::settle_peak_debts(const AllArenasLock& all) const {
-  const std::vector<Arena*>& arenas = all.by_stream();
+void settle_peak_debts(const std::vector<LedgerShare>& arenas) {
   bool any = false;
-  for (Arena* arena : arenas) {
-    all.held(*arena);
-    any = any || arena->in_debt;
-  }
+  for (const LedgerShare& arena : arenas) any = any || *arena.in_debt;
   if (!any) return;
 
   // Each counter's baseline, taken out of its Stat::peak (less the debt) and put back.
@@ -181,15 +195,14 @@ void Engine::settle_peak_debts(const AllArenasLock& all) const {
   };
   std::vector<std::array<Entry, kTrackedCounters>> rows(arenas.size());
   for (std::size_t i = 0; i < arenas.size(); ++i) {
-    Arena& arena = *arenas[i];
-    all.held(arena);
+    const LedgerShare& arena = arenas[i];
     std::size_t j = 0;
-    for_each_tracked(arena.stats, arena.debts, [&](Stat& s, std::int64_t& debt) {
+    for_each_tracked(*arena.stats, *arena.debts, [&](Stat& s, std::int64_t& debt) {
       s.peak -= debt;
       debt = 0;
       rows[i][j++] = Entry{s.current, &s.peak};
     });
-    arena.in_debt = false;
+    *arena.in_debt = false;
   }
   std::vector<std::pair<std::int64_t, std::size_t>> room;  // (room, arena index)
   for (std::size_t j = 0; j < kTrackedCounters; ++j) {
@@ -221,6 +234,16 @@ void Engine::settle_peak_debts(const AllArenasLock& all) const {
       if (debt == 0) break;
     }
   }
+}
+
+void Engine::settle_peak_debts(const AllArenasLock& all) const {
+  std::vector<LedgerShare> shares;
+  shares.reserve(all.by_stream().size());
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
+    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
+  }
+  core::settle_peak_debts(shares);
 }
 
 void Engine::reset_peak_stats() {

@@ -2,6 +2,7 @@
 #include "core/stitch_engine.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +11,7 @@
 #include <tuple>
 
 #include "ccalloc/sim.hpp"
+#include "core/arena_cache.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 
@@ -52,7 +54,7 @@ StatType pool_stat(bool small) {
 }  // namespace
 
 StitchEngine::StitchEngine(Driver& driver, Config config)
-    : driver_(driver), config_(std::move(config)) {
+    : driver_(driver), config_(std::move(config)), uid_(next_engine_uid()), event_pool_(driver) {
   const char* check = std::getenv("CCALLOC_CHECK_INVARIANTS");
   check_invariants_ = check != nullptr && std::strcmp(check, "1") == 0;
   capacity_ = driver_.mem_info().total_bytes;
@@ -66,13 +68,13 @@ StitchEngine::StitchEngine(Driver& driver, Config config)
 }
 
 StitchEngine::~StitchEngine() {
-  std::lock_guard lock(mutex_);
+  const AllArenasLock all(*this);
+  Lock device(device_mutex_);
   try {
-    for (const PendingEvent& p : pending_)
-      driver_.destroy_event(p.event);
-    for (const EventId e : spare_events_)
-      driver_.destroy_event(e);
-    for (const auto& arena : arenas_) {
+    for (Arena* arena : all.arenas()) {
+      all.held(*arena);
+      for (const PendingEvent& p : arena->pending)
+        driver_.destroy_event(p.event);
       for (const auto& spaces : arena->spaces) {
         for (const auto& s : spaces) {
           for (const auto& [first, m] : s->mappings)
@@ -80,7 +82,7 @@ StitchEngine::~StitchEngine() {
           driver_.free_address_range(s->base, s->reserved_pages * page_);
           for (Block* b = s->first; b != nullptr;) {
             Block* next = b->next;
-            delete b;
+            delete_block(*arena, b);
             b = next;
           }
         }
@@ -106,141 +108,239 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
       capture_on_malloc_.load(std::memory_order_relaxed) ? capture() : Origin{};
   const std::size_t rounded = round_size(size, config_);
   const bool small = is_small_size(rounded);
-  std::unique_lock lock(mutex_);
-  if (!pending_.empty()) process_events();
+  if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
   Arena& arena = arena_for(stream);
-  bool gc_done = false, callbacks_done = false, synchronized = false, released = false;
-  for (;;) {
-    Block* block = find_free(arena, small, rounded);
-    if (block == nullptr) {
-      const Grow g = grow(arena, small, rounded, !gc_done, &block);
-      if (g == Grow::kNeedsGc) {
-        gc_done = true;
-        release_cache();
-        continue;
-      }
-      if (g == Grow::kOutOfMemory) {
-        if (!callbacks_done && !free_memory_callbacks_.empty()) {
-          callbacks_done = true;
-          const auto callbacks = free_memory_callbacks_;
-          lock.unlock();
-          bool freed = false;
-          for (const auto& callback : callbacks)
-            freed = callback() || freed;
-          lock.lock();
-          if (!pending_.empty()) process_events();
-          if (freed) continue;
-        }
-        if (!synchronized && !pending_.empty()) {
-          synchronized = true;
-          synchronize_events();
-          continue;
-        }
-        if (!released) {
-          released = true;
-          ++stats_.num_alloc_retries;
-          release_cache();
-          continue;
-        }
-        raise_oom(lock, arena, size, rounded, small, stack);
-      }
-    }
-    const DevicePtr ptr = hand_out(arena, block, rounded, size, stack);
+  std::unique_lock lock(arena.mutex);  // moved into malloc_slow
+  arena.mutex.assert_held();
+  Pool& pool = arena.pool(small);
+  const auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
+  if (pos == pool.end()) return malloc_slow(arena, std::move(lock), size, rounded, small, stack);
+  const DevicePtr ptr = hand_out(arena, pos, rounded, size, stack);
+  const bool debt = arena.in_debt;
+  lock.unlock();
+  if (debt) [[unlikely]] settle_peak_debts();
+  after_operation();
+  return ptr;
+}
+
+// Growth needs only the stream's own arena and the device lock. The GC and the OOM ladder
+// act on every stream: they run under every lock, taken afresh (lock order), so the pools
+// are searched again first, as another thread may have freed into them meanwhile.
+DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> lock,
+                                    std::size_t size, std::size_t rounded, bool small,
+                                    const Origin& stack) {
+  arena.mutex.assert_held();
+  Block* block = nullptr;
+  Grow g = Grow::kDone;
+  {
+    Lock device(device_mutex_);
+    g = grow(arena, small, rounded, /*gc_allowed=*/true, &block);
+  }
+  if (g == Grow::kDone) {
+    const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
+    const bool debt = arena.in_debt;
     lock.unlock();
+    if (debt) settle_peak_debts();
     after_operation();
     return ptr;
   }
+  lock.unlock();
+
+  auto all = std::make_unique<AllArenasLock>(*this);
+  Lock device(device_mutex_);
+  all->held(arena);
+  bool gc_done = false, callbacks_done = false, synchronized = false, released = false;
+  // The first round answers grow()'s result above; later ones search and grow again.
+  bool retry = false;
+  for (;; retry = true) {
+    if (retry) {
+      block = find_free(arena, small, rounded);
+      g = block != nullptr ? Grow::kDone : grow(arena, small, rounded, !gc_done, &block);
+    } else if ((block = find_free(arena, small, rounded)) != nullptr) {
+      g = Grow::kDone;  // freed by another thread meanwhile
+    }
+    if (g == Grow::kDone) break;
+    if (g == Grow::kNeedsGc) {
+      gc_done = true;
+      release_cache(*all);
+      continue;
+    }
+    if (!callbacks_done && has_free_memory_callbacks_.load(std::memory_order_relaxed)) {
+      callbacks_done = true;
+      std::vector<Allocator::FreeMemoryCallback> callbacks;
+      {
+        Lock observers(observers_mutex_);
+        callbacks = free_memory_callbacks_;
+      }
+      device.unlock();
+      all.reset();
+      bool freed = false;
+      for (const auto& callback : callbacks)
+        freed = callback() || freed;
+      if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
+      all = std::make_unique<AllArenasLock>(*this);
+      device.lock();
+      all->held(arena);
+      if (freed) continue;
+    }
+    if (!synchronized && pending_events_.load(std::memory_order_relaxed) > 0) {
+      synchronized = true;
+      synchronize_events(*all);
+      continue;
+    }
+    if (!released) {
+      released = true;
+      ++stats_.num_alloc_retries;
+      release_cache(*all);
+      continue;
+    }
+    const OomReport report = prepare_oom(*all, arena, size, rounded, small, stack);
+    device.unlock();
+    all.reset();
+    raise_oom(report);
+  }
+  const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
+  settle_peak_debts(*all);
+  device.unlock();
+  all.reset();
+  after_operation();
+  return ptr;
 }
 
 void StitchEngine::free(DevicePtr ptr) {
   if (ptr == 0) return;
   const Origin stack =
       capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{};
-  {
-    std::lock_guard lock(mutex_);
-    const auto it = live_.find(ptr);
-    if (it == live_.end()) throw InvalidPointerError(pointer_error("free", ptr, device()), ptr);
-    Block* b = it->second;
-    live_.erase(it);
-    const bool small = b->space->small;
-    for (StatType t : {kAggregate, pool_stat(small)}) {
-      stats_.allocation[t].decrease(1);
-      stats_.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
-    }
-    record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, b->space->arena->stream, stack);
-    if (stack) b->stack = stack;
-    if (b->stream_uses.empty()) {
-      free_block(b);
-    } else {
-      // Reuse waits for the work queued so far on every other stream that used the block.
-      b->kind = Block::Kind::kPending;
-      for (const StreamId s : b->stream_uses) {
-        EventId e = 0;
-        if (spare_events_.empty()) {
-          e = driver_.create_event();
-        } else {
-          e = spare_events_.back();
-          spare_events_.pop_back();
-        }
-        driver_.record_event(e, s);
-        pending_.push_back(PendingEvent{e, b});
-        ++b->event_count;
-      }
-      b->stream_uses.clear();
+  if (Arena* arena = arena_of(ptr)) {
+    Lock lock(arena->mutex);
+    if (Block* b = arena->live.erase(ptr)) {
+      release(*arena, b, stack);
+      lock.unlock();
+      after_operation();
+      return;
     }
   }
-  after_operation();
+  throw_not_live("free", ptr);
+}
+
+// Frees lower the block statistics only: no peak debt to settle.
+void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
+  const bool small = b->space->small;
+  for (StatType t : {kAggregate, pool_stat(small)}) {
+    arena.stats.allocation[t].decrease(1);
+    arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+  }
+  record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, arena.stream, stack);
+  if (stack) b->stack = stack;
+  if (b->stream_uses.empty()) {
+    free_block(arena, b);
+    return;
+  }
+  // Reuse waits for the work queued so far on every other stream that used the block.
+  b->kind = Block::Kind::kPending;
+  for (const StreamId s : b->stream_uses) {
+    const EventId e = event_pool_.get();
+    driver_.record_event(e, s);
+    arena.pending.push_back(PendingEvent{e, b});
+    ++b->event_count;
+  }
+  const auto n = static_cast<std::int64_t>(b->stream_uses.size());
+  arena.pending_events.fetch_add(n, std::memory_order_relaxed);
+  pending_events_.fetch_add(n, std::memory_order_relaxed);
+  b->stream_uses.clear();
 }
 
 void StitchEngine::record_stream(DevicePtr ptr, StreamId stream) {
-  {
-    std::lock_guard lock(mutex_);
-    const auto it = live_.find(ptr);
-    if (it == live_.end()) {
-      throw InvalidPointerError(pointer_error("record_stream", ptr, device()), ptr);
-    }
-    Block* b = it->second;
-    // Uses on the block's own stream are ordered by the stream itself.
-    if (stream != b->space->arena->stream &&
-        std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
-      b->stream_uses.push_back(stream);
+  if (Arena* arena = arena_of(ptr)) {
+    Lock lock(arena->mutex);
+    if (Block* b = arena->live.find(ptr)) {
+      // Uses on the block's own stream are ordered by the stream itself.
+      if (stream != arena->stream &&
+          std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
+        b->stream_uses.push_back(stream);
+      }
+      lock.unlock();
+      after_operation();
+      return;
     }
   }
-  after_operation();
+  throw_not_live("record_stream", ptr);
+}
+
+void StitchEngine::throw_not_live(const char* what, DevicePtr ptr) const {
+  throw InvalidPointerError(pointer_error(what, ptr, device()), ptr);
 }
 
 // ---------------------------------------------------------------------------------------
 // Blocks
 
 StitchEngine::Arena& StitchEngine::arena_for(StreamId stream) {
-  const auto it = arena_by_stream_.find(stream);
-  if (it != arena_by_stream_.end()) return *it->second;
-  arenas_.push_back(std::make_unique<Arena>());
-  Arena* a = arenas_.back().get();
-  a->stream = stream;
-  arena_by_stream_.emplace(stream, a);
+  if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) return *cached;
+  Arena* a = nullptr;
+  {
+    Lock lock(registry_mutex_);
+    const auto it = arena_by_stream_.find(stream);
+    if (it != arena_by_stream_.end()) {
+      a = it->second;
+    } else {
+      const std::size_t index = arenas_.size();
+      if (index + 1 > SegmentMap::kMaxOwner) {
+        throw Error("ccalloc: too many streams on device " + std::to_string(device()) + " (" +
+                    std::to_string(index) + ")");
+      }
+      arenas_.push_back(std::make_unique<Arena>(stream, index));
+      a = arenas_.back().get();
+      arena_table_.set(a->owner, a);
+      arena_by_stream_.emplace(stream, a);
+    }
+  }
+  ThreadArenaCache<Arena>::put(uid_, stream, a);
   return *a;
 }
 
-StitchEngine::Block* StitchEngine::new_block() {
-  return new Block();
+std::vector<StitchEngine::Arena*> StitchEngine::arena_list() const {
+  Lock lock(registry_mutex_);
+  std::vector<Arena*> list;
+  list.reserve(arenas_.size());
+  for (const auto& a : arenas_)
+    list.push_back(a.get());
+  return list;
 }
 
-void StitchEngine::delete_block(Block* b) {
-  delete b;
+StitchEngine::AllArenasLock::AllArenasLock(const StitchEngine& engine) : engine_(engine) {
+  engine.registry_mutex_.lock();
+  arenas_.reserve(engine.arenas_.size());
+  for (const auto& a : engine.arenas_) {
+    a->mutex.lock();
+    arenas_.push_back(a.get());
+  }
+}
+
+StitchEngine::AllArenasLock::~AllArenasLock() {
+  for (Arena* a : arenas_)
+    a->mutex.unlock();
+  engine_.registry_mutex_.unlock();
+}
+
+// Blocks are recycled by their arena: splits and merges on the hot path do not allocate.
+StitchEngine::Block* StitchEngine::new_block(Arena& arena) {
+  return new (arena.block_nodes.take(sizeof(Block), alignof(Block))) Block();
+}
+
+void StitchEngine::delete_block(Arena& arena, Block* b) {
+  b->~Block();
+  arena.block_nodes.give_back(b, sizeof(Block), alignof(Block));
 }
 
 StitchEngine::Block* StitchEngine::find_free(Arena& arena, bool small, std::size_t size) {
   Pool& pool = arena.pool(small);
-  Block key;
-  key.size = size;
-  const auto it = pool.lower_bound(&key);
+  const auto it = pool.lower_bound(BySizeThenAddress::Key{size, 0});
   return it == pool.end() ? nullptr : *it;
 }
 
 // Cuts the first `size` bytes of b into a new block of b's kind, linked before it.
-StitchEngine::Block* StitchEngine::split_off_front(Block* b, std::size_t size) {
-  Block* f = new_block();
+StitchEngine::Block* StitchEngine::split_off_front(Arena& arena, Block* b, std::size_t size) {
+  Block* f = new_block(arena);
   f->ptr = b->ptr;
   f->size = size;
   f->space = b->space;
@@ -258,83 +358,105 @@ StitchEngine::Block* StitchEngine::split_off_front(Block* b, std::size_t size) {
   return f;
 }
 
-DevicePtr StitchEngine::hand_out(Arena& arena, Block* block, std::size_t size,
+// The rest of a split keeps the block's place in the pool when its smaller key still sorts
+// after its predecessor (no tree operation on the usual hit).
+DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t size,
                                  std::size_t requested, const Origin& stack) {
+  Block* block = *pos;
   const bool small = block->space->small;
   Pool& pool = arena.pool(small);
-  pool.erase(block);
   if (block->size - size >= kMinBlockSize) {
     Block* rest = block;
-    block = split_off_front(rest, size);
-    pool.insert(rest);
+    block = split_off_front(arena, rest, size);
+    if (pos != pool.begin() && !BySizeThenAddress{}(*std::prev(pos), rest)) {
+      pool.erase(pos);
+      pool.insert(rest);
+    }
+  } else {
+    pool.erase(pos);
   }
   block->kind = Block::Kind::kAllocated;
   block->requested = requested;
   block->stack = stack;
-  live_.emplace(block->ptr, block);
+  arena.live.insert(block->ptr, block);
+  DeviceStats& st = arena.stats;
+  PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
+  const auto bytes = static_cast<std::int64_t>(block->size);
   for (StatType t : {kAggregate, pool_stat(small)}) {
-    stats_.allocation[t].increase(1);
-    stats_.allocated_bytes[t].increase(static_cast<std::int64_t>(block->size));
-    stats_.active[t].increase(1);
-    stats_.active_bytes[t].increase(static_cast<std::int64_t>(block->size));
-    stats_.requested_bytes[t].increase(static_cast<std::int64_t>(requested));
+    ledger_increase(st.allocation[t], debt.allocation[t], arena.in_debt, 1);
+    ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], arena.in_debt, bytes);
+    ledger_increase(st.active[t], debt.active[t], arena.in_debt, 1);
+    ledger_increase(st.active_bytes[t], debt.active_bytes[t], arena.in_debt, bytes);
+    ledger_increase(st.requested_bytes[t], debt.requested_bytes[t], arena.in_debt,
+                    static_cast<std::int64_t>(requested));
   }
   record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
   return block->ptr;
 }
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
-void StitchEngine::free_block(Block* b) {
+void StitchEngine::free_block(Arena& arena, Block* b) {
   Space& s = *b->space;
-  Pool& pool = s.arena->pool(s.small);
+  Pool& pool = arena.pool(s.small);
   for (StatType t : {kAggregate, pool_stat(s.small)}) {
-    stats_.active[t].decrease(1);
-    stats_.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
-    stats_.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+    arena.stats.active[t].decrease(1);
+    arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+    arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
   }
-  record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, s.arena->stream, b->stack);
+  record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
   b->kind = Block::Kind::kFree;
   b->stack = {};
-  if (b->prev != nullptr && b->prev->kind == Block::Kind::kFree) {
-    Block* p = b->prev;
-    pool.erase(p);
-    b->ptr = p->ptr;
-    b->size += p->size;
-    b->prev = p->prev;
-    if (b->prev != nullptr) {
-      b->prev->next = b;
-    } else {
-      s.first = b;
-    }
-    delete_block(p);
+  Block* const prev = b->prev != nullptr && b->prev->kind == Block::Kind::kFree ? b->prev : nullptr;
+  Block* const next = b->next != nullptr && b->next->kind == Block::Kind::kFree ? b->next : nullptr;
+  if (prev == nullptr && next == nullptr) {
+    pool.insert(b);
+    return;
   }
-  if (b->next != nullptr && b->next->kind == Block::Kind::kFree) {
-    Block* n = b->next;
-    pool.erase(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (b->next != nullptr) {
-      b->next->prev = b;
-    } else {
-      s.last = b;
-    }
-    delete_block(n);
+  // The survivor is a neighbour already in the pool; the others are absorbed into it. It
+  // only grew, so it keeps its place unless it now sorts after its successor.
+  Block* const merged = prev != nullptr ? prev : next;
+  const Pool::iterator pos = pool.find(merged);
+  if (prev != nullptr && next != nullptr) pool.erase(next);
+  const DevicePtr start = prev != nullptr ? prev->ptr : b->ptr;
+  Block* const last = next != nullptr ? next : b;
+  Block* const before = prev != nullptr ? prev->prev : b->prev;
+  Block* const after = last->next;
+  merged->size = last->end() - start;
+  merged->ptr = start;
+  merged->requested = b->requested;  // the freed block's, as before the merge
+  merged->prev = before;
+  merged->next = after;
+  if (before != nullptr) {
+    before->next = merged;
+  } else {
+    s.first = merged;
   }
-  pool.insert(b);
+  if (after != nullptr) {
+    after->prev = merged;
+  } else {
+    s.last = merged;
+  }
+  for (Block* absorbed : {prev, b, next}) {
+    if (absorbed != nullptr && absorbed != merged) delete_block(arena, absorbed);
+  }
+  if (std::next(pos) != pool.end() && !BySizeThenAddress{}(merged, *std::next(pos))) {
+    pool.erase(pos);
+    pool.insert(merged);
+  }
 }
 
 // Turns the page-aligned [lo, hi), covered by free and void blocks starting with `from`
 // (which contains lo), into one void block; the free parts outside it stay in the pool.
-void StitchEngine::make_void(Space& s, Block* from, DevicePtr lo, DevicePtr hi) {
-  Pool& pool = s.arena->pool(s.small);
+void StitchEngine::make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, DevicePtr hi) {
+  Pool& pool = arena.pool(s.small);
   Block* first_void = nullptr;
   for (Block* b = from; b != nullptr && b->ptr < hi;) {
     Block* next = b->next;
     if (b->kind == Block::Kind::kFree) {
       pool.erase(b);
-      if (b->ptr < lo) pool.insert(split_off_front(b, lo - b->ptr));
+      if (b->ptr < lo) pool.insert(split_off_front(arena, b, lo - b->ptr));
       if (b->end() > hi) {
-        Block* mid = split_off_front(b, hi - b->ptr);
+        Block* mid = split_off_front(arena, b, hi - b->ptr);
         pool.insert(b);
         b = mid;
       }
@@ -343,10 +465,10 @@ void StitchEngine::make_void(Space& s, Block* from, DevicePtr lo, DevicePtr hi) 
     if (first_void == nullptr) first_void = b;
     b = next;
   }
-  if (first_void != nullptr) merge_void_around(s, first_void);
+  if (first_void != nullptr) merge_void_around(arena, s, first_void);
 }
 
-void StitchEngine::merge_void_around(Space& s, Block* b) {
+void StitchEngine::merge_void_around(Arena& arena, Space& s, Block* b) {
   while (b->prev != nullptr && b->prev->kind == Block::Kind::kVoid) {
     Block* p = b->prev;
     b->ptr = p->ptr;
@@ -357,7 +479,7 @@ void StitchEngine::merge_void_around(Space& s, Block* b) {
     } else {
       s.first = b;
     }
-    delete_block(p);
+    delete_block(arena, p);
   }
   while (b->next != nullptr && b->next->kind == Block::Kind::kVoid) {
     Block* n = b->next;
@@ -368,7 +490,7 @@ void StitchEngine::merge_void_around(Space& s, Block* b) {
     } else {
       s.last = b;
     }
-    delete_block(n);
+    delete_block(arena, n);
   }
 }
 
@@ -381,6 +503,7 @@ StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
   s->small = small;
   s->reserved_pages = space_pages_;
   s->base = driver_.reserve_address_range(space_pages_ * page_);
+  owners_.assign(s->base, space_pages_ * page_, arena.owner);  // free finds the arena here
   arena.spaces[small ? 1 : 0].push_back(std::move(s));
   return *arena.spaces[small ? 1 : 0].back();
 }
@@ -408,6 +531,8 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   std::size_t have = 0;  // pages of the spare and lent handles
   const auto pieces_of = [](const Handle* h) { return h->live_at.size(); };
   const auto plan = [&] {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    device_mutex_.assert_held();
     from_spare.clear();
     lends.clear();
     have = 0;
@@ -528,7 +653,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   // make_void keeps the block object for the free part above the voided range.
   std::sort(lends.begin(), lends.end(), [](const Lend& x, const Lend& y) { return x.lo < y.lo; });
   for (const Lend& l : lends) {
-    make_void(*l.block->space, l.block, l.lo, l.lo + pieces_of(l.handle) * page_);
+    make_void(arena, *l.block->space, l.block, l.lo, l.lo + pieces_of(l.handle) * page_);
     order.push_back(l.handle);
   }
   for (std::size_t j = 0; j < ids.size(); ++j) {
@@ -571,7 +696,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     pool.insert(tail);
     *out = tail;
   } else {
-    Block* b = new_block();
+    Block* b = new_block(arena);
     b->ptr = page_va(*s, start);
     b->size = mapped * page_;
     b->space = s;
@@ -602,35 +727,55 @@ void StitchEngine::add_reserved(bool small, std::int64_t bytes) {
 // ---------------------------------------------------------------------------------------
 // Events, releasing the cache
 
-void StitchEngine::process_events() {
+// A pending block is in its own arena's list: completing it needs only that arena's lock.
+void StitchEngine::process_events(Arena& arena) {
+  std::vector<PendingEvent>& pending = arena.pending;
   std::size_t kept = 0;
-  for (std::size_t i = 0; i < pending_.size(); ++i) {
-    const PendingEvent p = pending_[i];
+  for (std::size_t i = 0; i < pending.size(); ++i) {
+    const PendingEvent p = pending[i];
     if (!driver_.query_event(p.event)) {
-      pending_[kept++] = p;
+      pending[kept++] = p;
       continue;
     }
-    spare_events_.push_back(p.event);
-    if (--p.block->event_count == 0) free_block(p.block);
+    event_pool_.put(p.event);
+    if (--p.block->event_count == 0) free_block(arena, p.block);
   }
-  pending_.resize(kept);
+  const auto completed = static_cast<std::int64_t>(pending.size() - kept);
+  pending.resize(kept);
+  arena.pending_events.fetch_sub(completed, std::memory_order_relaxed);
+  pending_events_.fetch_sub(completed, std::memory_order_relaxed);
 }
 
-void StitchEngine::synchronize_events() {
-  ++stats_.num_sync_all_streams;
-  for (const PendingEvent& p : pending_) {
-    driver_.synchronize_event(p.event);
-    spare_events_.push_back(p.event);
-    if (--p.block->event_count == 0) free_block(p.block);
+void StitchEngine::process_events_everywhere() {
+  for (Arena* arena : arena_list()) {
+    if (arena->pending_events.load(std::memory_order_relaxed) == 0) continue;
+    Lock lock(arena->mutex);
+    process_events(*arena);
   }
-  pending_.clear();
+}
+
+void StitchEngine::synchronize_events(const AllArenasLock& all) {
+  ++stats_.num_sync_all_streams;
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    for (const PendingEvent& p : arena->pending) {
+      driver_.synchronize_event(p.event);
+      event_pool_.put(p.event);
+      if (--p.block->event_count == 0) free_block(*arena, p.block);
+    }
+    const auto n = static_cast<std::int64_t>(arena->pending.size());
+    arena->pending.clear();
+    arena->pending_events.fetch_sub(n, std::memory_order_relaxed);
+    pending_events_.fetch_sub(n, std::memory_order_relaxed);
+  }
 }
 
 // Unmaps every mapping whose pages are all dead or free, then releases the handles left
 // with no live piece and no mapping. Waits for every stream whose pages it unmaps.
-void StitchEngine::release_cache() {
-  synchronize_events();
-  for (const auto& arena : arenas_) {
+void StitchEngine::release_cache(const AllArenasLock& all) {
+  synchronize_events(all);
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
     bool synchronized = false;
     for (auto& spaces : arena->spaces) {
       for (auto it = spaces.begin(); it != spaces.end();) {
@@ -695,7 +840,7 @@ void StitchEngine::release_cache() {
             b = b->next;
             continue;
           }
-          make_void(s, b, cut_lo, cut_hi);
+          make_void(*arena, s, b, cut_lo, cut_hi);
           // Rescan from the block after the new void one.
           Block* v = s.first;
           while (v != nullptr && !(v->ptr <= cut_lo && cut_lo < v->end()))
@@ -717,9 +862,10 @@ void StitchEngine::release_cache() {
           } else {
             s.first = nullptr;
           }
-          delete_block(v);
+          delete_block(*arena, v);
         }
         if (s.first == nullptr) {
+          owners_.clear(s.base, s.reserved_pages * page_);
           driver_.free_address_range(s.base, s.reserved_pages * page_);
           it = spaces.erase(it);
         } else {
@@ -755,8 +901,9 @@ void StitchEngine::release_spare_handles() {
 
 void StitchEngine::empty_cache() {
   {
-    std::lock_guard lock(mutex_);
-    release_cache();
+    const AllArenasLock all(*this);
+    Lock device(device_mutex_);
+    release_cache(all);
   }
   after_operation();
 }
@@ -764,46 +911,87 @@ void StitchEngine::empty_cache() {
 // ---------------------------------------------------------------------------------------
 // Stats, settings, observers, history
 
+void StitchEngine::settle_peak_debts(const AllArenasLock& all) const {
+  std::vector<LedgerShare> shares;
+  shares.reserve(all.arenas().size());
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
+  }
+  core::settle_peak_debts(shares);
+}
+
+// The block statistics' currents are sums over the arenas, their peaks the sums of the
+// arenas' baselines (core/peak_ledger.hpp), settled first so no peak is below its current.
+DeviceStats StitchEngine::stats_locked(const AllArenasLock& all) const {
+  settle_peak_debts(all);
+  DeviceStats total = stats_;
+  PeakBaselines peaks;
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    add_block_stats(total, peaks, arena->stats, arena->debts);
+  }
+  set_tracked_peaks(total, peaks);
+  return total;
+}
+
 DeviceStats StitchEngine::stats() const {
-  std::lock_guard lock(mutex_);
-  return stats_;
+  const AllArenasLock all(*this);
+  Lock device(device_mutex_);
+  return stats_locked(all);
 }
 
 void StitchEngine::reset_peak_stats() {
-  std::lock_guard lock(mutex_);
+  const AllArenasLock all(*this);
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    arena->stats.reset_peak();  // every baseline at its current
+    arena->debts = PeakBaselines{};
+    arena->in_debt = false;
+  }
+  Lock device(device_mutex_);
   stats_.reset_peak();
 }
 
 void StitchEngine::reset_accumulated_stats() {
-  std::lock_guard lock(mutex_);
+  const AllArenasLock all(*this);
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    arena->stats.reset_accumulated();
+  }
+  Lock device(device_mutex_);
   stats_.reset_accumulated();
 }
 
 void StitchEngine::set_memory_fraction(double fraction) {
   const std::optional<std::size_t> limit = fraction_limit(fraction, capacity_, device());
-  std::lock_guard lock(mutex_);
+  Lock device(device_mutex_);
   fraction_ = fraction;
   limit_ = limit;
 }
 
 double StitchEngine::memory_fraction() const {
-  std::lock_guard lock(mutex_);
+  Lock device(device_mutex_);
   return fraction_;
 }
 
 std::size_t StitchEngine::allocation_size(DevicePtr ptr) const {
-  std::lock_guard lock(mutex_);
-  const auto it = live_.find(ptr);
-  return it == live_.end() ? 0 : it->second->size;
+  Arena* arena = arena_of(ptr);
+  if (arena == nullptr) return 0;
+  Lock lock(arena->mutex);
+  const Block* b = arena->live.find(ptr);
+  return b == nullptr ? 0 : b->size;
 }
 
 StitchEngine::PieceCounts StitchEngine::piece_counts() const {
-  std::lock_guard lock(mutex_);
+  const AllArenasLock all(*this);
+  Lock device(device_mutex_);
   PieceCounts c;
   for (const auto& [id, h] : handles_)
     c.total += h->live_at.size();
   c.spare = spare_.size();
-  for (const auto& arena : arenas_) {
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
     for (const auto& spaces : arena->spaces) {
       for (const auto& s : spaces) {
         for (std::size_t p = 0; p < s->pages.size(); ++p) {
@@ -819,23 +1007,25 @@ StitchEngine::PieceCounts StitchEngine::piece_counts() const {
 }
 
 void StitchEngine::add_oom_observer(Allocator::OomObserver observer) {
-  std::lock_guard lock(mutex_);
+  Lock lock(observers_mutex_);
   oom_observers_.push_back(std::move(observer));
 }
 
 void StitchEngine::add_free_memory_callback(Allocator::FreeMemoryCallback callback) {
-  std::lock_guard lock(mutex_);
+  Lock lock(observers_mutex_);
   free_memory_callbacks_.push_back(std::move(callback));
+  has_free_memory_callbacks_.store(true, std::memory_order_relaxed);
 }
 
 void StitchEngine::add_trace_observer(TraceObserver observer) {
-  std::lock_guard lock(mutex_);
+  Lock lock(trace_mutex_);
   trace_observers_.push_back(std::move(observer));
+  tracing_.store(true, std::memory_order_relaxed);
 }
 
-void StitchEngine::record_trace(TraceAction action, DevicePtr addr, std::size_t size,
-                                StreamId stream, const Origin& stack) {
-  if (!history_on_ && trace_observers_.empty()) return;
+void StitchEngine::record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size,
+                                      StreamId stream, const Origin& stack) {
+  Lock lock(trace_mutex_);
   const std::int64_t now = driver_.now_us();
   if (history_on_) {
     history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
@@ -846,15 +1036,19 @@ void StitchEngine::record_trace(TraceAction action, DevicePtr addr, std::size_t 
     observer(entry);
 }
 
-void StitchEngine::raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
-                             std::size_t requested, std::size_t rounded, bool small,
-                             const Origin& stack) {
+StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Arena& arena,
+                                                  std::size_t requested, std::size_t rounded,
+                                                  bool small, const Origin& stack) {
   const MemInfo info = driver_.mem_info();
   ++stats_.num_ooms;
   record_trace(TraceAction::kOom, info.free_bytes, rounded, arena.stream, stack);
   const Pool& pool = arena.pool(small);
   const std::size_t largest = pool.empty() ? 0 : (*pool.rbegin())->size;
-  const auto allocated = static_cast<std::size_t>(stats_.allocated_bytes[kAggregate].current);
+  std::size_t allocated = 0;
+  for (Arena* a : all.arenas()) {
+    all.held(*a);
+    allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
+  }
   std::string m = "CUDA out of memory on device " + std::to_string(device()) +
                   ". Tried to allocate " + format_size(requested) + " (" +
                   std::to_string(requested) + " bytes on stream " + std::to_string(arena.stream) +
@@ -875,13 +1069,19 @@ void StitchEngine::raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
     m += " The per_process_memory_fraction limit refused it: raise the fraction "
          "(set_memory_fraction or per_process_memory_fraction) to let it succeed.";
   }
-  const std::size_t limit_bytes = limit();
-  const auto observers = oom_observers_;
-  lock.unlock();
+  return OomReport{std::move(m), requested, limit(), info.free_bytes};
+}
+
+void StitchEngine::raise_oom(const OomReport& report) {
+  std::vector<Allocator::OomObserver> observers;
+  {
+    Lock lock(observers_mutex_);
+    observers = oom_observers_;
+  }
   for (const auto& observer : observers)
-    observer(device(), requested, limit_bytes, info.free_bytes);
+    observer(device(), report.requested, report.limit, report.free_bytes);
   after_operation();
-  throw OutOfMemoryError(m, device(), requested);
+  throw OutOfMemoryError(report.message, device(), report.requested);
 }
 
 void StitchEngine::record_history(const HistoryOptions& options) {
@@ -890,8 +1090,9 @@ void StitchEngine::record_history(const HistoryOptions& options) {
   const bool cpp = options.stacks == O::Stacks::kCpp;
   const bool caller = static_cast<bool>(options.capture_context);
   const bool stacks = on && (cpp || caller) && options.context >= O::Context::kAlloc;
-  std::lock_guard lock(mutex_);
+  Lock lock(trace_mutex_);
   history_on_ = on && options.enabled == O::Enabled::kAll;
+  tracing_.store(history_on_ || !trace_observers_.empty(), std::memory_order_relaxed);
   contexts_.set(options.capture_context);
   capture_cpp_.store(cpp, std::memory_order_relaxed);
   capture_caller_.store(caller, std::memory_order_relaxed);
@@ -904,7 +1105,7 @@ void StitchEngine::record_history(const HistoryOptions& options) {
 }
 
 void StitchEngine::annotate(std::string_view name, bool start) {
-  std::lock_guard lock(mutex_);
+  Lock lock(trace_mutex_);
   if (!history_on_) return;
   annotations_.push_back(
       Annotation{std::string(name), start ? "START" : "END", device(), driver_.now_us()});
@@ -1031,9 +1232,10 @@ PhysicalMemory physical_memory(const Arenas& arenas, const Handles& handles, con
 // theirs), as expandable segments report their mapped runs; its pages are live, so its
 // pieces add up to its size and, with the spare pieces, to the reserved bytes.
 std::vector<SegmentInfo> StitchEngine::segments() const {
-  std::lock_guard lock(mutex_);
+  const AllArenasLock all(*this);
   std::vector<SegmentInfo> out;
-  for (const auto& arena : arenas_) {
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
     for (const auto& spaces : arena->spaces) {
       for (const auto& s : spaces) {
         const std::size_t from = out.size();
@@ -1065,16 +1267,27 @@ Snapshot StitchEngine::snapshot() {
   std::vector<HistoryEntry> entries;
   std::vector<std::pair<SnapshotSegment, std::vector<Origin>>> segs;
   {
-    std::lock_guard lock(mutex_);
-    record_trace(TraceAction::kSnapshot, 0,
-                 static_cast<std::size_t>(stats_.active_bytes[kAggregate].current), 0, Origin{});
+    const AllArenasLock all(*this);
+    std::int64_t active_bytes = 0;
+    for (Arena* arena : all.arenas()) {
+      all.held(*arena);
+      active_bytes += arena->stats.active_bytes[kAggregate].current;
+    }
+    record_trace(TraceAction::kSnapshot, 0, static_cast<std::size_t>(active_bytes), 0, Origin{});
     entries = history_.entries();
     s.allocator_settings = settings_of(config_);
     s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
     s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
-    s.external_annotations = annotations_;
-    s.physical.push_back(physical_memory(arenas_, handles_, spare_, device(), page_));
-    for (const auto& arena : arenas_) {
+    {
+      Lock lock(trace_mutex_);
+      s.external_annotations = annotations_;
+    }
+    {
+      Lock device_lock(device_mutex_);
+      s.physical.push_back(physical_memory(all.arenas(), handles_, spare_, device(), page_));
+    }
+    for (Arena* arena : all.arenas()) {
+      all.held(*arena);
       for (const auto& spaces : arena->spaces) {
         for (const auto& sp : spaces) {
           const std::size_t from = segs.size();
@@ -1133,29 +1346,45 @@ Snapshot StitchEngine::snapshot() {
 // Invariants
 
 void StitchEngine::check_invariants() const {
-  std::lock_guard lock(mutex_);
-  check_locked();
+  const AllArenasLock all(*this);
+  Lock device(device_mutex_);
+  check_locked(all);
 }
 
-void StitchEngine::check_locked() const {
+void StitchEngine::check_locked(const AllArenasLock& all) const {
   const auto violated = [this](const std::string& what) {
     throw InvariantError("ccalloc: invariant violated on device " + std::to_string(device()) +
                          " (ccalloc policy): " + what);
   };
   using Kind = Block::Kind;
-  DeviceStats recount;
+  std::vector<DeviceStats> recount(all.arenas().size());  // by arena (owner - 1)
   std::size_t free_blocks = 0, allocated_blocks = 0, pending_blocks = 0;
   // Physical bytes of live blocks: (handle, piece, first byte, end byte in the piece).
   std::vector<std::tuple<PhysicalHandle, std::uint32_t, std::size_t, std::size_t, DevicePtr>> used;
   std::map<std::pair<PhysicalHandle, std::uint32_t>, std::uint32_t> page_maps;
   std::size_t live_pieces = 0;
   const auto* sim = dynamic_cast<const sim::SimDriver*>(&driver_);
-  for (const auto& arena : arenas_) {
+  std::size_t live_entries = 0, pending_entries = 0, pending_outstanding = 0;
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    live_entries += arena->live.size();
+    for (const PendingEvent& p : arena->pending) {
+      pending_outstanding += p.block->kind == Kind::kPending ? 1 : 0;
+      if (p.block->space->arena != arena) violated("an event waits in another stream's list");
+    }
+    pending_entries += arena->pending.size();
+    if (arena->pending_events.load(std::memory_order_relaxed) !=
+        static_cast<std::int64_t>(arena->pending.size())) {
+      violated("stream " + std::to_string(arena->stream) + " counts pending events wrongly");
+    }
     for (int k = 0; k < 2; ++k) {
       const bool small = k == 1;
       for (const auto& sp : arena->spaces[k]) {
         const Space& s = *sp;
-        if (s.small != small || s.arena != arena.get()) violated("a space is in the wrong list");
+        if (s.small != small || s.arena != arena) violated("a space is in the wrong list");
+        if (arena_of(s.base) != arena || arena_of(page_va(s, s.reserved_pages) - 1) != arena) {
+          violated("the space at " + hex(s.base) + " is not its stream's in the segment map");
+        }
         const DevicePtr frontier = page_va(s, s.pages.size());
         DevicePtr at = s.base;
         const Block* prev = nullptr;
@@ -1172,8 +1401,7 @@ void StitchEngine::check_locked() const {
             violated("block " + hex(b->ptr) + " is " + (in_pool ? "" : "not ") +
                      "in its pool but is " + (b->kind == Kind::kFree ? "free" : "not free"));
           }
-          const auto live = live_.find(b->ptr);
-          const bool is_live = live != live_.end() && live->second == b;
+          const bool is_live = arena->live.find(b->ptr) == b;
           if (is_live != (b->kind == Kind::kAllocated)) {
             violated("block " + hex(b->ptr) + " is live iff allocated: it is not so");
           }
@@ -1207,14 +1435,15 @@ void StitchEngine::check_locked() const {
             continue;
           }
           (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
+          DeviceStats& rc = recount[arena->owner - 1];
           for (StatType t : {kAggregate, pool_stat(small)}) {
             if (b->kind == Kind::kAllocated) {
-              recount.allocation[t].current += 1;
-              recount.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
+              rc.allocation[t].current += 1;
+              rc.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
             }
-            recount.active[t].current += 1;
-            recount.active_bytes[t].current += static_cast<std::int64_t>(b->size);
-            recount.requested_bytes[t].current += static_cast<std::int64_t>(b->requested);
+            rc.active[t].current += 1;
+            rc.active_bytes[t].current += static_cast<std::int64_t>(b->size);
+            rc.requested_bytes[t].current += static_cast<std::int64_t>(b->requested);
           }
           for (std::size_t p = p0; p < p1; ++p) {
             const Page& pg = s.pages[p];
@@ -1264,21 +1493,28 @@ void StitchEngine::check_locked() const {
     }
     for (const Pool& pool : arena->pools) {
       for (const Block* b : pool) {
-        if (b->kind != Kind::kFree || b->space->arena != arena.get()) {
+        if (b->kind != Kind::kFree || b->space->arena != arena) {
           violated("pool holds block " + hex(b->ptr) + ", which is not a free block of it");
         }
       }
     }
   }
   std::size_t pooled = 0;
-  for (const auto& arena : arenas_)
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
     pooled += arena->pools[0].size() + arena->pools[1].size();
+  }
   if (pooled != free_blocks) violated("the pools hold blocks that are not in any space");
-  if (live_.size() != allocated_blocks) violated("live_ holds blocks that are not in any space");
-  std::size_t pending_count = 0;
-  for (const PendingEvent& p : pending_)
-    pending_count += p.block->kind == Kind::kPending ? 1 : 0;
-  if (pending_count != pending_.size()) violated("an event waits for a block that is not pending");
+  if (live_entries != allocated_blocks) {
+    violated("a live index holds blocks that are not in any space");
+  }
+  if (pending_outstanding != pending_entries) {
+    violated("an event waits for a block that is not pending");
+  }
+  const auto pending_total = static_cast<std::int64_t>(pending_entries);
+  if (pending_events_.load(std::memory_order_relaxed) != pending_total) {
+    violated("the device counts pending events wrongly");
+  }
 
   // Pieces.
   std::size_t pieces = 0, spare = 0, live_anywhere = 0;
@@ -1326,18 +1562,56 @@ void StitchEngine::check_locked() const {
                std::to_string(std::get<0>(a)) + ")");
     }
   }
-  for (StatType t : {kAggregate, kSmallPool, kLargePool}) {
-    const auto differs = [&](const StatArray& a, const StatArray& b, const char* name) {
-      if (a[t].current != b[t].current) {
-        violated(std::string(name) + " is " + std::to_string(a[t].current) +
-                 " but a recount gives " + std::to_string(b[t].current));
+  // Statistics: each arena's block statistics equal a recount of its blocks (so the
+  // device's, their sums, do too).
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    const DeviceStats st = arena->stats;  // a copy: the analysis does not follow the alias
+    const DeviceStats& rc = recount[arena->owner - 1];
+    for (StatType t : {kAggregate, kSmallPool, kLargePool}) {
+      const auto differs = [&](const StatArray& a, const StatArray& b, const char* name) {
+        if (a[t].current != b[t].current) {
+          violated(std::string(name) + " of stream " + std::to_string(arena->stream) + " is " +
+                   std::to_string(a[t].current) + " but a recount gives " +
+                   std::to_string(b[t].current));
+        }
+      };
+      differs(st.allocation, rc.allocation, "allocation");
+      differs(st.allocated_bytes, rc.allocated_bytes, "allocated_bytes");
+      differs(st.active, rc.active, "active");
+      differs(st.active_bytes, rc.active_bytes, "active_bytes");
+      differs(st.requested_bytes, rc.requested_bytes, "requested_bytes");
+    }
+  }
+  // peaks_cover_current: an arena not in peak debt is within its baselines (Stat::peak less
+  // its debt); with no arena in debt, the device's peaks (the sums of the baselines) cover
+  // its currents.
+  std::array<std::int64_t, kTrackedCounters> current_sum{};
+  std::array<std::int64_t, kTrackedCounters> baseline_sum{};
+  bool any_debt = false;
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    const bool in_debt = arena->in_debt;
+    any_debt = any_debt || in_debt;
+    std::size_t j = 0;
+    for_each_tracked(arena->stats, arena->debts, [&](const Stat& st, const std::int64_t& debt) {
+      const std::int64_t baseline = st.peak - debt;
+      current_sum[j] += st.current;
+      baseline_sum[j] += baseline;
+      if (debt < 0 || (!in_debt && (debt != 0 || st.current > baseline))) {
+        violated("peaks_cover_current: stream " + std::to_string(arena->stream) + ": " +
+                 tracked_counter_name(j) + " is " + std::to_string(st.current) + ", baseline " +
+                 std::to_string(baseline) + ", debt " + std::to_string(debt));
       }
-    };
-    differs(stats_.allocation, recount.allocation, "allocation");
-    differs(stats_.allocated_bytes, recount.allocated_bytes, "allocated_bytes");
-    differs(stats_.active, recount.active, "active");
-    differs(stats_.active_bytes, recount.active_bytes, "active_bytes");
-    differs(stats_.requested_bytes, recount.requested_bytes, "requested_bytes");
+      ++j;
+    });
+  }
+  for (std::size_t j = 0; j < kTrackedCounters && !any_debt; ++j) {
+    if (baseline_sum[j] < current_sum[j]) {
+      violated("peaks_cover_current: " + tracked_counter_name(j) + ": device peak " +
+               std::to_string(baseline_sum[j]) + " is below its current " +
+               std::to_string(current_sum[j]));
+    }
   }
 }
 

@@ -38,8 +38,28 @@
 //
 // Reserved bytes are physical bytes held: pieces x G (address space is not counted).
 //
-// Locking: one mutex guards everything, driver calls included. Trace observers are called
-// with it held; OOM observers and free-memory callbacks without it.
+// Locking. Each (stream) arena has its own lock (ArenaMutex) over its pools, spaces, blocks,
+// live index, pending events and its share of the block statistics; the device lock
+// (device_mutex_) guards what every stream shares: handles and their pieces, the spare
+// set, reserved bytes, the limit and the device-wide statistics. Locks, in the order they
+// may nest:
+//   registry_mutex_ -> Arena::mutex (several only via AllArenasLock, by creation order)
+//   -> device_mutex_ -> trace_mutex_ / EventPool / HistoryRing
+// (observers_mutex_, EventPool and HistoryRing are leaves: nothing is taken under them).
+// The hot path takes one arena lock: malloc that finds a free block in its arena, free of a
+// block with no other stream's uses (one with them also records events, taking the
+// EventPool's lock), record_stream and allocation_size; the
+// arena of a stream comes from a per-thread cache (ThreadArenaCache), that of a pointer
+// from the SegmentMap of the spaces' reservations (no lock). Growth holds the arena's lock
+// and the device lock: lending takes only the stream's own free pages, spare pieces and new
+// handles are the device's. Polling events locks each arena with pending frees in turn.
+// GC, releasing the cache, the rest of the OOM ladder, empty_cache, stats, snapshots and the
+// invariant checker take every arena lock (AllArenasLock) and the device lock. Block
+// statistics live in the arenas; their device-wide peaks are kept exact by the baseline
+// ledger (core/peak_ledger.hpp): a malloc that raises a counter above its arena's baseline
+// settles under AllArenasLock after releasing the arena's lock, before returning. Trace
+// observers are called under trace_mutex_ (and whatever locks the operation holds); OOM
+// observers and free-memory callbacks with no lock held.
 //
 // Invariants (check_invariants()): blocks tile each space from base to frontier with no two
 // free neighbours; void blocks are page-aligned and cover only dead or unmapped pages,
@@ -48,7 +68,8 @@
 // holds exactly the pieces live nowhere; each piece's mapping count equals the pages that
 // map it; the driver's mappings in each space are exactly the model's (simulated GPU);
 // reserved == pieces x G; no two live blocks share a physical byte; the stats
-// equal a recount.
+// equal a recount; each arena's block statistics not in peak debt are within its baselines
+// and the device's peaks cover its currents (peaks_cover_current, as the native engine's).
 #pragma once
 
 #include <atomic>
@@ -59,14 +80,22 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "core/arena_mutex.hpp"
 #include "core/backend.hpp"
+#include "core/block.hpp"
+#include "core/event_pool.hpp"
 #include "core/history.hpp"
+#include "core/peak_ledger.hpp"
+#include "core/ptr_map.hpp"
+#include "core/segment_map.hpp"
+#include "core/thread_annotations.hpp"
 
 namespace ccalloc::core {
 
@@ -107,11 +136,13 @@ class StitchEngine final : public Backend {
     std::size_t spare = 0;
     std::size_t dead_pages = 0;
   };
-  PieceCounts piece_counts() const;
+  PieceCounts piece_counts() const EXCLUDES(registry_mutex_, device_mutex_);
 
  private:
   struct Space;
   struct Arena;
+  // Guarded by device_mutex_: a piece may be live in one stream's space and mapped dead in
+  // another's.
   struct Handle {
     PhysicalHandle id = 0;
     bool small = false;                   // the pool whose growth created it (for stats)
@@ -122,6 +153,7 @@ class StitchEngine final : public Backend {
     Handle* handle = nullptr;
     std::uint32_t index = 0;
   };
+  // Blocks, spaces and their pages are guarded by their arena's lock.
   struct Block {
     enum class Kind : std::uint8_t { kFree, kAllocated, kPending, kVoid };
     DevicePtr ptr = 0;
@@ -137,11 +169,22 @@ class StitchEngine final : public Backend {
     DevicePtr end() const { return ptr + size; }
   };
   struct BySizeThenAddress {
+    using is_transparent = void;
+    struct Key {
+      std::size_t size;
+      DevicePtr ptr;
+    };
     bool operator()(const Block* a, const Block* b) const {
       return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
     }
+    bool operator()(const Block* a, const Key& k) const {
+      return a->size != k.size ? a->size < k.size : a->ptr < k.ptr;
+    }
+    bool operator()(const Key& k, const Block* b) const {
+      return k.size != b->size ? k.size < b->size : k.ptr < b->ptr;
+    }
   };
-  using Pool = std::set<Block*, BySizeThenAddress>;
+  using Pool = std::set<Block*, BySizeThenAddress, RecyclingAllocator<Block*>>;
   struct Page {
     Handle* handle = nullptr;  // nullptr: unmapped
     std::uint32_t piece = 0;
@@ -161,50 +204,126 @@ class StitchEngine final : public Backend {
     Block* first = nullptr;
     Block* last = nullptr;
   };
-  struct Arena {
-    StreamId stream = 0;
-    Pool pools[2];  // [0] large, [1] small
-    std::vector<std::unique_ptr<Space>> spaces[2];
-    Pool& pool(bool small) { return pools[small ? 1 : 0]; }
-  };
   struct PendingEvent {
     EventId event = 0;
     Block* block = nullptr;
   };
+  // Everything of one stream; see the header comment for what its lock covers.
+  struct alignas(64) Arena {
+    Arena(StreamId s, std::size_t index)
+        : stream(s), owner(static_cast<SegmentMap::Owner>(index + 1)) {}
+    Arena(const Arena&) = delete;
+    Arena& operator=(const Arena&) = delete;
+    Pool& pool(bool small) REQUIRES(mutex) { return pools[small ? 1 : 0]; }
+
+    ArenaMutex mutex;
+    const StreamId stream;
+    const SegmentMap::Owner owner;  // its spaces' owner in the engine's SegmentMap
+    // Nodes of the pools' sets and Block objects, recycled (declared before their users:
+    // destroyed after them).
+    NodeRecycler pool_nodes GUARDED_BY(mutex);
+    NodeRecycler block_nodes GUARDED_BY(mutex);
+    // [0] large, [1] small
+    Pool pools[2] GUARDED_BY(mutex){
+        Pool(BySizeThenAddress{}, RecyclingAllocator<Block*>(&pool_nodes)),
+        Pool(BySizeThenAddress{}, RecyclingAllocator<Block*>(&pool_nodes))};
+    std::vector<std::unique_ptr<Space>> spaces[2] GUARDED_BY(mutex);
+    PtrMap<Block*> live GUARDED_BY(mutex);  // allocated blocks by address
+    std::vector<PendingEvent> pending GUARDED_BY(mutex);
+    // Statistics of this arena's blocks (allocation, active and the byte counts); for
+    // them Stat::peak less `debts` is the arena's baseline (core/peak_ledger.hpp).
+    DeviceStats stats GUARDED_BY(mutex);
+    PeakBaselines debts GUARDED_BY(mutex);
+    bool in_debt GUARDED_BY(mutex) = false;
+    std::atomic<std::int64_t> pending_events{0};  // pending.size(), read without the lock
+  };
   enum class Grow { kDone, kOutOfMemory, kNeedsGc };
 
-  // All below require mutex_.
-  Arena& arena_for(StreamId stream);
-  Block* find_free(Arena& arena, bool small, std::size_t size);
-  Grow grow(Arena& arena, bool small, std::size_t size, bool gc_allowed, Block** out);
-  Space& new_space(Arena& arena, bool small);
+  // Holds registry_mutex_ and every arena lock, taken in creation order.
+  class AllArenasLock {
+   public:
+    explicit AllArenasLock(const StitchEngine& engine) NO_THREAD_SAFETY_ANALYSIS;
+    ~AllArenasLock() NO_THREAD_SAFETY_ANALYSIS;
+    AllArenasLock(const AllArenasLock&) = delete;
+    AllArenasLock& operator=(const AllArenasLock&) = delete;
+    // `arena` (one of the engine's) is locked while this object lives.
+    void held(const Arena& arena) const ASSERT_CAPABILITY(arena.mutex) {
+      arena.mutex.assert_held();
+    }
+    const std::vector<Arena*>& arenas() const { return arenas_; }  // by creation
+
+   private:
+    const StitchEngine& engine_;
+    std::vector<Arena*> arenas_;
+  };
+
+  Arena& arena_for(StreamId stream) EXCLUDES(registry_mutex_);
+  Arena* arena_of(DevicePtr ptr) const { return arena_table_.get(owners_.owner_of(ptr)); }
+  std::vector<Arena*> arena_list() const EXCLUDES(registry_mutex_);
+  // The rest of malloc once the arena's pool had no block: growth under the device lock,
+  // then the GC and OOM ladder under every lock. Returns with every lock released.
+  DevicePtr malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> lock, std::size_t size,
+                        std::size_t rounded, bool small, const Origin& stack);
+  Block* find_free(Arena& arena, bool small, std::size_t size) REQUIRES(arena.mutex);
+  Grow grow(Arena& arena, bool small, std::size_t size, bool gc_allowed, Block** out)
+      REQUIRES(arena.mutex, device_mutex_);
+  Space& new_space(Arena& arena, bool small) REQUIRES(arena.mutex, device_mutex_);
   DevicePtr page_va(const Space& s, std::size_t page) const { return s.base + page * page_; }
-  DevicePtr hand_out(Arena& arena, Block* block, std::size_t size, std::size_t requested,
-                     const Origin& stack);
-  void free_block(Block* block);
-  void make_void(Space& s, Block* from, DevicePtr lo, DevicePtr hi);
-  Block* split_off_front(Block* b, std::size_t size);
-  void merge_void_around(Space& s, Block* b);
-  void process_events();
-  void synchronize_events();
-  void release_cache();
-  void release_spare_handles();
-  std::size_t limit() const { return limit_ ? *limit_ : capacity_; }
-  Block* new_block();
-  void delete_block(Block* b);
-  void add_reserved(bool small, std::int64_t bytes);
+  // Hands out the pooled block at `pos` (split to `size` when the rest is worth a block).
+  DevicePtr hand_out(Arena& arena, Pool::iterator pos, std::size_t size, std::size_t requested,
+                     const Origin& stack) REQUIRES(arena.mutex);
+  void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
+  void make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, DevicePtr hi)
+      REQUIRES(arena.mutex);
+  Block* split_off_front(Arena& arena, Block* b, std::size_t size) REQUIRES(arena.mutex);
+  void merge_void_around(Arena& arena, Space& s, Block* b) REQUIRES(arena.mutex);
+  Block* new_block(Arena& arena) REQUIRES(arena.mutex);
+  void delete_block(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  // Returns the block's pool to its arena's free pool, or records events for its uses.
+  void release(Arena& arena, Block* b, const Origin& stack) REQUIRES(arena.mutex);
+  void process_events(Arena& arena) REQUIRES(arena.mutex);
+  void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);
+  void synchronize_events(const AllArenasLock& all) REQUIRES(device_mutex_);
+  void release_cache(const AllArenasLock& all) REQUIRES(device_mutex_);
+  void release_spare_handles() REQUIRES(device_mutex_);
+  std::size_t limit() const REQUIRES(device_mutex_) { return limit_ ? *limit_ : capacity_; }
+  void add_reserved(bool small, std::int64_t bytes) REQUIRES(device_mutex_);
+  void settle_peak_debts(const AllArenasLock& all) const;
+  void settle_peak_debts() const EXCLUDES(registry_mutex_, device_mutex_) {
+    const AllArenasLock all(*this);
+    settle_peak_debts(all);
+  }
+  // Device-wide statistics: the device's own plus every arena's blocks (peaks settled).
+  DeviceStats stats_locked(const AllArenasLock& all) const REQUIRES(device_mutex_);
   void record_trace(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
-                    const Origin& stack);
-  [[noreturn]] void raise_oom(std::unique_lock<std::mutex>& lock, Arena& arena,
-                              std::size_t requested, std::size_t rounded, bool small,
-                              const Origin& stack);
+                    const Origin& stack) {
+    if (tracing_.load(std::memory_order_relaxed)) {
+      record_trace_entry(action, addr, size, stream, stack);
+    }
+  }
+  void record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
+                          const Origin& stack) EXCLUDES(trace_mutex_);
+  // An OutOfMemoryError: built with every lock held, raised (after the OOM observers are
+  // told) with none.
+  struct OomReport {
+    std::string message;
+    std::size_t requested = 0;
+    std::size_t limit = 0;
+    std::size_t free_bytes = 0;
+  };
+  OomReport prepare_oom(const AllArenasLock& all, Arena& arena, std::size_t requested,
+                        std::size_t rounded, bool small, const Origin& stack)
+      REQUIRES(device_mutex_, arena.mutex);
+  [[noreturn]] void raise_oom(const OomReport& report) EXCLUDES(device_mutex_);
+  [[noreturn]] void throw_not_live(const char* what, DevicePtr ptr) const;
   void after_operation() const {
     if (check_invariants_.load(std::memory_order_relaxed)) check_invariants();
   }
-  void check_locked() const;
+  void check_locked(const AllArenasLock& all) const REQUIRES(device_mutex_);
 
   Driver& driver_;
   const Config config_;
+  const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
   std::atomic<bool> check_invariants_{false};
   std::atomic<bool> capture_on_malloc_{false};
   std::atomic<bool> capture_on_free_{false};
@@ -217,28 +336,41 @@ class StitchEngine final : public Backend {
                           capture_caller_.load(std::memory_order_relaxed) ? &contexts_ : nullptr);
   }
 
-  mutable std::mutex mutex_;
+  // Set at construction, then read-only.
   std::size_t page_ = 0;          // the driver's granularity
   std::size_t space_pages_ = 0;   // pages reserved per space
   std::size_t chunk_pieces_ = 0;  // pieces per created handle, at least
   std::size_t capacity_ = 0;
-  std::optional<std::size_t> limit_;
-  double fraction_ = 1.0;
-  std::size_t reserved_ = 0;  // pieces held x page_
-  std::vector<std::unique_ptr<Arena>> arenas_;
-  std::unordered_map<StreamId, Arena*> arena_by_stream_;
-  std::map<PhysicalHandle, std::unique_ptr<Handle>> handles_;
-  std::set<std::pair<PhysicalHandle, std::uint32_t>> spare_;  // pieces live nowhere
-  std::unordered_map<DevicePtr, Block*> live_;
-  std::vector<PendingEvent> pending_;
-  std::vector<EventId> spare_events_;
-  DeviceStats stats_;
-  std::vector<TraceObserver> trace_observers_;
-  std::vector<Allocator::OomObserver> oom_observers_;
-  std::vector<Allocator::FreeMemoryCallback> free_memory_callbacks_;
-  bool history_on_ = false;
-  HistoryRing history_;
-  std::vector<Annotation> annotations_;
+
+  mutable Mutex registry_mutex_ ACQUIRED_BEFORE(device_mutex_, trace_mutex_);
+  std::vector<std::unique_ptr<Arena>> arenas_ GUARDED_BY(registry_mutex_);
+  std::unordered_map<StreamId, Arena*> arena_by_stream_ GUARDED_BY(registry_mutex_);
+  OwnerTable<Arena> arena_table_;  // written under registry_mutex_
+  SegmentMap owners_;              // spaces' reservations; written under device_mutex_
+  EventPool event_pool_;
+  std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
+
+  mutable Mutex device_mutex_ ACQUIRED_BEFORE(trace_mutex_);
+  std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);
+  double fraction_ GUARDED_BY(device_mutex_) = 1.0;
+  std::size_t reserved_ GUARDED_BY(device_mutex_) = 0;  // pieces held x page_
+  std::map<PhysicalHandle, std::unique_ptr<Handle>> handles_ GUARDED_BY(device_mutex_);
+  // pieces live nowhere
+  std::set<std::pair<PhysicalHandle, std::uint32_t>> spare_ GUARDED_BY(device_mutex_);
+  // segment, reserved_bytes and the counters; the block statistics are the arenas'
+  DeviceStats stats_ GUARDED_BY(device_mutex_);
+
+  Mutex observers_mutex_;
+  std::vector<Allocator::OomObserver> oom_observers_ GUARDED_BY(observers_mutex_);
+  std::vector<Allocator::FreeMemoryCallback> free_memory_callbacks_ GUARDED_BY(observers_mutex_);
+  std::atomic<bool> has_free_memory_callbacks_{false};
+
+  mutable Mutex trace_mutex_;
+  std::vector<TraceObserver> trace_observers_ GUARDED_BY(trace_mutex_);
+  bool history_on_ GUARDED_BY(trace_mutex_) = false;
+  std::atomic<bool> tracing_{false};  // history_on_ or observers attached
+  HistoryRing history_;               // locks itself
+  std::vector<Annotation> annotations_ GUARDED_BY(trace_mutex_);
 };
 
 }  // namespace ccalloc::core

@@ -57,6 +57,11 @@ class SCOPED_CAPABILITY Lock {
     m_->unlock();
     held_ = false;
   }
+  // Takes it again after unlock().
+  void lock() ACQUIRE() {
+    m_->lock();
+    held_ = true;
+  }
 
  private:
   M* m_;

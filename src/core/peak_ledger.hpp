@@ -1,0 +1,110 @@
+// The baseline ledger: exact device-wide peaks of statistics kept per arena, with no
+// shared write on the hot path. Used by the native engine (arena.hpp) and the stitching
+// policy (stitch_engine.hpp); each keeps, per arena and under the arena's lock, a
+// DeviceStats of the arena's blocks, a PeakBaselines of debts and an in-debt flag.
+//
+// Device-wide peaks of the block statistics. The device's current
+// value of a block statistic is the sum of the arenas' currents c_i; its peak P must be the
+// maximum of that sum over time, which no arena can see alone. Each arena keeps, under its
+// own lock, a baseline b_i per tracked counter with
+//     P = sum of b_i,   and   b_i >= c_i  (except while an arena is "in debt", below).
+// The baseline lives in the arena's own Stat::peak, less the counter's unsettled debt:
+// Stat::increase already compares current with peak, so the hot path pays no extra check.
+// A free lowers c_i: the arena gains headroom b_i - c_i at no cost. An increase beyond the
+// peak raises the peak as usual and records the excess as debt, leaving the arena in debt;
+// once the arena's lock is released (before the operation returns) the engine settles
+// under every arena lock: per counter, with debt D (sum of c_i - b_i over arenas above
+// their baseline) and room R (sum of b_i - c_i over the others), D > R means the device
+// reached a new peak, so every b_i becomes c_i (P = sum of c_i); otherwise the debtors'
+// baselines rise to their currents and D is taken from the others' room (largest room
+// first), leaving P unchanged. Headroom stays with the arenas that had it, so streams that
+// each oscillate within their share of the peak never settle again: the hot path writes no
+// shared cache line.
+// The peak is exact for any program whose operations do not overlap in time (every
+// single-threaded program, whatever its streams); with overlapping operations it is the peak
+// of one order of those operations. It is never below a state the device actually reached.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ccalloc/stats.hpp"
+
+namespace ccalloc::core {
+
+// One value per tracked counter: every block statistic of DeviceStats with a peak (each
+// StatArray's aggregate, small and large entries) and oversize_allocations. Segment and
+// reserved-memory statistics are device-wide (the engine's device mutex).
+inline constexpr std::size_t kTrackedCounters = 7 * 3 + 1;
+struct PeakBaselines {
+  using Array = std::array<std::int64_t, 3>;
+  Array allocation{};
+  Array active{};
+  Array inactive_split{};
+  Array allocated_bytes{};
+  Array active_bytes{};
+  Array inactive_split_bytes{};
+  Array requested_bytes{};
+  std::int64_t oversize_allocations = 0;
+};
+
+// Visits every tracked counter as fn(Stat& stat, std::int64_t& value).
+template <typename Stats, typename Baselines, typename Fn>
+constexpr void for_each_tracked(Stats& s, Baselines& b, Fn&& fn) {
+  for (int t = 0; t < 3; ++t) {
+    fn(s.allocation[t], b.allocation[t]);
+    fn(s.active[t], b.active[t]);
+    fn(s.inactive_split[t], b.inactive_split[t]);
+    fn(s.allocated_bytes[t], b.allocated_bytes[t]);
+    fn(s.active_bytes[t], b.active_bytes[t]);
+    fn(s.inactive_split_bytes[t], b.inactive_split_bytes[t]);
+    fn(s.requested_bytes[t], b.requested_bytes[t]);
+  }
+  fn(s.oversize_allocations, b.oversize_allocations);
+}
+
+constexpr std::size_t count_tracked() {
+  PeakBaselines b;
+  std::size_t n = 0;
+  for_each_tracked(b, b, [&n](const std::int64_t&, const std::int64_t&) { ++n; });
+  return n;
+}
+static_assert(count_tracked() == kTrackedCounters);
+
+// Stat::increase for a tracked counter, recording a rise beyond its peak (the arena's
+// baseline) as debt for the engine to settle.
+inline void ledger_increase(Stat& stat, std::int64_t& debt, bool& in_debt, std::int64_t n) {
+  stat.current += n;
+  stat.allocated += n;
+  if (stat.current > stat.peak) [[unlikely]] {
+    debt += stat.current - stat.peak;
+    stat.peak = stat.current;
+    in_debt = true;
+  }
+}
+
+// One arena's part of the ledger, as the settlement and the device-wide sums see it. The
+// caller holds the arena's lock (every arena's, for settle_peak_debts).
+struct LedgerShare {
+  DeviceStats* stats;
+  PeakBaselines* debts;
+  bool* in_debt;
+};
+
+// Settles every arena's debts (stats.cpp): see the header comment. Every arena lock held.
+void settle_peak_debts(const std::vector<LedgerShare>& shares);
+
+// Adds an arena's tracked block statistics to `total` (currents and totals) and its
+// baselines to `peaks`; once every arena is added, set_tracked_peaks() makes the device's
+// peaks the sums of the baselines.
+void add_block_stats(DeviceStats& total, PeakBaselines& peaks, const DeviceStats& arena,
+                     const PeakBaselines& debts);
+void set_tracked_peaks(DeviceStats& total, const PeakBaselines& peaks);
+
+// The memory_stats() name of the j-th counter for_each_tracked() visits.
+std::string tracked_counter_name(std::size_t j);
+
+}  // namespace ccalloc::core
