@@ -3,6 +3,8 @@ the same outputs as on PyTorch's allocator, and pools that keep their memory apa
 through the allocator's private pools (beginAllocateToPool, createOrIncrefPool,
 checkPoolLiveAllocations, checkpoints)."""
 
+import pytest
+
 from torch_compare import assert_same, both, skip_without_gpu
 
 skip_without_gpu()
@@ -165,3 +167,71 @@ emit(done=True)
 """)
     assert pytorch["x_in_pool"] and pytorch["total"] == 3 * (1 << 20)
     assert_same(pytorch, ccalloc, "MemPool with an allocator")
+
+
+MEMPOOL_OPTIONS = """
+import inspect
+def mem_pool(**options):
+    accepted = inspect.signature(torch.cuda.MemPool.__init__).parameters
+    missing = [k for k in options if k not in accepted]
+    if missing:
+        emit(missing=missing)
+        sys.exit(0)
+    return torch.cuda.MemPool(**options)
+MiB = 1 << 20
+def pool_layout(pool):
+    return sorted([s["total_size"], [[b["size"], b["state"]] for b in s["blocks"]]]
+                  for s in pool.snapshot())
+"""
+
+
+def _skip_if_missing(run):
+    if run.get("missing"):
+        import pytest
+        pytest.skip(f"this torch's MemPool has no {run['missing']}")
+
+
+@pytest.mark.parametrize("use_on_oom", [False, True])
+def test_mempool_use_on_oom_serves_a_default_pool_request_that_would_fail(use_on_oom):
+    # MemPool(use_on_oom=True): when a request outside the pool would raise OOM (here capped
+    # by the memory fraction), a free block of the pool serves it instead.
+    pytorch, ccalloc = both(MEMPOOL_OPTIONS + f"""
+pool = mem_pool(use_on_oom={use_on_oom})
+with torch.cuda.use_mem_pool(pool):
+    p = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+del p
+torch.cuda.synchronize()
+total = torch.cuda.get_device_properties(0).total_memory
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 8 * MiB) / total)
+try:
+    x = torch.empty(60 * MiB, dtype=torch.uint8, device="cuda")
+    served, from_pool = True, any(s["address"] <= x.data_ptr() < s["address"] + s["total_size"]
+                                  for s in pool.snapshot())
+except torch.OutOfMemoryError:
+    served, from_pool = False, False
+emit(served=served, from_pool=from_pool, pool=pool_layout(pool),
+     reserved=torch.cuda.memory_reserved(), num_ooms=torch.cuda.memory_stats()["num_ooms"])
+""")
+    _skip_if_missing(pytorch)
+    if not use_on_oom:
+        assert pytorch["served"] is False, pytorch
+    assert_same(pytorch, ccalloc, f"MemPool(use_on_oom={use_on_oom}) under a memory cap")
+
+
+@pytest.mark.parametrize("no_split", [False, True])
+def test_mempool_no_split_keeps_blocks_whole(no_split):
+    pytorch, ccalloc = both(MEMPOOL_OPTIONS + f"""
+pool = mem_pool(no_split={no_split})
+with torch.cuda.use_mem_pool(pool):
+    big = torch.empty(10 * MiB, dtype=torch.uint8, device="cuda")
+    big_ptr = big.data_ptr()
+    del big
+    torch.cuda.synchronize()
+    small = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+    tiny = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
+emit(small_reuses_big=small.data_ptr() == big_ptr, pool=pool_layout(pool),
+     stats={{k: v for k, v in torch.cuda.memory_stats().items() if k.startswith(("segment", "reserved", "active_bytes", "inactive_split"))}})
+""")
+    _skip_if_missing(pytorch)
+    assert pytorch["small_reuses_big"], pytorch
+    assert_same(pytorch, ccalloc, f"MemPool(no_split={no_split})")

@@ -193,3 +193,32 @@ emit(actions=[[e["action"], named(e.get("frames"), "allocate_in_named_function")
 """)
     assert len(pytorch["actions"]) == 5
     assert_same(pytorch, ccalloc, "max_entries ring")
+
+
+def test_memory_metadata_is_kept_on_the_entries_made_while_it_is_set():
+    # torch.cuda.memory._set_memory_metadata: a string attached to every allocation made
+    # until it is changed or cleared (PyTorch's TraceEntry user_metadata).
+    pytorch, ccalloc = both("""
+if not hasattr(torch.cuda.memory, "_set_memory_metadata"):
+    emit(missing=True)
+    sys.exit(0)
+torch.cuda.memory._record_memory_history(max_entries=1000)
+torch.cuda.memory._set_memory_metadata("phase=forward")
+a = torch.empty(1000, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._set_memory_metadata("phase=backward")
+b = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._set_memory_metadata("")
+c = torch.empty(2000, dtype=torch.uint8, device="cuda")
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+allocs = [e for e in trace if e["action"] == "alloc"]
+# Every key an entry has other than those that differ from run to run.
+emit(entries=[sorted((k, str(v)) for k, v in e.items()
+                     if k not in ("addr", "time_us", "frames", "stream"))
+              for e in allocs],
+     tagged=[any("phase=" in str(v) for v in e.values()) for e in allocs])
+""")
+    if pytorch.get("missing"):
+        import pytest
+        pytest.skip("this torch has no torch.cuda.memory._set_memory_metadata")
+    assert pytorch["tagged"] == [True, True, False], pytorch
+    assert_same(pytorch, ccalloc, "alloc entries under _set_memory_metadata")
