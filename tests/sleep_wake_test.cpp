@@ -130,7 +130,7 @@ TEST(SleepWake, SavedContentsComeBackAtTheSameAddressesAfterOtherWorkUsedTheMemo
 
   // Other work fills the device: 1 GiB is only free because the pool sleeps.
   const DevicePtr other = f.alloc.malloc(kGiB - 2 * kMiB, 3);
-  f.fill(other, kGiB - 2 * kMiB, 99);
+  f.fill(other, 4096, 99);
   EXPECT_EQ(f.read(other, 4096), std::vector<unsigned char>(pattern(4096, 99)));
   f.alloc.free(other);
   f.alloc.empty_cache();
@@ -329,19 +329,19 @@ TEST(SleepWake, RefusedCallsChangeNothing) {
 }
 
 TEST(SleepWake, WakeWithoutDeviceMemoryLeavesThePoolAsleepAndTheAllocatorUsable) {
-  Fixture f(kGiB);
+  Fixture f(256 * kMiB);
   f.alloc.create_sleepable_pool(kPool);
-  const std::vector<DevicePtr> ptrs = f.allocate_in(kPool, {400 * kMiB});
-  f.fill(ptrs[0], 400 * kMiB, 3);
+  const std::vector<DevicePtr> ptrs = f.allocate_in(kPool, {100 * kMiB});
+  f.fill(ptrs[0], 100 * kMiB, 3);
   f.alloc.sleep_pool(kPool, SleepMode::kSave);
-  const DevicePtr big = f.alloc.malloc(800 * kMiB, 0);
+  const DevicePtr big = f.alloc.malloc(160 * kMiB, 0);
   const auto stats = f.alloc.memory_stats();
   const std::string m = message_of<OutOfMemoryError>([&] { f.alloc.wake_pool(kPool); });
-  EXPECT_NE(m.find("wake_pool of pool (0, 5) needs 400.00 MiB"), std::string::npos) << m;
+  EXPECT_NE(m.find("wake_pool of pool (0, 5) needs 100.00 MiB"), std::string::npos) << m;
   EXPECT_NE(m.find("The pool stays asleep"), std::string::npos) << m;
   EXPECT_TRUE(f.alloc.pool_asleep(kPool));
   EXPECT_EQ(f.alloc.pool_sleep_info(kPool).physical_bytes, 0u);
-  EXPECT_EQ(f.driver.used_bytes(), 800 * kMiB);
+  EXPECT_EQ(f.driver.used_bytes(), 160 * kMiB);
   EXPECT_EQ(f.stat("reserved_bytes.all.current"), stats.at("reserved_bytes.all.current"));
   EXPECT_EQ(f.stat("num_ooms"), 1);
   // Usable: other allocations come and go.
@@ -351,8 +351,8 @@ TEST(SleepWake, WakeWithoutDeviceMemoryLeavesThePoolAsleepAndTheAllocatorUsable)
   f.alloc.free(big);
   f.alloc.wake_pool(kPool);
   EXPECT_EQ(f.stat("num_alloc_retries"), 2);
-  EXPECT_EQ(f.read(ptrs[0], 400 * kMiB), pattern(400 * kMiB, 3));
-  EXPECT_EQ(f.driver.used_bytes(), 400 * kMiB);
+  EXPECT_EQ(f.read(ptrs[0], 100 * kMiB), pattern(100 * kMiB, 3));
+  EXPECT_EQ(f.driver.used_bytes(), 100 * kMiB);
   f.alloc.free(ptrs[0]);
 }
 
