@@ -19,6 +19,7 @@
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/config.hpp"
 #include "ccalloc/errors.hpp"
+#include "ccalloc/ipc.hpp"
 #include "ccalloc/sim.hpp"
 #include "ccalloc/snapshot.hpp"
 #include "ccalloc/snapshot_io.hpp"
@@ -543,6 +544,15 @@ TEST(SleepWake, DestroyingTheAllocatorReturnsSleepingMemoryAndSavedContents) {
   EXPECT_EQ(c.physical_creates, c.physical_releases);
   EXPECT_EQ(driver.host_bytes(), 0u);
   EXPECT_EQ(driver.used_bytes(), 0u);
+}
+
+TEST(SleepWake, AllocationsOfSleepablePoolsCannotBeShared) {
+  Fixture f;
+  f.alloc.create_sleepable_pool(kPool);
+  const std::vector<DevicePtr> ptrs = f.allocate_in(kPool, {4 * kMiB});
+  const std::string m = message_of<Error>([&] { ipc::export_handle(f.alloc, ptrs[0]); });
+  EXPECT_NE(m.find("sleepable pool (0, 5)"), std::string::npos) << m;
+  f.alloc.free(ptrs[0]);
 }
 
 TEST(SleepWake, BackendsWithoutPoolsRefuseNamingThemselves) {
