@@ -51,14 +51,13 @@ void retry_while_capturing(F&& f) {
 
 // Sleeps and wakes `pool` `cycles` times; returns the number of allocations whose bytes
 // differed after a wake.
-int sleeper(Allocator& alloc, sim::SimDriver& driver, PoolId pool, StreamId stream,
-            int cycles, unsigned seed) {
+int sleeper(Allocator& alloc, sim::SimDriver& driver, PoolId pool, StreamId stream, int cycles,
+            unsigned seed) {
   alloc.create_sleepable_pool(pool);
   const std::vector<std::size_t> sizes = {4096, 3 * kMiB, 25 * kMiB};
   std::vector<DevicePtr> ptrs;
-  retry_while_capturing([&] {
-    alloc.begin_allocate_to_pool(pool, [stream](StreamId s) { return s == stream; });
-  });
+  retry_while_capturing(
+      [&] { alloc.begin_allocate_to_pool(pool, [stream](StreamId s) { return s == stream; }); });
   for (const std::size_t n : sizes)
     ptrs.push_back(alloc.malloc(n, stream));
   alloc.end_allocate_to_pool(pool);
@@ -123,18 +122,14 @@ TEST(SleepWakeMt, PoolsSleepAndWakeWhileOtherThreadsAllocateElsewhere) {
 
   std::atomic<int> mismatches{0};
   std::vector<std::thread> threads;
-  threads.emplace_back([&] {
-    mismatches += sleeper(alloc, driver, PoolId{0, 100}, 100, 12, 1);
-  });
+  threads.emplace_back([&] { mismatches += sleeper(alloc, driver, PoolId{0, 100}, 100, 12, 1); });
   threads.emplace_back([&] {
     // A worker that also sleeps a pool of its own, concurrently with the first sleeper.
     worker(alloc, PoolId{0, 201}, 201, 40, 7);
     mismatches += sleeper(alloc, driver, PoolId{0, 101}, 101, 6, 50);
   });
   for (unsigned t = 0; t < 3; ++t) {
-    threads.emplace_back([&alloc, t] {
-      worker(alloc, PoolId{0, 300 + t}, 300 + t, 120, 11 + t);
-    });
+    threads.emplace_back([&alloc, t] { worker(alloc, PoolId{0, 300 + t}, 300 + t, 120, 11 + t); });
   }
   for (std::thread& t : threads)
     t.join();

@@ -294,8 +294,11 @@ TEST(SleepWake, RefusedCallsChangeNothing) {
   expect_error([&] { f.alloc.sleep_pool(PoolId{}, SleepMode::kSave); }, "default pool");
   expect_error([&] { f.alloc.wake_pool(PoolId{}); }, "default pool");
   expect_error([&] { f.alloc.pool_asleep(PoolId{}); }, "default pool");
-  expect_error([&] { f.alloc.sleep_pool(PoolId{0, 77}, SleepMode::kSave); },
-               "no private pool (0, 77)");
+  expect_error(
+      [&] {
+        f.alloc.sleep_pool(PoolId{0, 77}, SleepMode::kSave);
+      },
+      "no private pool (0, 77)");
   expect_error([&] { f.alloc.sleep_pool(kOther, SleepMode::kDiscard); },
                "pool (0, 6) is not sleepable");
   expect_error([&] { f.alloc.create_sleepable_pool(kOther); },
@@ -512,7 +515,8 @@ TEST(SleepWake, RepeatedCyclesKeepContentsAndReturnEverything) {
     f.alloc.empty_cache();
     f.alloc.wake_pool(kPool);
     for (std::size_t i = 0; i < ptrs.size(); ++i) {
-      EXPECT_EQ(f.read(ptrs[i], sizes[i]), pattern(sizes[i], cycle * 10 + static_cast<unsigned>(i)));
+      EXPECT_EQ(f.read(ptrs[i], sizes[i]),
+                pattern(sizes[i], cycle * 10 + static_cast<unsigned>(i)));
     }
   }
   for (const DevicePtr p : ptrs)
@@ -558,12 +562,13 @@ TEST(SleepWake, AllocationsOfSleepablePoolsCannotBeShared) {
 TEST(SleepWake, BackendsWithoutPoolsRefuseNamingThemselves) {
   sim::SimDriver driver;
   Allocator async(driver, Config::parse("backend:cudaMallocAsync"));
-  EXPECT_NE(message_of<Error>([&] { async.create_sleepable_pool(kPool); }).find("create_sleepable_pool"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of<Error>([&] { async.create_sleepable_pool(kPool); }).find("create_sleepable_pool"),
+      std::string::npos);
   Allocator stitch(driver, Config::parse("stitch_segments:True"));
-  EXPECT_NE(message_of<Error>([&] { stitch.sleep_pool(kPool, SleepMode::kSave); })
-                .find("stitching"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of<Error>([&] { stitch.sleep_pool(kPool, SleepMode::kSave); }).find("stitching"),
+      std::string::npos);
   Allocator uncached(driver, Config::parse("uncached:True"));
   EXPECT_NE(message_of<Error>([&] { uncached.create_sleepable_pool(kPool); }).find("uncached"),
             std::string::npos);

@@ -90,8 +90,8 @@ void Engine::refuse_during_capture(PoolId id, const char* what) const {
                   "end_allocate_to_pool)");
     }
   }
-  throw Error(std::string("ccalloc: ") + what + " of " + pool_text(id) +
-              ": a capture into " + pool_text(captures_.front().first) +
+  throw Error(std::string("ccalloc: ") + what + " of " + pool_text(id) + ": a capture into " +
+              pool_text(captures_.front().first) +
               " is underway; the device cannot be synchronized until it ends");
 }
 
@@ -101,8 +101,9 @@ void Engine::create_sleepable_pool(PoolId id) {
         "ccalloc: create_sleepable_pool: pool id (0, 0) is the default pool, not a private pool");
   }
   if (config_.uncached) {
-    throw Error("ccalloc: create_sleepable_pool: uncached mode has no pools (every malloc is a "
-                "device allocation)");
+    throw Error(
+        "ccalloc: create_sleepable_pool: uncached mode has no pools (every malloc is a "
+        "device allocation)");
   }
   {
     Lock lock(registry_mutex_);
@@ -163,8 +164,7 @@ void Engine::sleep_pool(PoolId id, SleepMode mode) {
         saved.host = driver_.allocate_host(saved.bytes);
         if (saved.host == nullptr) {
           throw OutOfMemoryError("ccalloc: sleep_pool: cannot allocate " +
-                                     format_size(saved.bytes) + " (" +
-                                     std::to_string(saved.bytes) +
+                                     format_size(saved.bytes) + " (" + std::to_string(saved.bytes) +
                                      " bytes) of pinned host memory to save the live "
                                      "allocations of " +
                                      pool_text(id) + "; the pool is unchanged",
@@ -297,11 +297,10 @@ void Engine::wake_pool(PoolId id) {
         ++device_stats_.num_ooms;
       }
       std::string m = "CUDA out of memory on device " + std::to_string(device()) +
-                      ": wake_pool of " + pool_text(id) + " needs " + format_size(needed) +
-                      " (" + std::to_string(needed) + " bytes in " +
-                      std::to_string(segments.segment_count()) + " segments). " +
-                      driver_.name() + " has a total capacity of " +
-                      format_size(info.total_bytes) + " of which " +
+                      ": wake_pool of " + pool_text(id) + " needs " + format_size(needed) + " (" +
+                      std::to_string(needed) + " bytes in " +
+                      std::to_string(segments.segment_count()) + " segments). " + driver_.name() +
+                      " has a total capacity of " + format_size(info.total_bytes) + " of which " +
                       format_size(info.free_bytes) + " is free; ccalloc reserves " +
                       format_size(reserved);
       if (limit) m += " within a per-process limit of " + format_size(*limit);
