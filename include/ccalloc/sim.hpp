@@ -98,10 +98,10 @@ struct CostModel {
   // Host memory and copies (sleeping pools). cudaMallocHost and cudaFreeHost: unmeasured
   // (0; pinning costs grow with the size). A copy is charged a fixed latency plus its bytes
   // at a bandwidth: both assumptions (PCIe 5.0 x16 with pinned memory), not measurements.
-  double host_allocate_us = 0.0;        // cudaMallocHost: unmeasured
-  double host_free_us = 0.0;            // cudaFreeHost: unmeasured
-  double copy_latency_us = 10.0;        // per cudaMemcpy between host and device: assumed
-  double copy_bytes_per_us = 50000.0;   // 50 GB/s: assumed
+  double host_allocate_us = 0.0;       // cudaMallocHost: unmeasured
+  double host_free_us = 0.0;           // cudaFreeHost: unmeasured
+  double copy_latency_us = 10.0;       // per cudaMemcpy between host and device: assumed
+  double copy_bytes_per_us = 50000.0;  // 50 GB/s: assumed
 };
 
 struct Counters {

@@ -162,16 +162,14 @@ ccalloc_status ccalloc_pool_use_count(int device, ccalloc_pool_id pool, int* cou
 }
 
 ccalloc_status ccalloc_pool_create_sleepable(int device, ccalloc_pool_id pool) {
-  return pool_call("ccalloc_pool_create_sleepable", pool, [&](ccalloc::PoolId id) {
-    process().create_sleepable_pool(id, device);
-  });
+  return pool_call("ccalloc_pool_create_sleepable", pool,
+                   [&](ccalloc::PoolId id) { process().create_sleepable_pool(id, device); });
 }
 
 ccalloc_status ccalloc_pool_sleep(int device, ccalloc_pool_id pool, int save_contents) {
   return pool_call("ccalloc_pool_sleep", pool, [&](ccalloc::PoolId id) {
-    process().sleep_pool(id, save_contents != 0 ? ccalloc::SleepMode::kSave
-                                                : ccalloc::SleepMode::kDiscard,
-                         device);
+    process().sleep_pool(
+        id, save_contents != 0 ? ccalloc::SleepMode::kSave : ccalloc::SleepMode::kDiscard, device);
   });
 }
 

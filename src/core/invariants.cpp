@@ -607,8 +607,8 @@ void Engine::check_sleepable_pools(const InvariantWalk& walk) const {
       for (const Block* b : blocks)
         size += b->size;
       if (blocks.front()->segment != nullptr || !pool.sleepable->holds(base, size)) {
-        violation(kName, "segment 0x%" PRIxPTR " of %zu bytes of pool %s is not one of its "
-                  "sleepable segments", base, size, to_string(pool.id).c_str());
+        violation(kName, "segment 0x%" PRIxPTR " of %zu bytes of pool %s is not a sleepable one",
+                  base, size, to_string(pool.id).c_str());
       }
       if (pool.sleepable->backed(base) == asleep) {
         violation(kName, "segment 0x%" PRIxPTR " of pool %s %s physical memory while the pool %s",
