@@ -218,6 +218,8 @@ bool Engine::back_pool(const AllArenasLock& all, PrivatePool& pool) {
     all.held(*arena);
     if (arena->pool != &pool) continue;
     for (const auto& blocks : segments_of(*arena)) {
+      // (All of them, unless a driver error stopped sleep_pool halfway.)
+      if (pool.sleepable->backed(blocks.front()->ptr)) continue;
       Todo t{blocks.front()->ptr, 0, blocks.front()->pool->is_small};
       for (const Block* b : blocks)
         t.size += b->size;
@@ -308,19 +310,26 @@ void Engine::wake_pool(PoolId id) {
       throw OutOfMemoryError(m, device(), needed);
     }
     // The contents saved for allocations still live; those freed while asleep are dropped.
+    // The pool is awake from here on: its memory is mapped. A copy that fails leaves it
+    // awake with the contents restored so far, and drops the rest.
+    pool.asleep.store(false, std::memory_order_relaxed);
     SleepableSegments::Saved& saved = segments.saved();
-    for (Arena* arena : all.by_stream()) {
-      all.held(*arena);
-      if (arena->pool != &pool) continue;
-      arena->live.for_each([&](DevicePtr ptr, const Block* b) {
-        const auto it = saved.ranges.find(ptr);
-        if (it == saved.ranges.end() || it->second.bytes != b->size) return;
-        driver_.copy_to_device(ptr, static_cast<const char*>(saved.host) + it->second.offset,
-                               it->second.bytes);
-      });
+    try {
+      for (Arena* arena : all.by_stream()) {
+        all.held(*arena);
+        if (arena->pool != &pool) continue;
+        arena->live.for_each([&](DevicePtr ptr, const Block* b) {
+          const auto it = saved.ranges.find(ptr);
+          if (it == saved.ranges.end() || it->second.bytes != b->size) return;
+          driver_.copy_to_device(ptr, static_cast<const char*>(saved.host) + it->second.offset,
+                                 it->second.bytes);
+        });
+      }
+    } catch (...) {
+      segments.drop_saved();
+      throw;
     }
     segments.drop_saved();
-    pool.asleep.store(false, std::memory_order_relaxed);
   }
   after_operation();
 }
