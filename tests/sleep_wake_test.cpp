@@ -421,9 +421,14 @@ TEST(SleepWake, ASleepingUseOnOomPoolLendsNothing) {
   const std::vector<DevicePtr> ptrs = f.allocate_in(kPool, {2 * kMiB}, 0);  // 20 MiB segment
   f.alloc.sleep_pool(kPool, SleepMode::kDiscard);
   const DevicePtr fill = f.alloc.malloc(kGiB - 2 * kMiB, 0);
-  // 4 MiB fits the pool's free block, but its memory sleeps: out of memory instead.
+  // 4 MiB fits the pool's free block, but its memory sleeps: out of memory instead. The
+  // message counts neither the sleeping allocation nor its free blocks as reserved memory.
   const std::string m = message_of<OutOfMemoryError>([&] { f.alloc.malloc(4 * kMiB, 0); });
   EXPECT_NE(m.find("out of memory"), std::string::npos) << m;
+  EXPECT_NE(m.find("Of the 1022.00 MiB reserved by ccalloc, 1022.00 MiB is allocated and 0 bytes "
+                   "is reserved but unallocated"),
+            std::string::npos)
+      << m;
   f.alloc.free(fill);
   f.alloc.empty_cache();
   f.alloc.wake_pool(kPool);

@@ -95,7 +95,8 @@ ccalloc_status ccalloc_pool_empty_cache(int device, ccalloc_pool_id pool);
  * Freeing a sleeping pool's allocations is allowed. Misuse (the pool is unknown, not
  * sleepable, already asleep or awake, being allocated to) is CCALLOC_ERROR_INVALID_VALUE;
  * a wake the device cannot serve is CCALLOC_ERROR_OUT_OF_MEMORY and leaves the pool
- * asleep. */
+ * asleep (as is a sleep that cannot have the pinned host memory to save into, which leaves
+ * the pool awake). */
 ccalloc_status ccalloc_pool_create_sleepable(int device, ccalloc_pool_id pool);
 ccalloc_status ccalloc_pool_sleep(int device, ccalloc_pool_id pool, int save_contents);
 ccalloc_status ccalloc_pool_wake(int device, ccalloc_pool_id pool);

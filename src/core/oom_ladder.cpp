@@ -479,6 +479,9 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
   f.expandable = config_.expandable_segments;
   for (Arena* a : all->by_stream()) {
     all->held(*a);
+    // A sleeping pool holds no memory: neither its allocations nor its free blocks are in
+    // what is reserved (docs/sleep-wake.md).
+    if (a->pool != nullptr && a->pool->asleep.load(std::memory_order_relaxed)) continue;
     f.allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
     for (const FreePool* pool : {&a->small_pool, &a->large_pool}) {
       std::size_t free_bytes = 0;
