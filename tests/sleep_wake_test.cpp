@@ -339,6 +339,10 @@ TEST(SleepWake, WakeWithoutDeviceMemoryLeavesThePoolAsleepAndTheAllocatorUsable)
   f.fill(ptrs[0], 100 * kMiB, 3);
   f.alloc.sleep_pool(kPool, SleepMode::kSave);
   const DevicePtr big = f.alloc.malloc(160 * kMiB, 0);
+  std::vector<std::size_t> observed;  // what OOM observers were told was asked for
+  f.alloc.add_oom_observer([&observed](int, std::size_t requested, std::size_t, std::size_t) {
+    observed.push_back(requested);
+  });
   const auto stats = f.alloc.memory_stats();
   const std::string m = message_of<OutOfMemoryError>([&] { f.alloc.wake_pool(kPool); });
   EXPECT_NE(m.find("wake_pool of pool (0, 5) needs 100.00 MiB"), std::string::npos) << m;
@@ -348,6 +352,7 @@ TEST(SleepWake, WakeWithoutDeviceMemoryLeavesThePoolAsleepAndTheAllocatorUsable)
   EXPECT_EQ(f.driver.used_bytes(), 160 * kMiB);
   EXPECT_EQ(f.stat("reserved_bytes.all.current"), stats.at("reserved_bytes.all.current"));
   EXPECT_EQ(f.stat("num_ooms"), 1);
+  EXPECT_EQ(observed, std::vector<std::size_t>{100 * kMiB});
   // Usable: other allocations come and go.
   const DevicePtr small = f.alloc.malloc(kMiB, 0);
   f.alloc.free(small);

@@ -259,6 +259,14 @@ bool Engine::back_pool(const AllArenasLock& all, PrivatePool& pool) {
 }
 
 void Engine::wake_pool(PoolId id) {
+  // An out-of-memory found under the locks, reported (observers, error) after them.
+  struct Oom {
+    std::string message;
+    std::size_t needed = 0;
+    std::size_t limit = 0;
+    std::size_t device_free = 0;
+  };
+  std::optional<Oom> oom;
   {
     AllArenasLock all(*this);
     registry_held(all);
@@ -307,29 +315,41 @@ void Engine::wake_pool(PoolId id) {
                       format_size(reserved);
       if (limit) m += " within a per-process limit of " + format_size(*limit);
       m += ". The pool stays asleep; free memory elsewhere and call wake_pool again.";
-      throw OutOfMemoryError(m, device(), needed);
-    }
-    // The contents saved for allocations still live; those freed while asleep are dropped.
-    // The pool is awake from here on: its memory is mapped. A copy that fails leaves it
-    // awake with the contents restored so far, and drops the rest.
-    pool.asleep.store(false, std::memory_order_relaxed);
-    SleepableSegments::Saved& saved = segments.saved();
-    try {
-      for (Arena* arena : all.by_stream()) {
-        all.held(*arena);
-        if (arena->pool != &pool) continue;
-        arena->live.for_each([&](DevicePtr ptr, const Block* b) {
-          const auto it = saved.ranges.find(ptr);
-          if (it == saved.ranges.end() || it->second.bytes != b->size) return;
-          driver_.copy_to_device(ptr, static_cast<const char*>(saved.host) + it->second.offset,
-                                 it->second.bytes);
-        });
+      oom = Oom{std::move(m), needed, limit ? *limit : info.total_bytes, info.free_bytes};
+    } else {
+      // The contents saved for allocations still live; those freed while asleep are dropped.
+      // The pool is awake from here on: its memory is mapped. A copy that fails leaves it
+      // awake with the contents restored so far, and drops the rest.
+      pool.asleep.store(false, std::memory_order_relaxed);
+      SleepableSegments::Saved& saved = segments.saved();
+      try {
+        for (Arena* arena : all.by_stream()) {
+          all.held(*arena);
+          if (arena->pool != &pool) continue;
+          arena->live.for_each([&](DevicePtr ptr, const Block* b) {
+            const auto it = saved.ranges.find(ptr);
+            if (it == saved.ranges.end() || it->second.bytes != b->size) return;
+            driver_.copy_to_device(ptr, static_cast<const char*>(saved.host) + it->second.offset,
+                                   it->second.bytes);
+          });
+        }
+      } catch (...) {
+        segments.drop_saved();
+        throw;
       }
-    } catch (...) {
       segments.drop_saved();
-      throw;
     }
-    segments.drop_saved();
+  }
+  if (oom) {
+    // As a malloc's OOM: the observers first, without the allocator's locks.
+    std::vector<OomObserver> observers;
+    {
+      Lock lock(observers_mutex_);
+      observers = oom_observers_;
+    }
+    for (const auto& o : observers)
+      o(device(), oom->needed, oom->limit, oom->device_free);
+    throw OutOfMemoryError(oom->message, device(), oom->needed);
   }
   after_operation();
 }
