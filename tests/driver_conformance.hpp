@@ -17,9 +17,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ccalloc/driver.hpp"
 #include "ccalloc/errors.hpp"
@@ -303,6 +305,34 @@ TYPED_TEST_P(DriverConformance, DeviceAllocationExportsSixtyFourBytes) {
   this->d().free(p, 4 * kMiB);
 }
 
+// Host memory and copies (sleeping pools): bytes copied into mapped physical memory come
+// back out, for device allocations too.
+TYPED_TEST_P(DriverConformance, HostCopiesRoundTripThroughMappedMemory) {
+  const std::size_t bytes = this->g();
+  auto* host = static_cast<unsigned char*>(this->d().allocate_host(2 * bytes));
+  ASSERT_NE(host, nullptr);
+  for (std::size_t i = 0; i < 2 * bytes; ++i)
+    host[i] = static_cast<unsigned char>(i * 7 + 3);
+  const DevicePtr va = this->d().reserve_address_range(bytes);
+  const PhysicalHandle h = this->d().create_physical(bytes);
+  ASSERT_NE(h, 0u);
+  this->d().map(va, bytes, h);
+  this->d().copy_to_device(va, host, bytes);
+  const DevicePtr plain = this->d().allocate(bytes);
+  ASSERT_NE(plain, 0u);
+  this->d().copy_to_device(plain, host + bytes, bytes);
+  std::vector<unsigned char> back(bytes);
+  this->d().copy_to_host(back.data(), va, bytes);
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), host));
+  this->d().copy_to_host(back.data(), plain, bytes);
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), host + bytes));
+  this->d().free(plain, bytes);
+  this->d().unmap(va, bytes);
+  this->d().release_physical(h, bytes);
+  this->d().free_address_range(va, bytes);
+  this->d().free_host(host, 2 * bytes);
+}
+
 REGISTER_TYPED_TEST_SUITE_P(DriverConformance, AllocationsAreNonZeroAndDisjoint,
                             AllocateAndFreeMoveFreeMemory, AllocationBeyondTheDeviceIsNullNotAnError,
                             SynchronizedEventQueriesComplete, StreamSynchronizeCompletesItsEvents,
@@ -316,6 +346,7 @@ REGISTER_TYPED_TEST_SUITE_P(DriverConformance, AllocationsAreNonZeroAndDisjoint,
                             StreamWaitingOnACompletedEventProceeds, ClockNeverRunsBackwards,
                             NameIsNotEmpty, StreamsAreNotCapturingOutsideCapture,
                             PhysicalMemoryExportsAsADescriptorAndImportsAgain,
-                            ImportOfAnUnknownDescriptorThrows, DeviceAllocationExportsSixtyFourBytes);
+                            ImportOfAnUnknownDescriptorThrows, DeviceAllocationExportsSixtyFourBytes,
+                            HostCopiesRoundTripThroughMappedMemory);
 
 }  // namespace ccalloc::conformance

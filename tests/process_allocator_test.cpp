@@ -131,6 +131,35 @@ TEST(ProcessAllocator, SnapshotHoldsEveryDeviceAndHistoryReachesLateDevices) {
   p.free(on1);
 }
 
+TEST(ProcessAllocator, SleepablePoolsSleepAndWakeOnTheirDevice) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse(""));
+  const ccalloc::PoolId id{0, 42};
+  p.create_sleepable_pool(id, 1);
+  ccalloc::Allocator& a = p.allocator(1);
+  auto& driver = static_cast<ccalloc::sim::SimDriver&>(a.driver());
+  a.begin_allocate_to_pool(id, [](ccalloc::StreamId) { return true; });
+  const DevicePtr ptr = p.malloc(30 << 20, 0, 1);
+  a.end_allocate_to_pool(id);
+  const std::string bytes(30 << 20, 'z');
+  driver.write(ptr, bytes.data(), bytes.size());
+  const std::size_t free_awake = p.mem_get_info(1).free_bytes;
+  p.sleep_pool(id, ccalloc::SleepMode::kSave, 1);
+  EXPECT_TRUE(p.pool_asleep(id, 1));
+  EXPECT_EQ(p.mem_get_info(1).free_bytes, free_awake + (30u << 20));
+  EXPECT_EQ(p.stats(1).reserved_bytes[ccalloc::kAggregate].current, 0);
+  // The pool lives on device 1 only.
+  t_current_device = 0;
+  EXPECT_THROW(p.pool_asleep(id), ccalloc::Error);
+  EXPECT_THROW(p.wake_pool(id), ccalloc::Error);
+  p.wake_pool(id, 1);
+  EXPECT_FALSE(p.pool_asleep(id, 1));
+  std::string back(30 << 20, '\0');
+  driver.read(ptr, back.data(), back.size());
+  EXPECT_EQ(back, bytes);
+  EXPECT_EQ(p.device_of(ptr), 1);
+  p.free(ptr);
+}
+
 // On a machine without a CUDA device every call reports an error through the C API.
 TEST(CApi, WithoutAGpuCallsFailWithAReadableMessage) {
   if (ccalloc::cuda::device_count() > 0) GTEST_SKIP() << "a GPU is present";
@@ -173,6 +202,50 @@ TEST(CApi, PoolCallsCheckTheirArguments) {
   } else {
     EXPECT_EQ(ccalloc_pool_create(0, ccalloc_pool_id{0, 1}), CCALLOC_ERROR_DRIVER);
   }
+}
+
+TEST(CApi, SleepCallsCheckTheirArguments) {
+  EXPECT_EQ(ccalloc_pool_sleep(0, ccalloc_pool_id{0, 0}, 1), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(),
+               "ccalloc_pool_sleep: pool id {0, 0} is the default pool, not a private pool");
+  EXPECT_EQ(ccalloc_pool_wake(0, ccalloc_pool_id{0, 0}), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_EQ(ccalloc_pool_create_sleepable(0, ccalloc_pool_id{0, 0}), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_EQ(ccalloc_pool_is_asleep(0, ccalloc_pool_id{0, 3}, nullptr), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc_pool_is_asleep: asleep is NULL");
+  int asleep = -1;
+  if (ccalloc::cuda::device_count() == 0) {
+    EXPECT_EQ(ccalloc_pool_create_sleepable(0, ccalloc_pool_id{0, 3}), CCALLOC_ERROR_DRIVER);
+    EXPECT_EQ(ccalloc_pool_is_asleep(0, ccalloc_pool_id{0, 3}, &asleep), CCALLOC_ERROR_DRIVER);
+    return;
+  }
+  // With a GPU: the whole cycle, and misuse as invalid values naming the pool.
+  const ccalloc_pool_id pool{0, 876543};
+  EXPECT_EQ(ccalloc_pool_is_asleep(0, pool, &asleep), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: no private pool (0, 876543) on device 0");
+  ASSERT_EQ(ccalloc_pool_create_sleepable(0, pool), CCALLOC_SUCCESS);
+  ASSERT_EQ(ccalloc_pool_begin_allocate(
+                0, pool, [](void*, void*) { return 1; }, nullptr),
+            CCALLOC_SUCCESS);
+  void* ptr = nullptr;
+  ASSERT_EQ(ccalloc_malloc(&ptr, 8 << 20, 0, nullptr), CCALLOC_SUCCESS);
+  ASSERT_EQ(ccalloc_pool_end_allocate(0, pool), CCALLOC_SUCCESS);
+  EXPECT_EQ(ccalloc_pool_wake(0, pool), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: wake_pool: pool (0, 876543) is not asleep");
+  ASSERT_EQ(ccalloc_pool_sleep(0, pool, 1), CCALLOC_SUCCESS);
+  EXPECT_EQ(ccalloc_pool_is_asleep(0, pool, &asleep), CCALLOC_SUCCESS);
+  EXPECT_EQ(asleep, 1);
+  EXPECT_EQ(ccalloc_pool_sleep(0, pool, 0), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_STREQ(ccalloc_last_error(), "ccalloc: sleep_pool: pool (0, 876543) is already asleep");
+  EXPECT_EQ(ccalloc_pool_begin_allocate(0, pool, nullptr, nullptr), CCALLOC_ERROR_INVALID_VALUE);
+  EXPECT_NE(std::string(ccalloc_last_error()).find("pool (0, 876543) is asleep"),
+            std::string::npos);
+  ASSERT_EQ(ccalloc_pool_wake(0, pool), CCALLOC_SUCCESS);
+  EXPECT_EQ(ccalloc_pool_is_asleep(0, pool, &asleep), CCALLOC_SUCCESS);
+  EXPECT_EQ(asleep, 0);
+  EXPECT_EQ(ccalloc_free(ptr), CCALLOC_SUCCESS);
+  EXPECT_EQ(ccalloc_pool_release(0, pool), CCALLOC_SUCCESS);
+  EXPECT_EQ(ccalloc_pool_release(0, pool), CCALLOC_SUCCESS);
+  EXPECT_EQ(ccalloc_pool_empty_cache(0, pool), CCALLOC_SUCCESS);
 }
 
 TEST(CApi, FreeOfNullSucceeds) {

@@ -112,12 +112,31 @@ struct SegmentInfo {
   StreamId stream = 0;
   bool is_small = false;  // small pool (<= 1 MiB requests)
   bool is_expandable = false;
+  // Its pool is asleep (sleep_pool): the address range stays reserved, but no physical
+  // memory is behind it and it does not count as reserved memory.
+  bool is_asleep = false;
   PoolId pool;                    // the private pool that owns it; {0, 0}: the default pool
   ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<BlockInfo> blocks;  // address order, tiling the segment
   // Stitching policy only (empty for the others): the physical pieces behind the segment's
   // pages, in address order; they add up to total_size. Each piece backs one page at most.
   std::vector<PieceRun> pieces;
+};
+
+// What sleep_pool does with the contents of the pool's live allocations.
+enum class SleepMode : std::uint8_t {
+  kDiscard,  // dropped: after wake_pool the allocations hold undefined bytes
+  kSave,     // copied to pinned host memory and copied back by wake_pool
+};
+std::string_view to_string(SleepMode mode);
+
+// The sleep state of a sleepable pool (pool_sleep_info).
+struct PoolSleepInfo {
+  bool asleep = false;
+  std::size_t segment_bytes = 0;   // bytes of the pool's segments (reserved address ranges)
+  std::size_t physical_bytes = 0;  // of which backed by physical memory now (0 while asleep)
+  std::size_t saved_bytes = 0;     // pinned host memory holding saved contents (while asleep)
+  std::size_t live_bytes = 0;      // bytes of the pool's live allocations (block sizes)
 };
 
 class Allocator {
@@ -185,6 +204,35 @@ class Allocator {
   std::vector<SegmentInfo> pool_segments(PoolId id) const;
   // The pool owning the segment that contains `address` ({0, 0}: the default pool or none).
   PoolId segment_pool(DevicePtr address) const;
+
+  // --- Sleep and wake (docs/sleep-wake.md) ---
+  // A sleepable pool is a private pool whose segments always live in CUDA virtual memory
+  // (an address reservation with physical memory mapped into it), whatever the config, so
+  // its physical memory can be released and mapped again at the same addresses. Otherwise
+  // it is a private pool like any other (begin_allocate_to_pool, release_pool, ...).
+  // Creates pool `id` with use count 1, or adds a use to an existing sleepable pool; Error
+  // for the default id, for an existing pool that is not sleepable, and for backends or
+  // modes without private pools.
+  void create_sleepable_pool(PoolId id);
+  // Releases the physical memory of pool `id` while its addresses stay reserved: waits for
+  // the device's work, saves the bytes of its live allocations to pinned host memory when
+  // `mode` is kSave, returns its wholly free cached segments to the device, then unmaps
+  // and releases the physical memory of the others. Pointers into the pool stay valid
+  // addresses but must not be touched until wake_pool. Error, changing nothing, for the
+  // default pool, an unknown or non-sleepable pool, one already asleep, or while any
+  // capture is underway (begin_allocate_to_pool); Error also when the pinned host memory
+  // cannot be had (nothing changed then either).
+  void sleep_pool(PoolId id, SleepMode mode);
+  // Maps physical memory at the sleeping pool's addresses again and copies the saved
+  // contents back. OutOfMemoryError when the device cannot provide it even after the
+  // other pools' caches were emptied: the pool then stays asleep and the allocator usable.
+  // Error for a pool that is not asleep (or as sleep_pool).
+  void wake_pool(PoolId id);
+  // True while pool `id` sleeps (Error for the default or an unknown pool).
+  bool pool_asleep(PoolId id) const;
+  // Sizes of a sleepable pool's memory (Error for other pools).
+  PoolSleepInfo pool_sleep_info(PoolId id) const;
+
   // The layout of pool `id`'s segments and which of its blocks are allocated (cudagraph
   // trees). No capture may be underway for it.
   std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id);

@@ -83,6 +83,25 @@ ccalloc_status ccalloc_pool_begin_allocate(int device, ccalloc_pool_id pool,
 ccalloc_status ccalloc_pool_end_allocate(int device, ccalloc_pool_id pool);
 /* Returns the pool's cached, wholly free segments if its use count is 0. */
 ccalloc_status ccalloc_pool_empty_cache(int device, ccalloc_pool_id pool);
+/* Sleepable pools (docs/sleep-wake.md): a private pool whose segments live in CUDA virtual
+ * memory, so that its physical memory can be released while its addresses stay reserved
+ * (pointers and CUDA graphs that captured them stay valid) and mapped again later.
+ * ccalloc_pool_create_sleepable creates the pool with use count 1 or adds a use to an
+ * existing sleepable pool; it is then used as any pool (ccalloc_pool_begin_allocate, ...).
+ * ccalloc_pool_sleep waits for the device, saves the contents of the pool's live
+ * allocations to pinned host memory if save_contents != 0 (else they are discarded), and
+ * releases the pool's physical memory; allocating to the pool fails until
+ * ccalloc_pool_wake maps memory at the same addresses again and restores the contents.
+ * Freeing a sleeping pool's allocations is allowed. Misuse (the pool is unknown, not
+ * sleepable, already asleep or awake, being allocated to) is CCALLOC_ERROR_INVALID_VALUE;
+ * a wake the device cannot serve is CCALLOC_ERROR_OUT_OF_MEMORY and leaves the pool
+ * asleep (as is a sleep that cannot have the pinned host memory to save into, which leaves
+ * the pool awake). */
+ccalloc_status ccalloc_pool_create_sleepable(int device, ccalloc_pool_id pool);
+ccalloc_status ccalloc_pool_sleep(int device, ccalloc_pool_id pool, int save_contents);
+ccalloc_status ccalloc_pool_wake(int device, ccalloc_pool_id pool);
+/* *asleep receives 1 while the pool sleeps, else 0. */
+ccalloc_status ccalloc_pool_is_asleep(int device, ccalloc_pool_id pool, int* asleep);
 /* Caller contexts: an opaque handle per allocator operation (a request id, an interpreter's
  * frames, ...) kept in the history beside the C++ stack. `capture` is called where a stack
  * would be captured (context "state" and "alloc": malloc; "all": also free and

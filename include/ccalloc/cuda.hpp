@@ -100,6 +100,10 @@ class CudaDriver final : public Driver {
   PoolUsage pool_usage() override;
   void pool_reset_peaks() override;
   void synchronize_device() override;
+  void* allocate_host(std::size_t bytes) override;
+  void free_host(void* ptr, std::size_t bytes) override;
+  void copy_to_host(void* dst, DevicePtr src, std::size_t bytes) override;
+  void copy_to_device(DevicePtr dst, const void* src, std::size_t bytes) override;
   std::string name() const override { return name_; }
 
  private:

@@ -115,6 +115,18 @@ class Driver {
   virtual void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                          std::size_t offset);
 
+  // --- Host memory and copies, for sleeping pools (docs/sleep-wake.md). ---
+  // The defaults throw DriverError naming the driver: it cannot save device memory.
+  //
+  // Page-locked host memory (cudaMallocHost); nullptr when the host cannot provide it.
+  virtual void* allocate_host(std::size_t bytes);
+  // Frees what allocate_host returned; `bytes` is the size that was asked for.
+  virtual void free_host(void* ptr, std::size_t bytes);
+  // Synchronous copies between device memory and host memory (cudaMemcpy): they return
+  // once the copy has completed. The caller waits for the device work that uses the range.
+  virtual void copy_to_host(void* dst, DevicePtr src, std::size_t bytes);
+  virtual void copy_to_device(DevicePtr dst, const void* src, std::size_t bytes);
+
   // --- Sharing memory with other processes (docs/ipc.md). ---
   // The defaults throw DriverError naming the driver: it cannot share memory.
   //

@@ -58,6 +58,13 @@ class ProcessAllocator {
   // Every device's segments and history in one snapshot (device_traces[d] for device d).
   Snapshot snapshot();
 
+  // Sleepable pools (Allocator::create_sleepable_pool and the rest, docs/sleep-wake.md) on
+  // `device` (-1: current).
+  void create_sleepable_pool(PoolId id, int device = -1);
+  void sleep_pool(PoolId id, SleepMode mode, int device = -1);
+  void wake_pool(PoolId id, int device = -1);
+  bool pool_asleep(PoolId id, int device = -1);
+
   // The allocator of `device` (-1: current), created on first use. Throws DriverError for
   // a device that does not exist.
   Allocator& allocator(int device = -1);

@@ -40,6 +40,10 @@
 // contents (write/read, zero until written), so a test can see that both sides of a
 // sharing see the same bytes. Imported memory counts against the exporter's capacity only.
 //
+// Host memory and copies (docs/simulated-gpu.md, "Host memory and copies"): pinned host
+// memory is plain memory bounded by Options::host_capacity; copy_to_host / copy_to_device
+// move the contents write() and read() see, so a sleeping pool's saved bytes can be checked.
+//
 // Thread safety: all methods are safe to call concurrently.
 #pragma once
 
@@ -95,6 +99,13 @@ struct CostModel {
   double pool_grow_us = 43.27;      // per growth of the pool: an estimate (8.02 + 0.65 + 34.60)
   double pool_trim_us = 36.65;      // per pool_trim that releases memory: an estimate (26.58 + 10.07)
   double stream_wait_us = 0.0;      // cudaStreamWaitEvent: unmeasured
+  // Host memory and copies (sleeping pools). cudaMallocHost and cudaFreeHost: unmeasured
+  // (0; pinning costs grow with the size). A copy is charged a fixed latency plus its bytes
+  // at a bandwidth: both assumptions (PCIe 5.0 x16 with pinned memory), not measurements.
+  double host_allocate_us = 0.0;       // cudaMallocHost: unmeasured
+  double host_free_us = 0.0;           // cudaFreeHost: unmeasured
+  double copy_latency_us = 10.0;       // per cudaMemcpy between host and device: assumed
+  double copy_bytes_per_us = 50000.0;  // 50 GB/s: assumed
 };
 
 struct Counters {
@@ -128,6 +139,14 @@ struct Counters {
   std::uint64_t pool_peak_resets = 0;
   std::uint64_t stream_waits = 0;
   std::uint64_t device_synchronizes = 0;
+  // Host memory and copies.
+  std::uint64_t host_allocates = 0;  // including the ones refused (host_capacity)
+  std::uint64_t host_allocate_failures = 0;
+  std::uint64_t host_frees = 0;
+  std::uint64_t copies_to_host = 0;
+  std::uint64_t copies_to_device = 0;
+  std::uint64_t bytes_to_host = 0;
+  std::uint64_t bytes_to_device = 0;
   bool operator==(const Counters&) const = default;
 };
 
@@ -146,6 +165,8 @@ struct Options {
   DevicePtr vm_base_address = DevicePtr{0x600000000000};
   // First address of the stream-ordered pool's allocations.
   DevicePtr pool_base_address = DevicePtr{0x400000000000};
+  // Pinned host memory allocate_host may hand out in all; beyond it, it returns nullptr.
+  std::size_t host_capacity = SIZE_MAX;
 };
 
 // One device allocation a recorded run obtained: the oracle hands `address` to the next
@@ -192,6 +213,8 @@ class SimDriver final : public Driver {
   void read(DevicePtr ptr, void* data, std::size_t bytes) const;
   // Physical allocations imported from another SimDriver and not yet released.
   std::size_t imported_handles() const;
+  // Pinned host memory handed out by allocate_host and not yet freed.
+  std::size_t host_bytes() const;
 
   Counters counters() const;
   double simulated_driver_us() const;
@@ -247,6 +270,13 @@ class SimDriver final : public Driver {
   PoolUsage pool_usage() override;
   void pool_reset_peaks() override;
   void synchronize_device() override;
+  // Host memory is plain memory counted against Options::host_capacity. The copies move
+  // the contents write() and read() see, are forbidden during capture, and are charged
+  // CostModel::copy_latency_us plus their bytes at copy_bytes_per_us.
+  void* allocate_host(std::size_t bytes) override;
+  void free_host(void* ptr, std::size_t bytes) override;
+  void copy_to_host(void* dst, DevicePtr src, std::size_t bytes) override;
+  void copy_to_device(DevicePtr dst, const void* src, std::size_t bytes) override;
   std::string name() const override;
 
  private:
@@ -379,6 +409,8 @@ class SimDriver final : public Driver {
   std::size_t pool_used_ = 0;
   std::size_t pool_used_high_ = 0;
   std::size_t pool_reserved_high_ = 0;
+  std::map<const void*, std::size_t> host_;  // allocate_host's allocations
+  std::size_t host_bytes_ = 0;
   Counters counters_;
   double driver_us_ = 0.0;
   std::atomic<std::int64_t> time_us_{0};

@@ -46,6 +46,9 @@ struct SnapshotSegment {
   bool is_small = false;  // segment_type "small" / "large"
   std::pair<std::int64_t, std::int64_t> pool_id{0, 0};
   bool is_expandable = false;
+  // Its pool is asleep (docs/sleep-wake.md): no physical memory behind it. Written as the
+  // key "is_asleep" only when true (PyTorch's reader ignores it).
+  bool is_asleep = false;
   Frames frames;          // C++ stack of the device allocation (or first mapping)
   ContextHandle context = nullptr;  // caller context of the device allocation (or first mapping)
   std::vector<SnapshotBlock> blocks;

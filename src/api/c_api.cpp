@@ -161,6 +161,32 @@ ccalloc_status ccalloc_pool_use_count(int device, ccalloc_pool_id pool, int* cou
   });
 }
 
+ccalloc_status ccalloc_pool_create_sleepable(int device, ccalloc_pool_id pool) {
+  return pool_call("ccalloc_pool_create_sleepable", pool,
+                   [&](ccalloc::PoolId id) { process().create_sleepable_pool(id, device); });
+}
+
+ccalloc_status ccalloc_pool_sleep(int device, ccalloc_pool_id pool, int save_contents) {
+  return pool_call("ccalloc_pool_sleep", pool, [&](ccalloc::PoolId id) {
+    process().sleep_pool(
+        id, save_contents != 0 ? ccalloc::SleepMode::kSave : ccalloc::SleepMode::kDiscard, device);
+  });
+}
+
+ccalloc_status ccalloc_pool_wake(int device, ccalloc_pool_id pool) {
+  return pool_call("ccalloc_pool_wake", pool,
+                   [&](ccalloc::PoolId id) { process().wake_pool(id, device); });
+}
+
+ccalloc_status ccalloc_pool_is_asleep(int device, ccalloc_pool_id pool, int* asleep) {
+  if (asleep == nullptr) {
+    return fail(CCALLOC_ERROR_INVALID_VALUE, "ccalloc_pool_is_asleep: asleep is NULL");
+  }
+  return pool_call("ccalloc_pool_is_asleep", pool, [&](ccalloc::PoolId id) {
+    *asleep = process().pool_asleep(id, device) ? 1 : 0;
+  });
+}
+
 ccalloc_status ccalloc_pool_begin_allocate(int device, ccalloc_pool_id pool,
                                            ccalloc_stream_filter filter, void* user_data) {
   return pool_call("ccalloc_pool_begin_allocate", pool, [&](ccalloc::PoolId id) {

@@ -175,4 +175,20 @@ Snapshot ProcessAllocator::snapshot() {
   return all;
 }
 
+void ProcessAllocator::create_sleepable_pool(PoolId id, int device) {
+  allocator(device).create_sleepable_pool(id);
+}
+
+void ProcessAllocator::sleep_pool(PoolId id, SleepMode mode, int device) {
+  allocator(device).sleep_pool(id, mode);
+}
+
+void ProcessAllocator::wake_pool(PoolId id, int device) {
+  allocator(device).wake_pool(id);
+}
+
+bool ProcessAllocator::pool_asleep(PoolId id, int device) {
+  return allocator(device).pool_asleep(id);
+}
+
 }  // namespace ccalloc

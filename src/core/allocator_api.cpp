@@ -208,6 +208,21 @@ std::shared_ptr<const PoolCheckpoint> Allocator::checkpoint_pool(PoolId id) {
 PoolRestore Allocator::restore_pool(const PoolCheckpoint& checkpoint) {
   return impl_->restore_pool(checkpoint);
 }
+void Allocator::create_sleepable_pool(PoolId id) {
+  impl_->create_sleepable_pool(id);
+}
+void Allocator::sleep_pool(PoolId id, SleepMode mode) {
+  impl_->sleep_pool(id, mode);
+}
+void Allocator::wake_pool(PoolId id) {
+  impl_->wake_pool(id);
+}
+bool Allocator::pool_asleep(PoolId id) const {
+  return impl_->pool_asleep(id);
+}
+PoolSleepInfo Allocator::pool_sleep_info(PoolId id) const {
+  return impl_->pool_sleep_info(id);
+}
 
 }  // namespace ccalloc
 
@@ -258,6 +273,21 @@ std::shared_ptr<const PoolCheckpoint> Backend::checkpoint_pool(PoolId) {
 }
 PoolRestore Backend::restore_pool(const PoolCheckpoint&) {
   no_pools(*this, "restore_pool");
+}
+void Backend::create_sleepable_pool(PoolId) {
+  no_pools(*this, "create_sleepable_pool");
+}
+void Backend::sleep_pool(PoolId, SleepMode) {
+  no_pools(*this, "sleep_pool");
+}
+void Backend::wake_pool(PoolId) {
+  no_pools(*this, "wake_pool");
+}
+bool Backend::pool_asleep(PoolId) const {
+  no_pools(*this, "pool_asleep");
+}
+PoolSleepInfo Backend::pool_sleep_info(PoolId) const {
+  no_pools(*this, "pool_sleep_info");
 }
 
 std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {

@@ -36,14 +36,22 @@ struct PendingFree {
 };
 
 struct Arena;
+class SleepableSegments;  // core/sleepable.hpp
 
 // A private memory pool (CUDA graph capture, torch.cuda.MemPool): an arena per stream of
 // its own. Pools are never destroyed while the engine lives (a pool that is gone is only
 // unlisted), so arenas may keep a plain pointer to theirs.
 struct PrivatePool {
-  PrivatePool(PoolId i, std::optional<SegmentSource> s) : id(i), source(std::move(s)) {}
+  PrivatePool(PoolId i, std::optional<SegmentSource> s,
+              std::shared_ptr<SleepableSegments> v = nullptr)
+      : id(i), source(std::move(s)), sleepable(std::move(v)) {}
   const PoolId id;
   const std::optional<SegmentSource> source;  // segments' origin instead of the device
+  // A sleepable pool's segments (docs/sleep-wake.md), which `source` hands out; else null.
+  const std::shared_ptr<SleepableSegments> sleepable;
+  // sleep_pool ... wake_pool. Written under every arena lock (and the registry mutex), so
+  // any one of the pool's arena locks, or the registry mutex, suffices to read it.
+  std::atomic<bool> asleep{false};
   // Guarded by the engine's registry mutex (fields below, except where said).
   int use_count = 1;
   bool use_on_oom = false;

@@ -53,6 +53,12 @@ class Backend {
   virtual PoolId segment_pool(DevicePtr address) const;
   virtual std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id);
   virtual PoolRestore restore_pool(const PoolCheckpoint& checkpoint);
+  // Sleepable pools (allocator.hpp, docs/sleep-wake.md); the defaults throw as above.
+  virtual void create_sleepable_pool(PoolId id);
+  virtual void sleep_pool(PoolId id, SleepMode mode);
+  virtual void wake_pool(PoolId id);
+  virtual bool pool_asleep(PoolId id) const;
+  virtual PoolSleepInfo pool_sleep_info(PoolId id) const;
   // For the messages of the defaults: "the stitching policy".
   virtual const char* policy_name() const { return "this backend"; }
   // Applies `config` to the live allocator (torch.cuda.memory._set_allocator_settings).

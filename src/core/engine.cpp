@@ -63,6 +63,12 @@ DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
   Arena& arena = capture ? arena_for_capture(stream) : arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
+  // Only captures route requests to private pools; a sleeping pool takes none (sleep_pool
+  // and begin_allocate_to_pool see to it, and this catches a malloc that raced with them).
+  if (capture && arena.pool != nullptr && arena.pool->asleep.load(std::memory_order_relaxed))
+      [[unlikely]] {
+    throw_asleep(*arena.pool, "malloc");
+  }
   const Request req = make_request(size, stream);  // reads the config: under the lock
   const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
   if (pos == arena.pool_for(req.small).blocks.end()) {

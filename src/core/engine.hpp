@@ -52,6 +52,11 @@
 //                              reservations); a free deferred during capture is in its
 //                              arena's deferred list only, still has its stream uses, and
 //                              the per-arena and device-wide deferred counts match.
+//   sleepable_pools            a sleepable pool's segments are those its SleepableSegments
+//                              hold, all with physical memory while it is awake and none
+//                              while it sleeps (sleeping segments count neither as reserved
+//                              nor as segments in stats_match_blocks); saved contents
+//                              exist only while it sleeps and fit their host buffer.
 //
 // Private pools (docs/design.md#private-pools): an arena per (pool, stream). The default
 // pool's arenas are found as before; only while a capture is underway
@@ -76,6 +81,7 @@
 #include "core/event_pool.hpp"
 #include "core/history.hpp"
 #include "core/segment_map.hpp"
+#include "core/sleepable.hpp"
 #include "core/thread_annotations.hpp"
 
 namespace ccalloc::core {
@@ -130,6 +136,12 @@ class Engine final : public Backend {
   PoolId segment_pool(DevicePtr address) const override;
   std::shared_ptr<const PoolCheckpoint> checkpoint_pool(PoolId id) override;
   PoolRestore restore_pool(const PoolCheckpoint& checkpoint) override;
+  // Sleepable pools (sleep.cpp, docs/sleep-wake.md).
+  void create_sleepable_pool(PoolId id) override;
+  void sleep_pool(PoolId id, SleepMode mode) override;
+  void wake_pool(PoolId id) override;
+  bool pool_asleep(PoolId id) const override;
+  PoolSleepInfo pool_sleep_info(PoolId id) const override;
   const char* policy_name() const override { return "the native engine"; }
 
   // The live config. reconfigure() changes it in place: reading it on another thread while
@@ -215,8 +227,21 @@ class Engine final : public Backend {
   Arena& make_arena(StreamId stream, PrivatePool* pool) REQUIRES(registry_mutex_);
   Arena& pool_arena(PrivatePool& pool, StreamId stream) REQUIRES(registry_mutex_);
   PrivatePool& pool_of(PoolId id) const REQUIRES(registry_mutex_);  // throws for unknown ids
-  PrivatePool& create_or_incref_pool(PoolId id, std::optional<SegmentSource> source)
+  PrivatePool& create_or_incref_pool(PoolId id, std::optional<SegmentSource> source,
+                                     std::shared_ptr<SleepableSegments> sleepable = nullptr)
       REQUIRES(registry_mutex_);
+  // --- sleepable pools (sleep.cpp) ---
+  // Pool `id` if it is sleepable, else Error naming `what`.
+  PrivatePool& sleepable_pool(PoolId id, const char* what) const REQUIRES(registry_mutex_);
+  // Error naming `what` while any capture is underway.
+  void refuse_during_capture(PoolId id, const char* what) const REQUIRES(registry_mutex_);
+  [[noreturn]] static void throw_asleep(const PrivatePool& pool, const char* what);
+  // True when the segment of `arena` starting at `base` has no physical memory now (its
+  // sleepable pool sleeps): it counts neither as reserved nor as a segment.
+  static bool segment_asleep(const Arena& arena, DevicePtr base);
+  // Maps memory at every segment of the sleeping pool again, within the memory limit;
+  // false, with nothing mapped, when the device or the limit refuses.
+  bool back_pool(const AllArenasLock& all, PrivatePool& pool);
   bool capturing() const { return captures_underway_.load(std::memory_order_acquire) != 0; }
   Request make_request(std::size_t size, StreamId stream) const;
 
@@ -345,6 +370,7 @@ class Engine final : public Backend {
   void check_reserved_within_capacity() const;
   void check_live_allocations_disjoint(const InvariantWalk& walk) const;
   void check_private_pool_blocks(const InvariantWalk& walk) const;
+  void check_sleepable_pools(const InvariantWalk& walk) const;
 
   // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp).
   friend struct EngineTestAccess;

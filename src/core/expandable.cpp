@@ -1,6 +1,8 @@
 #include "core/expandable.hpp"
 
 #include <algorithm>
+#include <cstdio>
+#include <string>
 #include <utility>
 
 #include "core/engine.hpp"
@@ -298,6 +300,14 @@ ipc::SharedRegion Engine::shared_region(DevicePtr ptr) const {
   Lock lock(arena->mutex);
   const Block* b = arena->live.find(ptr);
   if (b == nullptr) throw_not_live("sharing", ptr);
+  if (arena->pool != nullptr && arena->pool->sleepable) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(ptr));
+    throw Error(std::string("ccalloc: sharing ") + buf + ": it lies in sleepable pool " +
+                to_string(arena->pool->id) +
+                ", whose memory may be released while another process maps it; allocations "
+                "of sleepable pools cannot be shared");
+  }
   ipc::SharedRegion region;
   region.allocation = b->ptr;
   region.allocation_size = b->size;

@@ -227,6 +227,7 @@ Snapshot Engine::snapshot() {
         seg.stream = arena->stream;
         seg.is_small = blocks.front()->pool->is_small;
         seg.is_expandable = blocks.front()->segment != nullptr;
+        seg.is_asleep = segment_asleep(*arena, blocks.front()->ptr);
         if (arena->pool != nullptr) {
           seg.pool_id = {static_cast<std::int64_t>(arena->pool->id.first),
                          static_cast<std::int64_t>(arena->pool->id.second)};

@@ -95,6 +95,7 @@ std::vector<SegmentInfo> Engine::segments() const {
       seg.stream = arena->stream;
       seg.is_small = blocks.front()->pool->is_small;
       seg.is_expandable = blocks.front()->segment != nullptr;
+      seg.is_asleep = segment_asleep(*arena, blocks.front()->ptr);
       if (arena->pool != nullptr) seg.pool = arena->pool->id;
       seg.context = blocks.front()->segment_stack.context;
       for (const Block* b : blocks) {
@@ -137,6 +138,7 @@ void Engine::check_invariants() const {
   check_reserved_within_capacity();
   check_live_allocations_disjoint(walk);
   check_private_pool_blocks(walk);
+  check_sleepable_pools(walk);
 }
 
 void Engine::check_blocks_tile_segments(const InvariantWalk& walk) const {
@@ -379,6 +381,8 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
           recount.reserved_bytes[t].current += static_cast<std::int64_t>(mapped);
         continue;
       }
+      // A sleeping segment holds no memory: neither reserved nor a segment (sleep.cpp).
+      if (segment_asleep(*arena, blocks.front()->ptr)) continue;
       reserved_recount += seg_size;
       for (StatType t : kinds) {
         recount.segment[t].current += 1;
@@ -583,6 +587,60 @@ void Engine::check_private_pool_blocks(const InvariantWalk& walk) const {
     violation(kName, "%lld deferred frees are counted but %lld are held",
               static_cast<long long>(deferred_frees_.load()), static_cast<long long>(deferred));
   }
+}
+
+// A sleepable pool's segments are exactly those its SleepableSegments hold, all backed by
+// physical memory while it is awake and none while it sleeps; saved contents exist only
+// while it sleeps, and each saved range is that of one of its blocks.
+void Engine::check_sleepable_pools(const InvariantWalk& walk) const {
+  constexpr const char* kName = "sleepable_pools";
+  registry_mutex_.assert_held();
+  std::unordered_map<const PrivatePool*, std::size_t> held;
+  for (const auto& [arena, chains] : walk.arenas) {
+    arena->mutex.assert_held();
+    if (arena->pool == nullptr || !arena->pool->sleepable) continue;
+    const PrivatePool& pool = *arena->pool;
+    const bool asleep = pool.asleep.load(std::memory_order_relaxed);
+    for (const auto& blocks : chains) {
+      const DevicePtr base = blocks.front()->ptr;
+      std::size_t size = 0;
+      for (const Block* b : blocks)
+        size += b->size;
+      if (blocks.front()->segment != nullptr || !pool.sleepable->holds(base, size)) {
+        violation(kName, "segment 0x%" PRIxPTR " of %zu bytes of pool %s is not a sleepable one",
+                  base, size, to_string(pool.id).c_str());
+      }
+      if (pool.sleepable->backed(base) == asleep) {
+        violation(kName, "segment 0x%" PRIxPTR " of pool %s %s physical memory while the pool %s",
+                  base, to_string(pool.id).c_str(), asleep ? "has" : "lacks",
+                  asleep ? "sleeps" : "is awake");
+      }
+      ++held[&pool];
+    }
+  }
+  const auto check_pool = [&](const PrivatePool& pool) {
+    if (!pool.sleepable) return;
+    const std::size_t mine = held.count(&pool) ? held[&pool] : 0;
+    if (pool.sleepable->segment_count() != mine) {
+      violation(kName, "pool %s has %zu sleepable segments but its arenas hold %zu",
+                to_string(pool.id).c_str(), pool.sleepable->segment_count(), mine);
+    }
+    const auto& saved = pool.sleepable->saved();
+    if (!pool.asleep.load(std::memory_order_relaxed) &&
+        (saved.host != nullptr || !saved.ranges.empty())) {
+      violation(kName, "pool %s is awake but holds saved contents", to_string(pool.id).c_str());
+    }
+    std::size_t end = 0;
+    for (const auto& [ptr, range] : saved.ranges) {
+      end = std::max(end, range.offset + range.bytes);
+    }
+    if (end > saved.bytes) {
+      violation(kName, "pool %s saves %zu bytes in a host buffer of %zu",
+                to_string(pool.id).c_str(), end, saved.bytes);
+    }
+  };
+  for (const auto& [id, pool] : pools_)
+    check_pool(*pool);
 }
 
 }  // namespace ccalloc::core

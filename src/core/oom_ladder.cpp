@@ -150,6 +150,8 @@ void Engine::release_segment(Arena& arena, Block* block) {
   }
   block->pool->blocks.erase(block);
   record_trace(TraceAction::kSegmentFree, block->ptr, block->size, arena.stream, block);
+  // A sleeping segment's memory left the reserved bytes when its pool went to sleep.
+  const bool asleep = segment_asleep(arena, block->ptr);
   if (arena.pool != nullptr && arena.pool->source) {
     arena.pool->source->free(block->ptr, block->size);
   } else {
@@ -160,8 +162,10 @@ void Engine::release_segment(Arena& arena, Block* block) {
     Lock lock(device_mutex_);
     ++device_stats_.num_device_free;
     owners_.clear(block->ptr, block->size);
-    reserved_ -= block->size;
-    add_segment_stats(block->pool->is_small, block->size, -1);
+    if (!asleep) {
+      reserved_ -= block->size;
+      add_segment_stats(block->pool->is_small, block->size, -1);
+    }
   }
   arena.blocks.recycle(block);
 }
@@ -237,6 +241,7 @@ void Engine::release_cached_segments(const AllArenasLock& all, const PrivatePool
   for (auto it = pools_.begin(); it != pools_.end();) {
     PrivatePool& pool = *it->second;
     if (pool.use_count == 0 && pool.segments.load(std::memory_order_relaxed) == 0) {
+      if (pool.sleepable) pool.sleepable->drop_saved();  // contents nobody can read again
       retired_pools_.push_back(std::move(it->second));
       it = pools_.erase(it);
     } else {
@@ -268,7 +273,7 @@ void Engine::release_arena_cache(const AllArenasLock& all, Arena& arena, bool sm
 DevicePtr Engine::malloc_from_oom_pools(const AllArenasLock& all, const Request& req) {
   registry_held(all);
   for (const auto& [id, pool] : pools_) {
-    if (!pool->use_on_oom) continue;
+    if (!pool->use_on_oom || pool->asleep.load(std::memory_order_relaxed)) continue;
     const auto it = pool->arenas.find(req.stream);
     if (it == pool->arenas.end()) continue;
     Arena& arena = *it->second;
@@ -474,6 +479,9 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
   f.expandable = config_.expandable_segments;
   for (Arena* a : all->by_stream()) {
     all->held(*a);
+    // A sleeping pool holds no memory: neither its allocations nor its free blocks are in
+    // what is reserved (docs/sleep-wake.md).
+    if (a->pool != nullptr && a->pool->asleep.load(std::memory_order_relaxed)) continue;
     f.allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
     for (const FreePool* pool : {&a->small_pool, &a->large_pool}) {
       std::size_t free_bytes = 0;

@@ -49,14 +49,15 @@ PrivatePool& Engine::pool_of(PoolId id) const {
 }
 
 // PyTorch's create_or_incref_pool.
-PrivatePool& Engine::create_or_incref_pool(PoolId id, std::optional<SegmentSource> source) {
+PrivatePool& Engine::create_or_incref_pool(PoolId id, std::optional<SegmentSource> source,
+                                           std::shared_ptr<SleepableSegments> sleepable) {
   if (source && (!source->allocate || !source->free)) {
     throw Error("ccalloc: the segment source of pool " + to_string(id) +
                 " needs both allocate and free");
   }
   const auto it = pools_.find(id);
   if (it == pools_.end()) {
-    auto pool = std::make_unique<PrivatePool>(id, std::move(source));
+    auto pool = std::make_unique<PrivatePool>(id, std::move(source), std::move(sleepable));
     return *pools_.emplace(id, std::move(pool)).first->second;
   }
   PrivatePool& pool = *it->second;
@@ -132,6 +133,10 @@ void Engine::begin_allocate_to_pool(PoolId id, Allocator::StreamFilter filter) {
         throw Error("ccalloc: begin_allocate_to_pool: already allocating to pool " +
                     to_string(id));
       }
+    }
+    const auto existing = pools_.find(id);
+    if (existing != pools_.end() && existing->second->asleep.load(std::memory_order_relaxed)) {
+      throw_asleep(*existing->second, "begin_allocate_to_pool");
     }
     create_or_incref_pool(id, std::nullopt);
     captures_.emplace_back(id, std::move(filter));
@@ -247,6 +252,7 @@ PoolRestore Engine::restore_pool(const PoolCheckpoint& checkpoint) {
     if (pool.use_count == 0) {
       throw Error("ccalloc: restore_pool: pool " + to_string(cp->id) + " was released");
     }
+    if (pool.asleep.load(std::memory_order_relaxed)) throw_asleep(pool, "restore_pool");
     bool waits = false;
     for (const auto& [stream, arena] : pool.arenas) {
       all.held(*arena);

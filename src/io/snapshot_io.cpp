@@ -156,6 +156,7 @@ class ToValue {
         {"blocks", Value::list(std::move(blocks))},
     };
     if (!seg.pieces.empty()) d.emplace_back("pieces", piece_runs(seg.pieces));
+    if (seg.is_asleep) d.emplace_back("is_asleep", true);  // sleeping pools only
     return Value::dict(std::move(d));
   }
 
@@ -416,6 +417,7 @@ class FromValue {
       seg.pool_id = {int_of("segment_pool_id", ids[0]), int_of("segment_pool_id", ids[1])};
     }
     seg.is_expandable = opt_bool(v, "is_expandable", false);
+    seg.is_asleep = opt_bool(v, "is_asleep", false);
     seg.frames = stack(v, false);
     std::size_t allocated = 0;
     std::size_t active = 0;

@@ -24,8 +24,9 @@ DeviceStats stats_from_segments(const Snapshot& s, int device) {
   for (const SnapshotSegment& seg : s.segments) {
     if (seg.device != device) continue;
     const StatType pool = seg.is_small ? kSmallPool : kLargePool;
-    add(st.reserved_bytes, pool, static_cast<std::int64_t>(seg.total_size));
-    if (!seg.is_expandable) {
+    // A sleeping pool's segment holds no memory (docs/sleep-wake.md).
+    if (!seg.is_asleep) add(st.reserved_bytes, pool, static_cast<std::int64_t>(seg.total_size));
+    if (!seg.is_expandable && !seg.is_asleep) {
       add(st.segment, pool, 1);
       if (oversize(seg.total_size)) st.oversize_segments.current += 1;
     }

@@ -9,7 +9,8 @@
 // The allocator tests run under every kConfigs entry: the native engine with PyTorch's and
 // ccalloc's policies, expandable segments (CUDA virtual memory), the stitching policy (CUDA
 // virtual memory in whole handles lent between ranges) and the cudaMallocAsync backend (the
-// device's stream-ordered pool). GpuSnapshot.WritesASnapshotOfARealRun writes
+// device's stream-ordered pool). SleepWakeGpu checks sleep and wake of a sleepable pool
+// (docs/sleep-wake.md). GpuSnapshot.WritesASnapshotOfARealRun writes
 // a snapshot of a real run for scripts/check_memory_viz.py; it runs only when
 // CCALLOC_GPU_SNAPSHOT_OUT names the file (scripts/gpu-check sets it).
 #include <cuda_runtime.h>
@@ -1160,6 +1161,138 @@ TEST(ProcessAllocatorGpu, TwoDevicesEachKeepTheirAllocationsAndData) {
     pa.empty_cache(d);
   }
   ASSERT_CUDA(cudaSetDevice(0));
+}
+
+// ---------------------------------------------------------------------------------------
+// g. Sleep and wake of a sleepable pool (docs/sleep-wake.md): the physical memory of ~1 GiB
+// of live allocations goes back to the device (cudaMemGetInfo sees it free) while their
+// addresses stay reserved; other memory is allocated and written into the freed space;
+// wake maps memory at the same addresses and restores every byte, and a CUDA graph
+// captured before the sleep, which reads one allocation of the pool and writes another,
+// replays correctly afterwards.
+
+TEST(SleepWakeGpu, SleepReleasesMemoryAndWakeRestoresContentsAndGraphs) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  ASSERT_CUDA(cudaSetDevice(0));
+  constexpr int kAllocs = 4;
+  constexpr std::size_t kEach = 256 * kMiB;
+  constexpr std::size_t kSlept = kAllocs * kEach;  // 1 GiB of live allocations
+  ccalloc::cuda::CudaDriver drv(0);
+  ccalloc::Allocator alloc(drv, ccalloc::Config::parse("pytorch"));
+  alloc.set_check_invariants(true);
+  DeviceCounters counters(kAllocs + 2);
+  // Load the kernels first: lazy module loading takes device memory on the first launch.
+  ASSERT_CUDA(launch_fill(0, 0, 0, nullptr));
+  ASSERT_CUDA(launch_verify(0, 0, 0, nullptr, counters.at(0)));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  auto device_free = [] {
+    std::size_t free_bytes = 0, total = 0;
+    cuda_or_throw(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+    return static_cast<std::int64_t>(free_bytes);
+  };
+  if (device_free() < static_cast<std::int64_t>(3 * kSlept)) {
+    GTEST_SKIP() << "needs 3 GiB of free device memory";
+  }
+  cudaStream_t s = nullptr;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const StreamId sid = stream_id(s);
+
+  const ccalloc::PoolId pool{0, 4242};
+  alloc.create_sleepable_pool(pool);
+  alloc.begin_allocate_to_pool(pool, [sid](StreamId st) { return st == sid; });
+  std::vector<DevicePtr> ptrs;
+  for (int i = 0; i < kAllocs; ++i)
+    ptrs.push_back(alloc.malloc(kEach, sid));
+  // The graph's output: a mismatch counter in the pool too.
+  const DevicePtr out = alloc.malloc(sizeof(unsigned long long), sid);
+  alloc.end_allocate_to_pool(pool);
+  for (int i = 0; i < kAllocs; ++i)
+    ASSERT_CUDA(launch_fill(ptrs[i], kEach, 700u + static_cast<std::uint32_t>(i), s));
+  ASSERT_CUDA(cudaMemsetAsync(reinterpret_cast<void*>(out), 0, sizeof(unsigned long long), s));
+
+  // The graph: count the words of ptrs[0] that lack their pattern into `out`, and write
+  // pattern 790 over ptrs[3]. Captured before the sleep, replayed after the wake.
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  ASSERT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  ASSERT_CUDA(launch_verify(ptrs[0], kEach, 700u, s, reinterpret_cast<unsigned long long*>(out)));
+  ASSERT_CUDA(launch_fill(ptrs[3], kEach, 790u, s));
+  ASSERT_CUDA(cudaStreamEndCapture(s, &graph));
+  ASSERT_CUDA(cudaGraphInstantiateWithFlags(&exec, graph, 0));
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+
+  const std::int64_t free_awake = device_free();
+  const std::int64_t reserved_awake = alloc.stats().reserved_bytes[kAggregate].current;
+  alloc.sleep_pool(pool, ccalloc::SleepMode::kSave);
+  ASSERT_TRUE(alloc.pool_asleep(pool));
+  const std::int64_t free_asleep = device_free();
+  EXPECT_GE(free_asleep - free_awake, static_cast<std::int64_t>(0.95 * kSlept))
+      << "cudaMemGetInfo free grew by " << (free_asleep - free_awake) << " bytes";
+  EXPECT_LE(alloc.stats().reserved_bytes[kAggregate].current,
+            reserved_awake - static_cast<std::int64_t>(kSlept));
+  EXPECT_EQ(alloc.pool_sleep_info(pool).physical_bytes, 0u);
+
+  // Other work takes the freed memory and writes it.
+  std::vector<DevicePtr> others;
+  for (int i = 0; i < kAllocs; ++i) {
+    others.push_back(alloc.malloc(kEach, sid));
+    ASSERT_CUDA(launch_fill(others.back(), kEach, 900u + static_cast<std::uint32_t>(i), s));
+  }
+  for (int i = 0; i < kAllocs; ++i) {
+    ASSERT_CUDA(launch_verify(others[i], kEach, 900u + static_cast<std::uint32_t>(i), s,
+                              counters.at(static_cast<std::size_t>(i))));
+  }
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  for (const DevicePtr p : others)
+    alloc.free(p);
+  alloc.empty_cache();
+
+  alloc.wake_pool(pool);
+  EXPECT_FALSE(alloc.pool_asleep(pool));
+  std::vector<DevicePtr> live = ptrs;
+  live.push_back(out);
+  std::sort(live.begin(), live.end());
+  EXPECT_EQ(alloc.pool_live_allocations(pool), live);
+  EXPECT_EQ(alloc.stats().reserved_bytes[kAggregate].current, reserved_awake);
+  // Byte for byte: every word of every allocation holds its pattern again.
+  DeviceCounters restored(kAllocs);
+  for (int i = 0; i < kAllocs; ++i) {
+    ASSERT_CUDA(launch_verify(ptrs[i], kEach, 700u + static_cast<std::uint32_t>(i), s,
+                              restored.at(static_cast<std::size_t>(i))));
+  }
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  EXPECT_EQ(restored.read(), std::vector<unsigned long long>(kAllocs, 0));
+  unsigned long long out_value = 1;
+  ASSERT_CUDA(cudaMemcpy(&out_value, reinterpret_cast<void*>(out), sizeof out_value,
+                         cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out_value, 0u) << "the counter's saved value";
+
+  // The graph captured before the sleep replays on the woken memory.
+  ASSERT_CUDA(cudaGraphLaunch(exec, s));
+  ASSERT_CUDA(launch_verify(ptrs[3], kEach, 790u, s, counters.at(kAllocs)));
+  // A control: ptrs[1] does not hold ptrs[0]'s pattern, so the graph's check can fail.
+  ASSERT_CUDA(launch_verify(ptrs[1], kEach, 700u, s, counters.at(kAllocs + 1)));
+  ASSERT_CUDA(cudaStreamSynchronize(s));
+  ASSERT_CUDA(cudaMemcpy(&out_value, reinterpret_cast<void*>(out), sizeof out_value,
+                         cudaMemcpyDeviceToHost));
+  EXPECT_EQ(out_value, 0u) << "words of ptrs[0] the replayed graph found wrong";
+  const std::vector<unsigned long long> c = counters.read();
+  for (int i = 0; i < kAllocs; ++i)
+    EXPECT_EQ(c[static_cast<std::size_t>(i)], 0u) << "other work " << i;
+  EXPECT_EQ(c[kAllocs], 0u) << "words of ptrs[3] the replayed graph did not write";
+  // (A word of another pattern matches by chance with probability 2^-32.)
+  EXPECT_GE(c[kAllocs + 1], kEach / sizeof(std::uint32_t) - 64) << "the control";
+
+  ASSERT_CUDA(cudaGraphExecDestroy(exec));
+  ASSERT_CUDA(cudaGraphDestroy(graph));
+  for (const DevicePtr p : live)
+    alloc.free(p);
+  alloc.release_pool(pool);
+  alloc.release_pool(pool);
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.stats().reserved_bytes[kAggregate].current, 0);
+  ASSERT_CUDA(cudaStreamDestroy(s));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -679,6 +679,41 @@ void CudaDriver::synchronize_device() {
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize", device_);
 }
 
+// --- Host memory and copies (sleeping pools) ---
+
+void* CudaDriver::allocate_host(std::size_t bytes) {
+  DeviceGuard guard(device_);
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocHost(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // out of memory is a value: leave no error behind
+    return nullptr;
+  }
+  check(err, "cudaMallocHost", device_);
+  return p;
+}
+
+void CudaDriver::free_host(void* ptr, std::size_t /*bytes*/) {
+  DeviceGuard guard(device_);
+  check(cudaFreeHost(ptr), "cudaFreeHost", device_);
+}
+
+void CudaDriver::copy_to_host(void* dst, DevicePtr src, std::size_t bytes) {
+  DeviceGuard guard(device_);
+  check(
+      cudaMemcpy(dst, reinterpret_cast<const void*>(src), bytes, cudaMemcpyDeviceToHost),
+      ("cudaMemcpy(device " + hex(src) + " to host, " + std::to_string(bytes) + " bytes)").c_str(),
+      device_);
+}
+
+void CudaDriver::copy_to_device(DevicePtr dst, const void* src, std::size_t bytes) {
+  DeviceGuard guard(device_);
+  check(
+      cudaMemcpy(reinterpret_cast<void*>(dst), src, bytes, cudaMemcpyHostToDevice),
+      ("cudaMemcpy(host to device " + hex(dst) + ", " + std::to_string(bytes) + " bytes)").c_str(),
+      device_);
+}
+
 #else  // built without the CUDA toolkit
 
 namespace {
@@ -777,6 +812,18 @@ void CudaDriver::pool_reset_peaks() {
   unavailable();
 }
 void CudaDriver::synchronize_device() {
+  unavailable();
+}
+void* CudaDriver::allocate_host(std::size_t) {
+  unavailable();
+}
+void CudaDriver::free_host(void*, std::size_t) {
+  unavailable();
+}
+void CudaDriver::copy_to_host(void*, DevicePtr, std::size_t) {
+  unavailable();
+}
+void CudaDriver::copy_to_device(DevicePtr, const void*, std::size_t) {
   unavailable();
 }
 void* CudaDriver::default_pool() {

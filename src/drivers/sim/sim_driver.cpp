@@ -37,6 +37,10 @@ void check_options(const Options& o) {
                       std::to_string(o.vm_granularity) +
                       " bytes is not a power of two of at least 1 MiB");
   }
+  if (!(o.cost.copy_bytes_per_us > 0.0)) {
+    throw DriverError("ccalloc: " + device_label(o.device) + ": cost.copy_bytes_per_us " +
+                      std::to_string(o.cost.copy_bytes_per_us) + " is not positive");
+  }
 }
 
 }  // namespace
