@@ -1,11 +1,8 @@
-// Sleep and wake of torch.cuda.MemPool pools (docs/sleep-wake.md, "PyTorch"): the C entry
-// points of libccalloc_torch.so that ccalloc_torch.SleepablePool calls through ctypes.
-//
-// A pool is named as PyTorch names it, MemPool.id = (first, second), on the device it was
-// created on (-1: the current device). Each function returns 0 on success; else it writes
-// ccalloc's message into `error` (NUL-terminated, at most `capacity` bytes) and returns 1,
-// or 2 for an out-of-memory (a wake the device cannot serve, a save without pinned host
-// memory), which Python raises as torch.OutOfMemoryError.
+// The sleep and wake entry points of libccalloc_torch.so (sleep_api.h): they reach the
+// engine behind the installed adapter (native_allocator, torch_allocator.cpp) through
+// pool_bridge.hpp, and turn every exception into a status and ccalloc's message.
+#include "sleep_api.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -50,52 +47,33 @@ int guarded(int device, char* error, std::size_t capacity, Fn&& fn) noexcept {
 
 }  // namespace
 
+#define CCALLOC_TORCH_EXPORT __attribute__((visibility("default")))
+
 extern "C" {
 
-// What ccalloc_torch_pool_sleep_info reports (ccalloc::PoolSleepInfo).
-struct ccalloc_torch_sleep_info {
-  int asleep;
-  std::size_t segment_bytes;   // the pool's segments (reserved address ranges)
-  std::size_t physical_bytes;  // of which backed by physical memory now (0 while asleep)
-  std::size_t saved_bytes;     // pinned host memory holding saved contents (while asleep)
-  std::size_t live_bytes;      // the pool's live allocations (block sizes)
-};
-
-// With enable != 0: the next pool PyTorch creates on the calling thread (the constructor of
-// torch.cuda.MemPool(), through createOrIncrefPool) is created sleepable. With enable == 0:
-// clears the request. Returns 1 when a request was still pending before the call (no pool
-// was created since it was made), else 0.
-__attribute__((visibility("default"))) int ccalloc_torch_request_sleepable_pool(int enable) {
+CCALLOC_TORCH_EXPORT int ccalloc_torch_request_sleepable_pool(int enable) {
   return bridge::request_sleepable_pool(enable != 0) ? 1 : 0;
 }
 
-// Releases the physical memory of sleepable pool (first, second); with save_contents != 0
-// the bytes of its live allocations are kept in pinned host memory until the wake.
-__attribute__((visibility("default"))) int ccalloc_torch_pool_sleep(int device, std::uint64_t first,
-                                                                    std::uint64_t second,
-                                                                    int save_contents, char* error,
-                                                                    std::size_t capacity) {
+CCALLOC_TORCH_EXPORT int ccalloc_torch_pool_sleep(int device, std::uint64_t first,
+                                                  std::uint64_t second, int save_contents,
+                                                  char* error, std::size_t capacity) {
   return guarded(device, error, capacity, [&](ccalloc::Allocator& a) {
     bridge::sleep_pool(a, {first, second}, save_contents != 0);
   });
 }
 
-// Maps memory at the sleeping pool's addresses again and restores the saved bytes.
-__attribute__((visibility("default"))) int ccalloc_torch_pool_wake(int device, std::uint64_t first,
-                                                                   std::uint64_t second,
-                                                                   char* error,
-                                                                   std::size_t capacity) {
+CCALLOC_TORCH_EXPORT int ccalloc_torch_pool_wake(int device, std::uint64_t first,
+                                                 std::uint64_t second, char* error,
+                                                 std::size_t capacity) {
   return guarded(device, error, capacity, [&](ccalloc::Allocator& a) {
     bridge::wake_pool(a, {first, second});
   });
 }
 
-// *asleep receives 1 while the pool sleeps, else 0.
-__attribute__((visibility("default"))) int ccalloc_torch_pool_is_asleep(int device,
-                                                                        std::uint64_t first,
-                                                                        std::uint64_t second,
-                                                                        int* asleep, char* error,
-                                                                        std::size_t capacity) {
+CCALLOC_TORCH_EXPORT int ccalloc_torch_pool_is_asleep(int device, std::uint64_t first,
+                                                      std::uint64_t second, int* asleep,
+                                                      char* error, std::size_t capacity) {
   if (asleep == nullptr) {
     copy_message("ccalloc_torch_pool_is_asleep: asleep is NULL", error, capacity);
     return kError;
@@ -105,9 +83,10 @@ __attribute__((visibility("default"))) int ccalloc_torch_pool_is_asleep(int devi
   });
 }
 
-__attribute__((visibility("default"))) int ccalloc_torch_pool_sleep_info(
-    int device, std::uint64_t first, std::uint64_t second, ccalloc_torch_sleep_info* info,
-    char* error, std::size_t capacity) {
+CCALLOC_TORCH_EXPORT int ccalloc_torch_pool_sleep_info(int device, std::uint64_t first,
+                                                       std::uint64_t second,
+                                                       ccalloc_torch_sleep_info* info, char* error,
+                                                       std::size_t capacity) {
   if (info == nullptr) {
     copy_message("ccalloc_torch_pool_sleep_info: info is NULL", error, capacity);
     return kError;
