@@ -850,7 +850,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
 
   // The engine of `device` (created on first use), for sleep_api.cpp's entry points: a
   // device that does not exist is a ccalloc::Error, as their other misuse.
-  ccalloc::Allocator& engine(int device) {
+  ccalloc::Allocator& device_engine(int device) {
     const int devices = device_count();
     if (device < 0 || device >= devices) {
       throw ccalloc::Error("ccalloc: no CUDA device " + std::to_string(device) +
@@ -1160,7 +1160,7 @@ Allocator& native_allocator(int device) {
     C10_CUDA_CHECK(c10::cuda::GetDevice(&current));
     device = current;
   }
-  return g_allocator->engine(device);
+  return g_allocator->device_engine(device);
 }
 
 }  // namespace ccalloc::torch_bridge
