@@ -99,6 +99,39 @@ TEST(Invariants, PoolSegmentCountThatDisagreesBreaksPrivatePoolBlocks) {
   rig.engine.free(a);
 }
 
+TEST(Invariants, SleepStateThatDisagreesWithTheMemoryBreaksSleepablePools) {
+  Rig rig;
+  const ccalloc::PoolId id{0, 1};
+  rig.engine.create_sleepable_pool(id);
+  rig.engine.begin_allocate_to_pool(id, [](ccalloc::StreamId) { return true; });
+  const DevicePtr a = rig.engine.malloc(4 << 20, 0);
+  rig.engine.end_allocate_to_pool(id);
+  EXPECT_EQ(rig.failure(), "");
+  ccalloc::core::PrivatePool& pool = EngineTestAccess::pool(rig.engine, id);
+  // Marked asleep while its memory is still mapped.
+  pool.asleep = true;
+  std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "sleepable_pools")) << message;
+  EXPECT_NE(message.find("of pool (0, 1) has physical memory while the pool sleeps"),
+            std::string::npos)
+      << message;
+  pool.asleep = false;
+  EXPECT_EQ(rig.failure(), "");
+  // Saved contents kept by an awake pool.
+  pool.sleepable->saved().ranges[a] = {0, 4 << 20};
+  message = rig.failure();
+  EXPECT_TRUE(names(message, "sleepable_pools")) << message;
+  EXPECT_NE(message.find("pool (0, 1) is awake but holds saved contents"), std::string::npos)
+      << message;
+  pool.sleepable->saved().ranges.clear();
+  EXPECT_EQ(rig.failure(), "");
+  // Asleep for real: consistent.
+  rig.engine.sleep_pool(id, ccalloc::SleepMode::kDiscard);
+  EXPECT_EQ(rig.failure(), "");
+  rig.engine.wake_pool(id);
+  rig.engine.free(a);
+}
+
 TEST(Invariants, BlockThatOverrunsItsNeighbourBreaksTiling) {
   Rig rig;
   const DevicePtr a = rig.engine.malloc(512, 0);

@@ -40,6 +40,10 @@
 // contents (write/read, zero until written), so a test can see that both sides of a
 // sharing see the same bytes. Imported memory counts against the exporter's capacity only.
 //
+// Host memory and copies (docs/simulated-gpu.md, "Host memory and copies"): pinned host
+// memory is plain memory bounded by Options::host_capacity; copy_to_host / copy_to_device
+// move the contents write() and read() see, so a sleeping pool's saved bytes can be checked.
+//
 // Thread safety: all methods are safe to call concurrently.
 #pragma once
 

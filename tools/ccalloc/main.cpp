@@ -395,7 +395,7 @@ int run_summary(const std::string& path, int device) {
                   viz_size(static_cast<double>(seg_allocated)).c_str(),
                   viz_size(static_cast<double>(seg_free)).c_str(),
                   viz_size(static_cast<double>(largest)).c_str(), fragmentation,
-                  seg.is_expandable ? "  (expandable)" : "");
+                  seg.is_expandable ? "  (expandable)" : seg.is_asleep ? "  (asleep)" : "");
     std::cout << line;
   }
   const std::int64_t total_free = free_external + free_internal;
