@@ -1,11 +1,13 @@
-// The engine side of pool_bridge.hpp. Private pools, CUDA graph capture and pool
-// checkpoints are served by the engine's pool API (ccalloc::Allocator::create_pool and the
-// rest; a backend without pools throws ccalloc::Error naming itself). Live reconfiguration
+// The engine side of pool_bridge.hpp. Private pools, CUDA graph capture, pool checkpoints
+// and sleepable pools are served by the engine's pool API (ccalloc::Allocator::create_pool,
+// create_sleepable_pool and the rest; a backend without pools throws ccalloc::Error naming
+// itself). Live reconfiguration
 // is served by the native engine (src/core/reconfigure.cpp) and the cudaMallocAsync
 // backend; sharing expandable segments is in ipc_bridge.cpp.
 #include "pool_bridge.hpp"
 
 #include <algorithm>
+#include <string>
 
 #include "core/backend_access.hpp"
 
@@ -31,9 +33,29 @@ struct BridgeCheckpoint final : PoolCheckpoint {
   std::shared_ptr<const ccalloc::PoolCheckpoint> engine;
 };
 
+// This thread's pending request_sleepable_pool.
+thread_local bool t_sleepable_requested = false;
+
 }  // namespace
 
+bool request_sleepable_pool(bool enable) {
+  const bool pending = t_sleepable_requested;
+  t_sleepable_requested = enable;
+  return pending;
+}
+
 void create_or_incref_pool(Allocator& allocator, PoolId id, std::optional<SegmentSource> source) {
+  if (t_sleepable_requested) {
+    t_sleepable_requested = false;
+    if (source) {
+      throw Error("ccalloc: pool " + ccalloc::to_string(to_engine(id)) +
+                  " was asked to be sleepable but takes its segments from another allocator "
+                  "(MemPool(allocator=...)); a sleepable pool's segments are ccalloc's CUDA "
+                  "virtual memory");
+    }
+    allocator.create_sleepable_pool(to_engine(id));
+    return;
+  }
   std::optional<ccalloc::SegmentSource> engine_source;
   if (source) {
     // PyTorch's raw_delete takes only the pointer.
@@ -86,6 +108,18 @@ PoolRestore restore_pool(Allocator& allocator, const PoolCheckpoint& checkpoint)
   if (c == nullptr || !c->engine) throw Error("ccalloc: restore_pool: not a ccalloc checkpoint");
   ccalloc::PoolRestore r = allocator.restore_pool(*c->engine);
   return PoolRestore{std::move(r.freed), std::move(r.allocated)};
+}
+void sleep_pool(Allocator& allocator, PoolId id, bool save_contents) {
+  allocator.sleep_pool(to_engine(id), save_contents ? SleepMode::kSave : SleepMode::kDiscard);
+}
+void wake_pool(Allocator& allocator, PoolId id) {
+  allocator.wake_pool(to_engine(id));
+}
+bool pool_asleep(Allocator& allocator, PoolId id) {
+  return allocator.pool_asleep(to_engine(id));
+}
+PoolSleepInfo pool_sleep_info(Allocator& allocator, PoolId id) {
+  return allocator.pool_sleep_info(to_engine(id));
 }
 void reconfigure(Allocator& allocator, const Config& config) {
   if (!core::reconfigure(allocator, config)) {

@@ -72,6 +72,25 @@ std::vector<SegmentInfo> pool_segments(Allocator& allocator, PoolId id);
 // The pool that owns the segment starting at `segment_address`.
 PoolId segment_pool(Allocator& allocator, DevicePtr segment_address);
 
+// --- Sleepable pools (docs/sleep-wake.md, "PyTorch"). ---
+// torch.cuda.MemPool() creates its pool in its constructor (createOrIncrefPool), before
+// Python holds the object. While a request is set on a thread, the next pool that
+// create_or_incref_pool creates on that thread is created sleepable
+// (Allocator::create_sleepable_pool) and the request is consumed; a request with a segment
+// source (MemPool(allocator=...)) throws Error instead, since a sleepable pool's segments
+// must be CUDA virtual memory. Sets (`enable`) or clears the calling thread's request and
+// returns whether one was pending before the call.
+bool request_sleepable_pool(bool enable);
+void sleep_pool(Allocator& allocator, PoolId id, bool save_contents);
+void wake_pool(Allocator& allocator, PoolId id);
+bool pool_asleep(Allocator& allocator, PoolId id);
+PoolSleepInfo pool_sleep_info(Allocator& allocator, PoolId id);
+
+// --- Provided by the adapter (torch_allocator.cpp) for the C entry points. ---
+// The engine serving `device` (-1: the current device) for PyTorch. Error when ccalloc is
+// not PyTorch's CUDA allocator (not installed natively) or the device does not exist.
+Allocator& native_allocator(int device);
+
 // --- Checkpoints of a pool (cudagraph trees). ---
 struct PoolCheckpoint {
   virtual ~PoolCheckpoint() = default;

@@ -846,7 +846,18 @@ class TorchAllocator final : public c10a::CUDAAllocator {
 
   std::string name() override { return "ccalloc"; }
 
-  // --- Used by the deleter and the install entry point. ---
+  // --- Used by the deleter, the install entry point and the sleep entry points. ---
+
+  // The engine of `device` (created on first use), for sleep_api.cpp's entry points: a
+  // device that does not exist is a ccalloc::Error, as their other misuse.
+  ccalloc::Allocator& device_engine(int device) {
+    const int devices = device_count();
+    if (device < 0 || device >= devices) {
+      throw ccalloc::Error("ccalloc: no CUDA device " + std::to_string(device) +
+                           " (this process sees " + std::to_string(devices) + ")");
+    }
+    return allocator(device);
+  }
 
   void free(void* ptr) {
     if (ptr == nullptr) return;
@@ -1135,6 +1146,24 @@ void copy_error(const char* message, char* error, size_t capacity) {
 }
 
 }  // namespace
+
+namespace ccalloc::torch_bridge {
+
+Allocator& native_allocator(int device) {
+  if (g_allocator == nullptr || c10a::allocator.load() != g_allocator) {
+    throw Error(
+        "ccalloc is not PyTorch's CUDA allocator: sleepable pools need ccalloc installed "
+        "natively (ccalloc_torch.install() with libccalloc_torch.so built for this torch)");
+  }
+  if (device < 0) {
+    c10::DeviceIndex current = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&current));
+    device = current;
+  }
+  return g_allocator->device_engine(device);
+}
+
+}  // namespace ccalloc::torch_bridge
 
 extern "C" {
 

@@ -57,6 +57,30 @@ if how in ("native", "hooks"):
     torch.cuda.empty_cache()  # through the reset hook
     checks["torch.cuda.empty_cache() reached ccalloc"] = (
         ccalloc_torch.stats()["reserved_bytes.all.current"] < after["reserved_bytes.all.current"])
+if how == "native":
+    # A sleepable pool (docs/sleep-wake.md#pytorch): no device memory while asleep, the same
+    # bytes at the same address after the wake.
+    pool = ccalloc_torch.SleepablePool()
+    with pool:
+        w = torch.arange(16 << 20, dtype=torch.int32, device="cuda")  # 64 MiB
+    ptr = w.data_ptr()
+    torch.cuda.synchronize()
+    reserved_awake = ccalloc_torch.stats()["reserved_bytes.all.current"]
+    pool.sleep(offload=True)
+    info = pool.info()
+    checks["a sleeping pool holds no device memory and saved its 64 MiB"] = (
+        info.asleep and info.physical_bytes == 0 and info.saved_bytes == info.live_bytes == 64 << 20
+        and reserved_awake - ccalloc_torch.stats()["reserved_bytes.all.current"] == info.segment_bytes)
+    pool.wake()
+    checks["a woken pool has the same bytes at the same address"] = (
+        not pool.asleep and w.data_ptr() == ptr
+        and torch.equal(w.cpu(), torch.arange(16 << 20, dtype=torch.int32)))
+else:
+    try:
+        ccalloc_torch.SleepablePool()
+        checks["SleepablePool refuses without the native install"] = False
+    except RuntimeError as e:
+        checks["SleepablePool refuses without the native install"] = "installed natively" in str(e)
 failed = [name for name, ok in checks.items() if not ok]
 for name, ok in checks.items():
     print(("ok   " if ok else "FAIL ") + name)

@@ -18,12 +18,25 @@ install() tries, in order:
 With the last two, torch.cuda.memory_stats() and friends do not work: use this module's
 stats(), memory_summary(), record_history() and dump_snapshot() instead.
 
+Sleepable pools (installed natively only): a SleepablePool is a torch.cuda.MemPool whose
+physical memory can be released while its addresses stay reserved, and mapped again later
+with the same contents, so tensors and CUDA graphs that captured its addresses stay valid:
+
+    weights = ccalloc_torch.SleepablePool()
+    with weights:                    # or torch.cuda.use_mem_pool(weights.pool)
+        model = build_model().cuda()
+    ...                              # capture graphs, serve
+    weights.sleep(offload=True)      # GPU memory back to the device, contents to pinned host
+    ...                              # the memory serves something else
+    weights.wake()                   # same addresses, same bytes
+
 The configuration comes from CCALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF, else
 PYTORCH_ALLOC_CONF), in PyTorch's grammar. Libraries are looked up next to this module (where
 `pip install` puts them), then in CCALLOC_LIBRARY_DIR, then in the build folders of the
 repository this module lives in.
 """
 
+import collections
 import ctypes
 import glob
 import json
@@ -34,9 +47,11 @@ __all__ = [
     "install", "installed", "library_dir", "stats", "memory_summary", "memory_reserved",
     "max_memory_reserved", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
     "empty_cache", "set_memory_fraction", "record_history", "dump_snapshot", "annotate",
+    "SleepablePool", "PoolSleepInfo", "sleep_pool", "wake_pool", "pool_asleep", "pool_sleep_info",
 ]
 
 _lib = None
+_native_lib = None  # libccalloc_torch.so once installed natively
 _installed = None  # "native", "hooks" or "pluggable" once installed
 _pluggable = None  # keeps torch's allocator object alive in the fallback path
 
@@ -104,7 +119,7 @@ def install(native=True):
 
     native=False skips libccalloc_torch.so and installs through CUDAPluggableAllocator.
     Returns how it was installed (see installed())."""
-    global _installed, _pluggable
+    global _installed, _pluggable, _native_lib
     if _installed:
         return _installed
     import torch  # noqa: F401  (the libraries below need torch's libraries loaded)
@@ -115,6 +130,7 @@ def install(native=True):
             error = ctypes.create_string_buffer(4096)
             if lib.ccalloc_torch_native_install(error, len(error)) != 0:
                 raise RuntimeError("ccalloc_torch.install: " + error.value.decode(errors="replace"))
+            _native_lib = lib
             _installed = "native"
             return _installed
     plain = _library()
@@ -285,3 +301,180 @@ def annotate(name, start=True, device=None):
             opened.pop().__exit__(None, None, None)
         return
     _check(_library().ccalloc_annotate(_device(device), name.encode(), int(start)))
+
+
+# --- Sleep and wake of pools (docs/sleep-wake.md) ---
+
+class _SleepInfoStruct(ctypes.Structure):
+    _fields_ = [("asleep", ctypes.c_int), ("segment_bytes", ctypes.c_size_t),
+                ("physical_bytes", ctypes.c_size_t), ("saved_bytes", ctypes.c_size_t),
+                ("live_bytes", ctypes.c_size_t)]
+
+
+PoolSleepInfo = collections.namedtuple(
+    "PoolSleepInfo", ["asleep", "segment_bytes", "physical_bytes", "saved_bytes", "live_bytes"])
+PoolSleepInfo.__doc__ = """The sleep state of a sleepable pool, in bytes.
+
+asleep:          whether the pool sleeps
+segment_bytes:   its segments (address ranges reserved for it, asleep or not)
+physical_bytes:  of which backed by physical memory now (0 while asleep)
+saved_bytes:     pinned host memory holding its saved contents (while asleep after
+                 sleep(offload=True))
+live_bytes:      its live allocations (block sizes)"""
+
+_sleep_prototypes_set = False
+
+
+def _sleep_library(what):
+    """libccalloc_torch.so with the sleep entry points, or a RuntimeError saying why not."""
+    global _sleep_prototypes_set
+    if _installed != "native":
+        how = ("ccalloc_torch.install() has not been called" if _installed is None
+               else f"ccalloc is installed as {_installed!r}, through torch's "
+                    "CUDAPluggableAllocator, which does not route torch.cuda.MemPool "
+                    "allocations to ccalloc's pools")
+        raise RuntimeError(f"ccalloc_torch.{what}: sleepable pools need ccalloc installed "
+                           f"natively (libccalloc_torch.so, ccalloc_torch.install()); {how}")
+    lib = _native_lib
+    if not _sleep_prototypes_set:
+        try:
+            lib.ccalloc_torch_request_sleepable_pool.argtypes = [ctypes.c_int]
+            lib.ccalloc_torch_request_sleepable_pool.restype = ctypes.c_int
+            pool = [ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64]
+            error = [ctypes.c_char_p, ctypes.c_size_t]
+            lib.ccalloc_torch_pool_sleep.argtypes = pool + [ctypes.c_int] + error
+            lib.ccalloc_torch_pool_wake.argtypes = pool + error
+            lib.ccalloc_torch_pool_is_asleep.argtypes = pool + [ctypes.POINTER(ctypes.c_int)] + error
+            lib.ccalloc_torch_pool_sleep_info.argtypes = (
+                pool + [ctypes.POINTER(_SleepInfoStruct)] + error)
+        except AttributeError as e:
+            raise RuntimeError(f"ccalloc_torch.{what}: this libccalloc_torch.so has no sleep "
+                               f"entry points ({e}): rebuild it") from None
+        _sleep_prototypes_set = True
+    return lib
+
+
+def _pool_call(what, function, pool, device, *args):
+    """Calls a sleep entry point on `pool` (a SleepablePool, a torch.cuda.MemPool or an id
+    tuple); raises torch.OutOfMemoryError or RuntimeError with ccalloc's message."""
+    lib = _sleep_library(what)
+    if isinstance(pool, SleepablePool):
+        device = pool.device if device is None else device
+        pool = pool.pool
+    first, second = pool if isinstance(pool, tuple) else pool.id
+    error = ctypes.create_string_buffer(2048)
+    status = getattr(lib, function)(_device(device), first, second, *args, error, len(error))
+    if status == 0:
+        return
+    message = error.value.decode(errors="replace")
+    if status == 2:
+        import torch
+        raise torch.cuda.OutOfMemoryError(message)
+    raise RuntimeError(message)
+
+
+def sleep_pool(pool, offload=True, device=None):
+    """Releases the GPU memory of a sleepable pool; its addresses stay reserved.
+
+    offload=True copies the bytes of the pool's live allocations to pinned host memory first
+    (wake_pool restores them); offload=False discards them. Waits for the device's work
+    first. Tensors in the pool must not be used until wake_pool; allocating into the pool
+    raises meanwhile. `pool`: a SleepablePool, a torch.cuda.MemPool or its id; `device`: the
+    device the pool was created on (default: the SleepablePool's, else the current device)."""
+    _pool_call("sleep_pool", "ccalloc_torch_pool_sleep", pool, device, int(bool(offload)))
+
+
+def wake_pool(pool, device=None):
+    """Maps GPU memory at the sleeping pool's addresses again and restores its saved bytes.
+    Raises torch.OutOfMemoryError, leaving the pool asleep, when the device cannot provide
+    the memory even after ccalloc's unused caches were returned."""
+    _pool_call("wake_pool", "ccalloc_torch_pool_wake", pool, device)
+
+
+def pool_asleep(pool, device=None):
+    """Whether the pool sleeps (False for a private pool that is not sleepable)."""
+    asleep = ctypes.c_int(0)
+    _pool_call("pool_asleep", "ccalloc_torch_pool_is_asleep", pool, device, ctypes.byref(asleep))
+    return bool(asleep.value)
+
+
+def pool_sleep_info(pool, device=None):
+    """The sleep state and sizes of a sleepable pool (PoolSleepInfo)."""
+    info = _SleepInfoStruct()
+    _pool_call("pool_sleep_info", "ccalloc_torch_pool_sleep_info", pool, device,
+               ctypes.byref(info))
+    return PoolSleepInfo(bool(info.asleep), info.segment_bytes, info.physical_bytes,
+                         info.saved_bytes, info.live_bytes)
+
+
+class SleepablePool:
+    """A torch.cuda.MemPool whose GPU memory can be released and brought back at the same
+    addresses (ccalloc installed natively only).
+
+    `pool` is the torch.cuda.MemPool itself: torch.cuda.use_mem_pool(sp.pool) routes the
+    current thread's allocations to it, as does `with sp:`; CUDA graphs may read and write
+    its tensors. sleep() releases its physical memory (optionally saving its live tensors'
+    bytes to pinned host memory), wake() maps memory at the same addresses again and restores
+    them. The pool follows MemPool's rules otherwise: it is released when the last reference
+    to the MemPool goes (its memory returns once its tensors are freed)."""
+
+    def __init__(self, device=None):
+        import torch
+        lib = _sleep_library("SleepablePool")
+        self.device = _torch_device(device).index
+        self._entered = []
+        # torch.cuda.MemPool() creates its pool in its constructor, on this thread, on the
+        # current device: the request makes ccalloc create that pool sleepable.
+        lib.ccalloc_torch_request_sleepable_pool(1)
+        try:
+            with torch.cuda.device(self.device):
+                self.pool = torch.cuda.MemPool()
+        finally:
+            pending = lib.ccalloc_torch_request_sleepable_pool(0)
+        if pending:
+            raise RuntimeError("ccalloc_torch.SleepablePool: torch.cuda.MemPool() did not create "
+                               "its pool through ccalloc's createOrIncrefPool; this torch is not "
+                               "supported")
+
+    @property
+    def id(self):
+        """The pool's id, torch.cuda.MemPool.id."""
+        return self.pool.id
+
+    @property
+    def asleep(self):
+        return pool_asleep(self)
+
+    def sleep(self, offload=True):
+        """See sleep_pool()."""
+        sleep_pool(self, offload)
+
+    def wake(self):
+        """See wake_pool()."""
+        wake_pool(self)
+
+    def info(self):
+        """See pool_sleep_info()."""
+        return pool_sleep_info(self)
+
+    def use_count(self):
+        return self.pool.use_count()
+
+    def snapshot(self):
+        """The pool's segments, as torch.cuda.MemPool.snapshot()."""
+        return self.pool.snapshot()
+
+    def __enter__(self):
+        """Routes the current thread's allocations on the pool's device to the pool
+        (torch.cuda.use_mem_pool)."""
+        import torch
+        context = torch.cuda.use_mem_pool(self.pool, self.device)
+        context.__enter__()
+        self._entered.append(context)
+        return self
+
+    def __exit__(self, *exc):
+        return self._entered.pop().__exit__(*exc)
+
+    def __repr__(self):
+        return f"SleepablePool(id={self.id}, device={self.device})"
