@@ -53,7 +53,8 @@ Config WithoutSource(Config c) {
 // ---------------------------------------------------------------------------------------
 // Defaults
 
-TEST(ConfigDefaults, MemberInitialisersArePyTorchNativeDefaults) {
+// ccalloc's defaults: PyTorch's native defaults but for expandable segments, which are on.
+TEST(ConfigDefaults, MemberInitialisersArePyTorchNativeDefaultsWithExpandableSegments) {
   const Config c;
   EXPECT_EQ(c.preset, "ccalloc");
   EXPECT_EQ(c.backend, BackendKind::kNative);
@@ -62,7 +63,7 @@ TEST(ConfigDefaults, MemberInitialisersArePyTorchNativeDefaults) {
   EXPECT_EQ(c.large_segment_size, 20 * kMiB);
   EXPECT_EQ(c.roundup_power2_divisions, Table{});
   EXPECT_EQ(c.garbage_collection_threshold, 0.0);
-  EXPECT_FALSE(c.expandable_segments);
+  EXPECT_TRUE(c.expandable_segments);
   EXPECT_FALSE(c.release_lock_on_cudamalloc);
   EXPECT_EQ(c.per_process_memory_fraction, 1.0);
   EXPECT_FALSE(c.graph_capture_record_stream_reuse);
@@ -600,10 +601,23 @@ TEST_F(ConfigEnvironmentTest, ErrorNamesTheVariableTheStringCameFrom) {
 TEST(ConfigToString, DefaultsAreWrittenInFull) {
   EXPECT_EQ(Config{}.to_string(),
             "ccalloc,backend:native,max_non_split_rounding_mb:20,large_segment_size_mb:20,"
-            "roundup_power2_divisions:0,expandable_segments:False,"
+            "roundup_power2_divisions:0,expandable_segments:True,"
             "release_lock_on_cudamalloc:False,per_process_memory_fraction:1,"
             "graph_capture_record_stream_reuse:False,pinned_use_cuda_host_register:False,"
             "pinned_num_register_threads:1,pinned_use_background_threads:False,uncached:False");
+}
+
+TEST(ConfigPreset, CcallocPresetDiffersFromPytorchInExpandableSegmentsOnly) {
+  Config ccalloc = WithoutSource(Config::parse("ccalloc"));
+  Config pytorch = WithoutSource(Config::parse("pytorch"));
+  EXPECT_TRUE(ccalloc.expandable_segments);
+  EXPECT_FALSE(pytorch.expandable_segments);
+  ccalloc.expandable_segments = false;
+  ccalloc.preset = pytorch.preset;
+  EXPECT_EQ(ccalloc, pytorch);
+  // Either can be set explicitly in either preset.
+  EXPECT_FALSE(Config::parse("ccalloc,expandable_segments:False").expandable_segments);
+  EXPECT_TRUE(Config::parse("pytorch,expandable_segments:True").expandable_segments);
 }
 
 TEST(ConfigToString, NonUniformRoundupTableIsWrittenInBracketForm) {

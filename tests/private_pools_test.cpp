@@ -41,7 +41,8 @@ constexpr PoolId kPool{0, 1};
 constexpr PoolId kGraphPool{7, 0};
 
 struct Fixture {
-  explicit Fixture(const std::string& conf = "", std::size_t capacity = kGiB)
+  // PyTorch's native policy unless a test says otherwise: the addresses below are its.
+  explicit Fixture(const std::string& conf = "pytorch", std::size_t capacity = kGiB)
       : driver(make_options(capacity)), alloc(driver, Config::parse(conf)) {
     alloc.set_check_invariants(true);
   }
@@ -171,7 +172,7 @@ TEST(PrivatePools, UseCountZeroLetsEmptyCacheReturnThePoolsSegments) {
 TEST(PrivatePools, UseOnOomLendsThePoolsFreeBlockToADefaultRequest) {
   for (const bool use_on_oom : {false, true}) {
     SCOPED_TRACE(use_on_oom);
-    Fixture f("", 64 * kMiB);
+    Fixture f("pytorch", 64 * kMiB);
     f.alloc.create_pool(kPool);
     f.alloc.set_pool_use_on_oom(kPool, use_on_oom);
     f.alloc.begin_allocate_to_pool(kPool, [](StreamId) { return true; });
@@ -218,7 +219,7 @@ TEST(PrivatePools, NoSplitGivesEachAllocationAWholeBlock) {
 }
 
 TEST(PrivatePools, ASegmentSourceProvidesAndTakesBackThePoolsSegments) {
-  for (const std::string conf : {"", "expandable_segments:True"}) {
+  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True"}) {
     SCOPED_TRACE(conf);
     Fixture f(conf);
     std::vector<std::pair<DevicePtr, std::size_t>> given;
@@ -286,7 +287,7 @@ TEST(PrivatePools, CrossStreamFreesDuringCaptureWaitUntilItEnds) {
 }
 
 TEST(PrivatePools, OomDuringCaptureFreesNothingAndTheAllocatorStaysUsable) {
-  for (const std::string conf : {"", "expandable_segments:True"}) {
+  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True"}) {
     SCOPED_TRACE(conf);
     Fixture f(conf, 64 * kMiB);
     const DevicePtr cached = f.alloc.malloc(40 * kMiB, 1);
@@ -337,7 +338,7 @@ TEST(PrivatePools, ExpandableSegmentsKeepPoolsApart) {
 }
 
 TEST(PrivatePools, CheckpointRestoresTheLayoutAndTheLiveBlocks) {
-  for (const std::string conf : {"", "expandable_segments:True"}) {
+  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True"}) {
     SCOPED_TRACE(conf);
     Fixture f(conf);
     f.begin(kGraphPool, 1);
@@ -464,7 +465,7 @@ TEST(PrivatePools, CudaMallocAsyncCapturesOnTheCapturingStream) {
 // invariants (checked after each operation) include that a pool's blocks stay in its own
 // arenas, and each live pointer must belong to the pool it was allocated in.
 TEST(PrivatePools, RandomizedOperationsKeepPoolsApart) {
-  for (const std::string conf : {"", "expandable_segments:True"}) {
+  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True"}) {
     SCOPED_TRACE(conf);
     Fixture f(conf, 512 * kMiB);
     std::mt19937_64 rng(42);

@@ -43,7 +43,7 @@ std::vector<unsigned char> pattern(std::size_t n, unsigned seed) {
 }
 
 struct Fixture {
-  explicit Fixture(std::size_t capacity = kGiB, const std::string& conf = "")
+  explicit Fixture(std::size_t capacity = kGiB, const std::string& conf = "pytorch")
       : driver(options(capacity)), alloc(driver, Config::parse(conf)) {
     alloc.set_check_invariants(true);
   }
@@ -385,7 +385,7 @@ TEST(SleepWake, NoPinnedHostMemoryMeansNoSleep) {
   o.capacity = kGiB;
   o.host_capacity = 3 * kMiB;
   sim::SimDriver driver(o);
-  Allocator alloc(driver, Config::parse(""));
+  Allocator alloc(driver, Config::parse("pytorch"));
   alloc.set_check_invariants(true);
   alloc.create_sleepable_pool(kPool);
   alloc.begin_allocate_to_pool(kPool, [](StreamId) { return true; });
@@ -545,7 +545,7 @@ TEST(SleepWake, RepeatedCyclesKeepContentsAndReturnEverything) {
 TEST(SleepWake, DestroyingTheAllocatorReturnsSleepingMemoryAndSavedContents) {
   sim::SimDriver driver;
   {
-    Allocator alloc(driver, Config::parse(""));
+    Allocator alloc(driver, Config::parse("pytorch"));
     alloc.create_sleepable_pool(kPool);
     alloc.begin_allocate_to_pool(kPool, [](StreamId) { return true; });
     alloc.malloc(4 * kMiB);

@@ -42,7 +42,11 @@ struct Config {
   // Age-based release of cached segments once reserved memory exceeds this fraction of the
   // memory limit (the per-process fraction if set, else device capacity). 0 disables.
   double garbage_collection_threshold = 0.0;
-  bool expandable_segments = false;
+  // Segments on CUDA virtual memory that grow by pages instead of new cudaMalloc segments.
+  // On by default in the `ccalloc` preset (off in `pytorch`, as in PyTorch): until the
+  // stitching policy below serves private pools, this is the setting that saves memory on
+  // real workloads while every PyTorch feature keeps working (docs/ccalloc-policy.md).
+  bool expandable_segments = true;
   // The `ccalloc` policy (src/core/stitch_engine.hpp): physical memory in pieces of the
   // mapping granularity, stitched into the address ranges that need them
   // (`stitch_segments:True`; off by default until it keeps the hot path's speed and thread

@@ -55,7 +55,8 @@ Config pytorch_defaults() {
 }
 
 // ccalloc's defaults are Config's member initialisers, so that `Config{}` and `parse("")`
-// agree whatever those become. Today they differ from pytorch_defaults() in the name only.
+// agree whatever those become. Today they differ from pytorch_defaults() in the name and in
+// expandable_segments (on).
 Config ccalloc_defaults() {
   return Config{};
 }
