@@ -282,6 +282,10 @@ class SimDriver final : public Driver {
  private:
   // Throws when a capture is underway; `what` names the call. mutex_ held.
   void forbid_during_capture(const char* what) const;
+  // Checks and charges one host copy of `bytes` (copy_to_host / copy_to_device; `what`
+  // names it) and counts it in `copies` / `copied`. mutex_ held.
+  void charge_copy(const char* what, std::size_t bytes, std::uint64_t& copies,
+                   std::uint64_t& copied);
   struct Event {
     bool recorded = false;
     StreamId stream = 0;

@@ -243,6 +243,22 @@ class DeviceCounters {
   unsigned long long* counters_ = nullptr;
 };
 
+// Free device memory as cudaMemGetInfo reports it.
+std::int64_t device_free_bytes() {
+  std::size_t free_bytes = 0, total = 0;
+  cuda_or_throw(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+  return static_cast<std::int64_t>(free_bytes);
+}
+
+// Launches the fill and verify kernels once on nothing: lazy module loading takes device
+// memory on a kernel's first launch, which a test that measures free memory must not see.
+cudaError_t load_kernels(const DeviceCounters& counters) {
+  cudaError_t err = launch_fill(0, 0, 0, nullptr);
+  if (err == cudaSuccess) err = launch_verify(0, 0, 0, nullptr, counters.at(0));
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  return err;
+}
+
 // ---------------------------------------------------------------------------------------
 // One device allocator per test, under each configuration.
 
@@ -779,16 +795,8 @@ TEST(ExpandableSegmentsGpu, EmptyCacheReturnsUnmappedPagesToTheDevice) {
   ccalloc::cuda::CudaDriver drv(0);
   ccalloc::Allocator alloc(drv, ccalloc::Config::parse("pytorch,expandable_segments:True"));
   DeviceCounters counters(1);
-  // Load the kernels first: lazy module loading takes device memory on the first launch.
-  ASSERT_CUDA(launch_fill(0, 0, 0, nullptr));
-  ASSERT_CUDA(launch_verify(0, 0, 0, nullptr, counters.at(0)));
-  ASSERT_CUDA(cudaDeviceSynchronize());
-  auto device_free = [] {
-    std::size_t free_bytes = 0, total = 0;
-    cuda_or_throw(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
-    return static_cast<std::int64_t>(free_bytes);
-  };
-  const std::int64_t free0 = device_free();
+  ASSERT_CUDA(load_kernels(counters));
+  const std::int64_t free0 = device_free_bytes();
   if (free0 < static_cast<std::int64_t>(kBytes + 2 * kGiB)) {
     GTEST_SKIP() << "needs " << kBlocks + 2 << " GiB of free device memory";
   }
@@ -808,7 +816,7 @@ TEST(ExpandableSegmentsGpu, EmptyCacheReturnsUnmappedPagesToTheDevice) {
   ASSERT_NO_THROW(counts = counters.read());
   EXPECT_EQ(counts[0], 0u) << "mismatching words in the mapped pages";
 
-  const std::int64_t free1 = device_free();
+  const std::int64_t free1 = device_free_bytes();
   const ccalloc::DeviceStats mapped = alloc.stats();
   const std::int64_t reserved = mapped.reserved_bytes[kAggregate].current;
   EXPECT_GE(reserved, static_cast<std::int64_t>(kBytes));
@@ -825,9 +833,9 @@ TEST(ExpandableSegmentsGpu, EmptyCacheReturnsUnmappedPagesToTheDevice) {
     alloc.free(p);
   // Freed blocks stay mapped and cached until empty_cache.
   EXPECT_EQ(alloc.stats().reserved_bytes[kAggregate].current, reserved);
-  const std::int64_t free2 = device_free();
+  const std::int64_t free2 = device_free_bytes();
   alloc.empty_cache();
-  const std::int64_t free3 = device_free();
+  const std::int64_t free3 = device_free_bytes();
   const std::int64_t reserved_after = alloc.stats().reserved_bytes[kAggregate].current;
   EXPECT_EQ(reserved_after, 0) << "every page was wholly free";
   EXPECT_TRUE(alloc.segments().empty());
@@ -1181,16 +1189,8 @@ TEST(SleepWakeGpu, SleepReleasesMemoryAndWakeRestoresContentsAndGraphs) {
   ccalloc::Allocator alloc(drv, ccalloc::Config::parse("pytorch"));
   alloc.set_check_invariants(true);
   DeviceCounters counters(kAllocs + 2);
-  // Load the kernels first: lazy module loading takes device memory on the first launch.
-  ASSERT_CUDA(launch_fill(0, 0, 0, nullptr));
-  ASSERT_CUDA(launch_verify(0, 0, 0, nullptr, counters.at(0)));
-  ASSERT_CUDA(cudaDeviceSynchronize());
-  auto device_free = [] {
-    std::size_t free_bytes = 0, total = 0;
-    cuda_or_throw(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
-    return static_cast<std::int64_t>(free_bytes);
-  };
-  if (device_free() < static_cast<std::int64_t>(3 * kSlept)) {
+  ASSERT_CUDA(load_kernels(counters));
+  if (device_free_bytes() < static_cast<std::int64_t>(3 * kSlept)) {
     GTEST_SKIP() << "needs 3 GiB of free device memory";
   }
   cudaStream_t s = nullptr;
@@ -1222,11 +1222,11 @@ TEST(SleepWakeGpu, SleepReleasesMemoryAndWakeRestoresContentsAndGraphs) {
   ASSERT_CUDA(cudaGraphInstantiateWithFlags(&exec, graph, 0));
   ASSERT_CUDA(cudaStreamSynchronize(s));
 
-  const std::int64_t free_awake = device_free();
+  const std::int64_t free_awake = device_free_bytes();
   const std::int64_t reserved_awake = alloc.stats().reserved_bytes[kAggregate].current;
   alloc.sleep_pool(pool, ccalloc::SleepMode::kSave);
   ASSERT_TRUE(alloc.pool_asleep(pool));
-  const std::int64_t free_asleep = device_free();
+  const std::int64_t free_asleep = device_free_bytes();
   EXPECT_GE(free_asleep - free_awake, static_cast<std::int64_t>(0.95 * kSlept))
       << "cudaMemGetInfo free grew by " << (free_asleep - free_awake) << " bytes";
   EXPECT_LE(alloc.stats().reserved_bytes[kAggregate].current,

@@ -54,14 +54,19 @@ std::size_t SimDriver::host_bytes() const {
   return host_bytes_;
 }
 
+void SimDriver::charge_copy(const char* what, std::size_t bytes, std::uint64_t& copies,
+                            std::uint64_t& copied) {
+  forbid_during_capture(what);
+  ++copies;
+  copied += bytes;
+  driver_us_ +=
+      options_.cost.copy_latency_us + static_cast<double>(bytes) / options_.cost.copy_bytes_per_us;
+}
+
 void SimDriver::copy_to_host(void* dst, DevicePtr src, std::size_t bytes) {
   {
     std::lock_guard lock(mutex_);
-    forbid_during_capture("copy_to_host");
-    ++counters_.copies_to_host;
-    counters_.bytes_to_host += bytes;
-    driver_us_ += options_.cost.copy_latency_us +
-                  static_cast<double>(bytes) / options_.cost.copy_bytes_per_us;
+    charge_copy("copy_to_host", bytes, counters_.copies_to_host, counters_.bytes_to_host);
   }
   read(src, dst, bytes);
 }
@@ -69,11 +74,7 @@ void SimDriver::copy_to_host(void* dst, DevicePtr src, std::size_t bytes) {
 void SimDriver::copy_to_device(DevicePtr dst, const void* src, std::size_t bytes) {
   {
     std::lock_guard lock(mutex_);
-    forbid_during_capture("copy_to_device");
-    ++counters_.copies_to_device;
-    counters_.bytes_to_device += bytes;
-    driver_us_ += options_.cost.copy_latency_us +
-                  static_cast<double>(bytes) / options_.cost.copy_bytes_per_us;
+    charge_copy("copy_to_device", bytes, counters_.copies_to_device, counters_.bytes_to_device);
   }
   write(dst, src, bytes);
 }
