@@ -604,20 +604,26 @@ TEST(ConfigToString, DefaultsAreWrittenInFull) {
             "roundup_power2_divisions:0,expandable_segments:True,"
             "release_lock_on_cudamalloc:False,per_process_memory_fraction:1,"
             "graph_capture_record_stream_reuse:False,pinned_use_cuda_host_register:False,"
-            "pinned_num_register_threads:1,pinned_use_background_threads:False,uncached:False");
+            "pinned_num_register_threads:1,pinned_use_background_threads:False,uncached:False,"
+            "stitch_segments:True");
 }
 
-TEST(ConfigPreset, CcallocPresetDiffersFromPytorchInExpandableSegmentsOnly) {
+TEST(ConfigPreset, CcallocPresetDiffersFromPytorchInStitchingAndExpandableSegmentsOnly) {
   Config ccalloc = WithoutSource(Config::parse("ccalloc"));
   Config pytorch = WithoutSource(Config::parse("pytorch"));
+  EXPECT_TRUE(ccalloc.stitch_segments);
   EXPECT_TRUE(ccalloc.expandable_segments);
+  EXPECT_FALSE(pytorch.stitch_segments);
   EXPECT_FALSE(pytorch.expandable_segments);
+  ccalloc.stitch_segments = false;
   ccalloc.expandable_segments = false;
   ccalloc.preset = pytorch.preset;
   EXPECT_EQ(ccalloc, pytorch);
   // Either can be set explicitly in either preset.
   EXPECT_FALSE(Config::parse("ccalloc,expandable_segments:False").expandable_segments);
   EXPECT_TRUE(Config::parse("pytorch,expandable_segments:True").expandable_segments);
+  EXPECT_FALSE(Config::parse("ccalloc,stitch_segments:False").stitch_segments);
+  EXPECT_TRUE(Config::parse("pytorch,stitch_segments:True").stitch_segments);
 }
 
 TEST(ConfigToString, NonUniformRoundupTableIsWrittenInBracketForm) {

@@ -21,7 +21,10 @@ namespace ccalloc {
 namespace {
 
 TEST(PrivatePoolsConcurrency, CapturesBesideBusyStreamsStayApartAndSafe) {
-  for (const std::string conf : {"", "expandable_segments:True"}) {
+  // PyTorch's policy on native and on expandable segments; the stitching policy (the
+  // `ccalloc` preset) with its private pools on expandable and on native segments.
+  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True", "ccalloc",
+                                 "ccalloc,expandable_segments:False"}) {
     SCOPED_TRACE(conf);
     sim::Options o;
     o.capacity = std::size_t{4} << 30;

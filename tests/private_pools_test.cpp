@@ -287,7 +287,10 @@ TEST(PrivatePools, CrossStreamFreesDuringCaptureWaitUntilItEnds) {
 }
 
 TEST(PrivatePools, OomDuringCaptureFreesNothingAndTheAllocatorStaysUsable) {
-  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True"}) {
+  // ccalloc: the stitching policy's default pools beside private pools on expandable
+  // segments, or on native segments.
+  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True", "ccalloc",
+                                 "ccalloc,expandable_segments:False"}) {
     SCOPED_TRACE(conf);
     Fixture f(conf, 64 * kMiB);
     const DevicePtr cached = f.alloc.malloc(40 * kMiB, 1);
@@ -425,13 +428,6 @@ TEST(PrivatePools, MisuseIsReportedByName) {
             "ccalloc: begin_allocate_to_pool needs a stream filter");
 }
 
-TEST(PrivatePools, TheStitchingPolicyHasNone) {
-  Fixture f("stitch_segments:True");
-  EXPECT_EQ(message_of<Error>([&] { f.alloc.create_pool(kPool); }),
-            "ccalloc: the stitching policy (stitch_segments) has no private memory pools "
-            "(create_pool); use the native policy for CUDA graphs and MemPools");
-}
-
 TEST(PrivatePools, CudaMallocAsyncCapturesOnTheCapturingStream) {
   Fixture f("backend:cudaMallocAsync");
   const DevicePtr before = f.alloc.malloc(4096, 0);
@@ -465,7 +461,8 @@ TEST(PrivatePools, CudaMallocAsyncCapturesOnTheCapturingStream) {
 // invariants (checked after each operation) include that a pool's blocks stay in its own
 // arenas, and each live pointer must belong to the pool it was allocated in.
 TEST(PrivatePools, RandomizedOperationsKeepPoolsApart) {
-  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True"}) {
+  for (const std::string conf : {"pytorch", "pytorch,expandable_segments:True", "ccalloc",
+                                 "ccalloc,expandable_segments:False"}) {
     SCOPED_TRACE(conf);
     Fixture f(conf, 512 * kMiB);
     std::mt19937_64 rng(42);

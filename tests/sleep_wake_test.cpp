@@ -575,10 +575,6 @@ TEST(SleepWake, BackendsWithoutPoolsRefuseNamingThemselves) {
   EXPECT_NE(
       message_of<Error>([&] { async.create_sleepable_pool(kPool); }).find("create_sleepable_pool"),
       std::string::npos);
-  Allocator stitch(driver, Config::parse("stitch_segments:True"));
-  EXPECT_NE(
-      message_of<Error>([&] { stitch.sleep_pool(kPool, SleepMode::kSave); }).find("stitching"),
-      std::string::npos);
   Allocator uncached(driver, Config::parse("uncached:True"));
   EXPECT_NE(message_of<Error>([&] { uncached.create_sleepable_pool(kPool); }).find("uncached"),
             std::string::npos);

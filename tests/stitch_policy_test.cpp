@@ -44,9 +44,10 @@ struct Fixture {
   StitchEngine engine;
 };
 
-TEST(StitchPolicy, TheStitchSegmentsKeySelectsItAndNoPresetDoesYet) {
-  EXPECT_FALSE(Config::parse("").stitch_segments);
-  EXPECT_FALSE(Config::parse("ccalloc").stitch_segments);
+TEST(StitchPolicy, TheStitchSegmentsKeySelectsItAndTheCcallocPresetDoes) {
+  EXPECT_TRUE(Config::parse("").stitch_segments);
+  EXPECT_TRUE(Config::parse("ccalloc").stitch_segments);
+  EXPECT_FALSE(Config::parse("ccalloc,stitch_segments:False").stitch_segments);
   EXPECT_FALSE(Config::parse("pytorch").stitch_segments);
   EXPECT_TRUE(Config::parse("ccalloc,stitch_segments:True").stitch_segments);
   EXPECT_TRUE(Config::parse("pytorch,stitch_segments:True").stitch_segments);

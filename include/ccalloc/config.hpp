@@ -43,15 +43,16 @@ struct Config {
   // memory limit (the per-process fraction if set, else device capacity). 0 disables.
   double garbage_collection_threshold = 0.0;
   // Segments on CUDA virtual memory that grow by pages instead of new cudaMalloc segments.
-  // On by default in the `ccalloc` preset (off in `pytorch`, as in PyTorch): until the
-  // stitching policy below serves private pools, this is the setting that saves memory on
-  // real workloads while every PyTorch feature keeps working (docs/ccalloc-policy.md).
+  // On by default in the `ccalloc` preset (off in `pytorch`, as in PyTorch). Under the
+  // stitching policy below it applies to the private pools, which that policy leaves to
+  // PyTorch's rules (docs/ccalloc-policy.md).
   bool expandable_segments = true;
-  // The `ccalloc` policy (src/core/stitch_engine.hpp): physical memory in pieces of the
-  // mapping granularity, stitched into the address ranges that need them
-  // (`stitch_segments:True`; off by default until it keeps the hot path's speed and thread
-  // scaling). The native backend only; `uncached` takes precedence.
-  bool stitch_segments = false;
+  // The `ccalloc` policy (src/core/stitch_backend.hpp): physical memory in pieces of the
+  // mapping granularity, stitched into the address ranges that need them, for every
+  // default pool; private pools beside it. On by default in the `ccalloc` preset
+  // (`stitch_segments:False` gives PyTorch's policy on expandable segments). The native
+  // backend only; `uncached` and `backend:cudaMallocAsync` take precedence.
+  bool stitch_segments = true;
   // Address space reserved for each expandable segment: a fraction of device memory, or an
   // absolute size; at most (and by default) 9/8 of device memory. 0: the default.
   double expandable_segments_reserve_fraction = 0.0;

@@ -4,7 +4,7 @@
 
 #include "core/engine.hpp"
 #include "core/async_backend.hpp"
-#include "core/stitch_engine.hpp"
+#include "core/stitch_backend.hpp"
 
 namespace ccalloc {
 
@@ -295,7 +295,7 @@ std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
     return std::make_unique<AsyncBackend>(driver, std::move(config));
   }
   if (config.stitch_segments && !config.uncached) {
-    return std::make_unique<StitchEngine>(driver, std::move(config));
+    return std::make_unique<StitchBackend>(driver, std::move(config));
   }
   return std::make_unique<Engine>(driver, std::move(config));
 }

@@ -55,8 +55,8 @@ Config pytorch_defaults() {
 }
 
 // ccalloc's defaults are Config's member initialisers, so that `Config{}` and `parse("")`
-// agree whatever those become. Today they differ from pytorch_defaults() in the name and in
-// expandable_segments (on).
+// agree whatever those become. Today they differ from pytorch_defaults() in the name, in
+// stitch_segments (on) and in expandable_segments (on: the private pools' segments).
 Config ccalloc_defaults() {
   return Config{};
 }

@@ -80,6 +80,7 @@
 #include "core/block.hpp"
 #include "core/event_pool.hpp"
 #include "core/history.hpp"
+#include "core/published_size.hpp"
 #include "core/segment_map.hpp"
 #include "core/sleepable.hpp"
 #include "core/thread_annotations.hpp"
@@ -121,6 +122,14 @@ class Engine final : public Backend {
   void add_trace_observer(TraceObserver observer) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
+
+  // Beside the stitching policy (core/stitch_backend.hpp), which serves the default pools:
+  // the reserved bytes of that engine, counted against this one's memory limit; this
+  // engine's reserved bytes, read without its locks; and a use_on_oom pool's free block for
+  // a default-pool request the other engine could not serve (its address, or 0).
+  void set_peer_reserved(const std::atomic<std::size_t>* peer) { peer_reserved_.set(peer); }
+  const std::atomic<std::size_t>& published_reserved() const { return reserved_.published(); }
+  DevicePtr malloc_on_oom(std::size_t size, StreamId stream);
 
   // Private pools (pools.cpp).
   void create_pool(PoolId id, std::optional<SegmentSource> source) override;
@@ -403,7 +412,8 @@ class Engine final : public Backend {
   mutable Mutex device_mutex_ ACQUIRED_BEFORE(trace_mutex_);
   // segment, reserved_bytes, oversize_segments, counters
   DeviceStats device_stats_ GUARDED_BY(device_mutex_);
-  std::size_t reserved_ GUARDED_BY(device_mutex_) = 0;  // bytes held from the device
+  PublishedSize reserved_ GUARDED_BY(device_mutex_);  // bytes held from the device
+  PeerReserved peer_reserved_;  // the engine beside this one (stitch_backend.hpp)
   std::size_t capacity_ = 0;          // device memory, read once at construction
   // per_process_memory_fraction x capacity
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);

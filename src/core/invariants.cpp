@@ -429,7 +429,8 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
 
   Lock lock(device_mutex_);
   if (reserved_recount != reserved_) {
-    violation(kName, "reserved is %zu bytes but segments add up to %zu", reserved_,
+    violation(kName, "reserved is %zu bytes but segments add up to %zu",
+              static_cast<std::size_t>(reserved_),
               reserved_recount);
   }
   for (int t = 0; t < 3; ++t) {
@@ -491,7 +492,8 @@ void Engine::check_reserved_within_capacity() const {
   Lock lock(device_mutex_);
   if (reserved_ > capacity_) {
     violation("reserved_within_capacity",
-              "reserved %zu bytes exceeds the device capacity of %zu bytes", reserved_, capacity_);
+              "reserved %zu bytes exceeds the device capacity of %zu bytes",
+              static_cast<std::size_t>(reserved_), capacity_);
   }
 }
 

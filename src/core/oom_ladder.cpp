@@ -109,7 +109,7 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
   {
     Lock lock(device_mutex_);
     if (is_retry) ++device_stats_.num_alloc_retries;
-    if (limit_ && reserved_ + size > *limit_) return nullptr;
+    if (limit_ && reserved_ + peer_reserved_.bytes() + size > *limit_) return nullptr;
     if (whole) reserved_ += size;  // claimed before the driver call: streams see it
   }
   if (!whole) return allocate_expandable(arena, req);
@@ -268,6 +268,17 @@ void Engine::release_arena_cache(const AllArenasLock& all, Arena& arena, bool sm
       release_expandable_segment(arena, unmapped);
     }
   }
+}
+
+DevicePtr Engine::malloc_on_oom(std::size_t size, StreamId stream) {
+  if (size == 0 || size >= kOneExabyte || config_.uncached) return 0;
+  auto all = std::make_unique<AllArenasLock>(*this);
+  const Request req = make_request(size, stream);
+  const DevicePtr ptr = malloc_from_oom_pools(*all, req);
+  if (ptr != 0) settle_peak_debts(*all);
+  all.reset();
+  if (ptr != 0) after_operation();
+  return ptr;
 }
 
 DevicePtr Engine::malloc_from_oom_pools(const AllArenasLock& all, const Request& req) {

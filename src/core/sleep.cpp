@@ -229,7 +229,7 @@ bool Engine::back_pool(const AllArenasLock& all, PrivatePool& pool) {
   }
   {
     Lock lock(device_mutex_);
-    if (limit_ && reserved_ + total > *limit_) return false;
+    if (limit_ && reserved_ + peer_reserved_.bytes() + total > *limit_) return false;
     reserved_ += total;  // claimed before the driver calls, as allocate_segment does
   }
   std::size_t done = 0;

@@ -108,7 +108,12 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
       capture_on_malloc_.load(std::memory_order_relaxed) ? capture() : Origin{};
   const std::size_t rounded = round_size(size, config_);
   const bool small = is_small_size(rounded);
-  if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
+  // During a capture events may be neither recorded nor queried: pending frees wait.
+  if ((pending_events_.load(std::memory_order_relaxed) |
+       deferred_frees_.load(std::memory_order_relaxed)) != 0 &&
+      !capturing()) [[unlikely]] {
+    catch_up_events();
+  }
   Arena& arena = arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
@@ -132,9 +137,12 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
   arena.mutex.assert_held();
   Block* block = nullptr;
   Grow g = Grow::kDone;
+  // Nothing goes back to the device while a capture is underway: no GC, no waiting for
+  // events, no release of the cache (the ladder goes from the callbacks to the error).
+  const bool capture = capturing();
   {
     Lock device(device_mutex_);
-    g = grow(arena, small, rounded, /*gc_allowed=*/true, &block);
+    g = grow(arena, small, rounded, /*gc_allowed=*/!capture, &block);
   }
   if (g == Grow::kDone) {
     const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
@@ -149,7 +157,10 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
   auto all = std::make_unique<AllArenasLock>(*this);
   Lock device(device_mutex_);
   all->held(arena);
-  bool gc_done = false, callbacks_done = false, synchronized = false, released = false;
+  // The count is stable while any arena lock is held (begin_capture takes them all).
+  const bool capture_now = capturing();
+  bool gc_done = capture_now, callbacks_done = false, synchronized = capture_now,
+       released = capture_now;
   // The first round answers grow()'s result above; later ones search and grow again.
   bool retry = false;
   for (;; retry = true) {
@@ -161,8 +172,8 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
     }
     if (g == Grow::kDone) break;
     if (g == Grow::kNeedsGc) {
+      if (!gc_done) release_cache(*all);  // (gc_done from the start during a capture)
       gc_done = true;
-      release_cache(*all);
       continue;
     }
     if (!callbacks_done && has_free_memory_callbacks_.load(std::memory_order_relaxed)) {
@@ -177,13 +188,15 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
       bool freed = false;
       for (const auto& callback : callbacks)
         freed = callback() || freed;
-      if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
+      catch_up_events();
       all = std::make_unique<AllArenasLock>(*this);
       device.lock();
       all->held(arena);
+      if (capturing()) gc_done = synchronized = released = true;  // begun meanwhile
       if (freed) continue;
     }
-    if (!synchronized && pending_events_.load(std::memory_order_relaxed) > 0) {
+    if (!synchronized && (pending_events_.load(std::memory_order_relaxed) > 0 ||
+                          deferred_frees_.load(std::memory_order_relaxed) > 0)) {
       synchronized = true;
       synchronize_events(*all);
       continue;
@@ -238,6 +251,15 @@ void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
   }
   // Reuse waits for the work queued so far on every other stream that used the block.
   b->kind = Block::Kind::kPending;
+  if (capturing()) [[unlikely]] {  // no event may be recorded now
+    arena.deferred.push_back(b);
+    deferred_frees_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  record_events(arena, b);
+}
+
+void StitchEngine::record_events(Arena& arena, Block* b) {
   for (const StreamId s : b->stream_uses) {
     const EventId e = event_pool_.get();
     driver_.record_event(e, s);
@@ -591,7 +613,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
       // and a chunk that would not fit the limit create exactly what is lacking.
       const std::size_t chunk = small ? lacking : std::max(lacking, chunk_pieces_);
       for (const std::size_t tried : {chunk, lacking}) {
-        if (tried * page_ > limit() || reserved_ > limit() - tried * page_) continue;
+        if (tried * page_ > limit() || held() > limit() - tried * page_) continue;
         created = tried;
         break;
       }
@@ -603,7 +625,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   if (lacking > 0) {
     const std::size_t bytes = lacking * page_;
     if (gc_allowed && config_.garbage_collection_threshold > 0.0 &&
-        static_cast<double>(reserved_ + bytes) >
+        static_cast<double>(held() + bytes) >
             config_.garbage_collection_threshold * static_cast<double>(limit())) {
       return Grow::kNeedsGc;
     }
@@ -729,6 +751,7 @@ void StitchEngine::add_reserved(bool small, std::int64_t bytes) {
 
 // A pending block is in its own arena's list: completing it needs only that arena's lock.
 void StitchEngine::process_events(Arena& arena) {
+  if (capturing()) return;  // as insert_deferred_events
   std::vector<PendingEvent>& pending = arena.pending;
   std::size_t kept = 0;
   for (std::size_t i = 0; i < pending.size(); ++i) {
@@ -746,6 +769,40 @@ void StitchEngine::process_events(Arena& arena) {
   pending_events_.fetch_sub(completed, std::memory_order_relaxed);
 }
 
+void StitchEngine::insert_deferred_events(Arena& arena) {
+  // A capture may have begun since the caller looked; under the arena's lock it cannot.
+  if (arena.deferred.empty() || capturing()) return;
+  const auto n = static_cast<std::int64_t>(arena.deferred.size());
+  for (Block* b : arena.deferred)
+    record_events(arena, b);
+  arena.deferred.clear();
+  deferred_frees_.fetch_sub(n, std::memory_order_relaxed);
+}
+
+void StitchEngine::begin_capture() {
+  const AllArenasLock all(*this);
+  captures_underway_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void StitchEngine::end_capture() {
+  {
+    const AllArenasLock all(*this);
+    captures_underway_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+  // Frees deferred during the capture get their events at the next malloc or empty_cache.
+  after_operation();
+}
+
+void StitchEngine::catch_up_events() {
+  if (deferred_frees_.load(std::memory_order_relaxed) != 0) {
+    for (Arena* arena : arena_list()) {
+      Lock lock(arena->mutex);
+      insert_deferred_events(*arena);
+    }
+  }
+  if (pending_events_.load(std::memory_order_relaxed) > 0) process_events_everywhere();
+}
+
 void StitchEngine::process_events_everywhere() {
   for (Arena* arena : arena_list()) {
     if (arena->pending_events.load(std::memory_order_relaxed) == 0) continue;
@@ -758,6 +815,7 @@ void StitchEngine::synchronize_events(const AllArenasLock& all) {
   ++stats_.num_sync_all_streams;
   for (Arena* arena : all.arenas()) {
     all.held(*arena);
+    insert_deferred_events(*arena);
     for (const PendingEvent& p : arena->pending) {
       driver_.synchronize_event(p.event);
       event_pool_.put(p.event);
@@ -900,10 +958,10 @@ void StitchEngine::release_spare_handles() {
 }
 
 void StitchEngine::empty_cache() {
-  {
+  if (!capturing()) {  // nothing goes back to the device during a capture
     const AllArenasLock all(*this);
     Lock device(device_mutex_);
-    release_cache(all);
+    if (!capturing()) release_cache(all);
   }
   after_operation();
 }
@@ -1365,6 +1423,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
   std::size_t live_pieces = 0;
   const auto* sim = dynamic_cast<const sim::SimDriver*>(&driver_);
   std::size_t live_entries = 0, pending_entries = 0, pending_outstanding = 0;
+  std::size_t deferred_entries = 0;
   for (Arena* arena : all.arenas()) {
     all.held(*arena);
     live_entries += arena->live.size();
@@ -1373,6 +1432,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
       if (p.block->space->arena != arena) violated("an event waits in another stream's list");
     }
     pending_entries += arena->pending.size();
+    deferred_entries += arena->deferred.size();
     if (arena->pending_events.load(std::memory_order_relaxed) !=
         static_cast<std::int64_t>(arena->pending.size())) {
       violated("stream " + std::to_string(arena->stream) + " counts pending events wrongly");
@@ -1405,8 +1465,13 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           if (is_live != (b->kind == Kind::kAllocated)) {
             violated("block " + hex(b->ptr) + " is live iff allocated: it is not so");
           }
-          if ((b->kind == Kind::kPending) != (b->event_count > 0)) {
-            violated("block " + hex(b->ptr) + " is pending iff it waits for events");
+          const bool deferred = std::count(arena->deferred.begin(), arena->deferred.end(), b) != 0;
+          if (deferred && (b->kind != Kind::kPending || b->event_count != 0 ||
+                           b->stream_uses.empty())) {
+            violated("deferred free " + hex(b->ptr) + " is not pending with stream uses and no events");
+          }
+          if ((b->kind == Kind::kPending) != (b->event_count > 0 || deferred)) {
+            violated("block " + hex(b->ptr) + " is pending iff it waits for events or a capture");
           }
           const std::size_t p0 = (b->ptr - s.base) / page_;
           const std::size_t p1 = (b->end() - s.base + page_ - 1) / page_;
@@ -1514,6 +1579,10 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
   const auto pending_total = static_cast<std::int64_t>(pending_entries);
   if (pending_events_.load(std::memory_order_relaxed) != pending_total) {
     violated("the device counts pending events wrongly");
+  }
+  if (deferred_frees_.load(std::memory_order_relaxed) !=
+      static_cast<std::int64_t>(deferred_entries)) {
+    violated("the device counts deferred frees wrongly");
   }
 
   // Pieces.

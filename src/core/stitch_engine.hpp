@@ -94,6 +94,7 @@
 #include "core/history.hpp"
 #include "core/peak_ledger.hpp"
 #include "core/ptr_map.hpp"
+#include "core/published_size.hpp"
 #include "core/segment_map.hpp"
 #include "core/thread_annotations.hpp"
 
@@ -129,6 +130,22 @@ class StitchEngine final : public Backend {
   const Config& config() const override { return config_; }
   const char* policy_name() const override { return "the stitching policy (stitch_segments)"; }
   Driver& driver() const override { return driver_; }
+
+  // Beside the private pools (core/stitch_backend.hpp). While a capture (an allocation to a
+  // private pool) is underway, events are neither recorded nor queried: a free with other
+  // streams' uses waits in its arena's deferred list, pending, until every capture has
+  // ended, and nothing is synchronized, unmapped or released (the OOM ladder skips waiting
+  // and releasing, the GC threshold releases nothing, empty_cache does nothing).
+  // Both take every arena lock, so an operation holding one sees the count unchanged.
+  void begin_capture() EXCLUDES(registry_mutex_, device_mutex_);
+  void end_capture() EXCLUDES(registry_mutex_, device_mutex_);
+  bool capturing() const { return captures_underway_.load(std::memory_order_acquire) != 0; }
+  // Whether `ptr` lies in one of this engine's spaces (no lock).
+  bool owns(DevicePtr ptr) const { return arena_of(ptr) != nullptr; }
+  // The reserved bytes of the engine beside this one, counted against the memory limit and
+  // the device's capacity; this engine's reserved bytes, read without its locks.
+  void set_peer_reserved(const std::atomic<std::size_t>* peer) { peer_reserved_.set(peer); }
+  const std::atomic<std::size_t>& published_reserved() const { return reserved_.published(); }
 
   // Physical pieces held: spare ones (live nowhere) and all; pages mapped dead.
   struct PieceCounts {
@@ -230,6 +247,9 @@ class StitchEngine final : public Backend {
     std::vector<std::unique_ptr<Space>> spaces[2] GUARDED_BY(mutex);
     PtrMap<Block*> live GUARDED_BY(mutex);  // allocated blocks by address
     std::vector<PendingEvent> pending GUARDED_BY(mutex);
+    // Frees with other streams' uses made while a capture was underway: pending, with no
+    // events yet (insert_deferred_events records them once no capture is underway).
+    std::vector<Block*> deferred GUARDED_BY(mutex);
     // Statistics of this arena's blocks (allocation, active and the byte counts); for
     // them Stat::peak less `debts` is the arena's baseline (core/peak_ledger.hpp).
     DeviceStats stats GUARDED_BY(mutex);
@@ -282,11 +302,18 @@ class StitchEngine final : public Backend {
   // Returns the block's pool to its arena's free pool, or records events for its uses.
   void release(Arena& arena, Block* b, const Origin& stack) REQUIRES(arena.mutex);
   void process_events(Arena& arena) REQUIRES(arena.mutex);
+  // Records the events of a pending block's other streams' uses.
+  void record_events(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  void insert_deferred_events(Arena& arena) REQUIRES(arena.mutex);
+  // Deferred events recorded, completed events' blocks freed, on every stream (no capture).
+  void catch_up_events() EXCLUDES(registry_mutex_, device_mutex_);
   void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);
   void synchronize_events(const AllArenasLock& all) REQUIRES(device_mutex_);
   void release_cache(const AllArenasLock& all) REQUIRES(device_mutex_);
   void release_spare_handles() REQUIRES(device_mutex_);
   std::size_t limit() const REQUIRES(device_mutex_) { return limit_ ? *limit_ : capacity_; }
+  // Reserved bytes on this device that count against limit(): this engine's and its peer's.
+  std::size_t held() const REQUIRES(device_mutex_) { return reserved_ + peer_reserved_.bytes(); }
   void add_reserved(bool small, std::int64_t bytes) REQUIRES(device_mutex_);
   void settle_peak_debts(const AllArenasLock& all) const;
   void settle_peak_debts() const EXCLUDES(registry_mutex_, device_mutex_) {
@@ -349,11 +376,14 @@ class StitchEngine final : public Backend {
   SegmentMap owners_;              // spaces' reservations; written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
+  std::atomic<std::int64_t> deferred_frees_{0};  // sum of Arena::deferred sizes
+  std::atomic<int> captures_underway_{0};
+  PeerReserved peer_reserved_;
 
   mutable Mutex device_mutex_ ACQUIRED_BEFORE(trace_mutex_);
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);
   double fraction_ GUARDED_BY(device_mutex_) = 1.0;
-  std::size_t reserved_ GUARDED_BY(device_mutex_) = 0;  // pieces held x page_
+  PublishedSize reserved_ GUARDED_BY(device_mutex_);  // pieces held x page_
   std::map<PhysicalHandle, std::unique_ptr<Handle>> handles_ GUARDED_BY(device_mutex_);
   // pieces live nowhere
   std::set<std::pair<PhysicalHandle, std::uint32_t>> spare_ GUARDED_BY(device_mutex_);

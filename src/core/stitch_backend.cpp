@@ -1,0 +1,301 @@
+// The stitching policy with private pools beside it; the routing rules: stitch_backend.hpp.
+#include "core/stitch_backend.hpp"
+
+#include <algorithm>
+#include <iterator>
+
+namespace ccalloc::core {
+namespace {
+
+Config without_stitching(Config config) {
+  config.stitch_segments = false;
+  return config;
+}
+
+void add_stats(DeviceStats& into, const DeviceStats& other) {
+  for (StatArray DeviceStats::*field : {&DeviceStats::allocation, &DeviceStats::segment, &DeviceStats::active,
+                      &DeviceStats::inactive_split, &DeviceStats::allocated_bytes,
+                      &DeviceStats::reserved_bytes, &DeviceStats::active_bytes,
+                      &DeviceStats::inactive_split_bytes, &DeviceStats::requested_bytes}) {
+    for (std::size_t t = 0; t < (into.*field).size(); ++t)
+      (into.*field)[t] += (other.*field)[t];
+  }
+  into.num_alloc_retries += other.num_alloc_retries;
+  into.num_ooms += other.num_ooms;
+  into.num_sync_all_streams += other.num_sync_all_streams;
+  into.num_device_alloc += other.num_device_alloc;
+  into.num_device_free += other.num_device_free;
+  into.oversize_allocations += other.oversize_allocations;
+  into.oversize_segments += other.oversize_segments;
+}
+
+}  // namespace
+
+StitchBackend::StitchBackend(Driver& driver, Config config)
+    : config_(std::move(config)),
+      stitch_(std::make_unique<StitchEngine>(driver, config_)),
+      pools_(std::make_unique<Engine>(driver, without_stitching(config_))) {
+  stitch_->set_peer_reserved(&pools_->published_reserved());
+  pools_->set_peer_reserved(&stitch_->published_reserved());
+}
+
+// The private pools go first: their segments may have come from a segment source.
+StitchBackend::~StitchBackend() {
+  pools_.reset();
+  stitch_.reset();
+}
+
+bool StitchBackend::capture_takes(StreamId stream) const {
+  Lock lock(captures_mutex_);
+  return std::any_of(captures_.rbegin(), captures_.rend(),
+                     [stream](const auto& c) { return !c.second || c.second(stream); });
+}
+
+DevicePtr StitchBackend::malloc(std::size_t size, StreamId stream) {
+  if (captures_underway_.load(std::memory_order_acquire) != 0 && capture_takes(stream)) {
+    return pools_->malloc(size, stream);
+  }
+  try {
+    return stitch_->malloc(size, stream);
+  } catch (const OutOfMemoryError&) {
+    const DevicePtr ptr = malloc_default_after_oom(size, stream);
+    if (ptr == 0) throw;
+    return ptr;
+  }
+}
+
+// The stitching engine has run its whole ladder; what the private pools can give is left:
+// their cached segments back to the device (not during a capture), then a use_on_oom pool's
+// free block, as PyTorch's ladder ends.
+DevicePtr StitchBackend::malloc_default_after_oom(std::size_t size, StreamId stream) {
+  if (!stitch_->capturing()) {
+    const std::size_t before = pools_->published_reserved().load(std::memory_order_relaxed);
+    pools_->empty_cache();
+    if (pools_->published_reserved().load(std::memory_order_relaxed) < before) {
+      try {
+        return stitch_->malloc(size, stream);
+      } catch (const OutOfMemoryError&) {
+        // fall through to the use_on_oom pools
+      }
+    }
+  }
+  return pools_->malloc_on_oom(size, stream);
+}
+
+void StitchBackend::free(DevicePtr ptr) {
+  if (ptr == 0) return;
+  if (stitch_->owns(ptr)) {
+    stitch_->free(ptr);
+  } else {
+    pools_->free(ptr);
+  }
+}
+
+void StitchBackend::record_stream(DevicePtr ptr, StreamId stream) {
+  if (stitch_->owns(ptr)) {
+    stitch_->record_stream(ptr, stream);
+  } else {
+    pools_->record_stream(ptr, stream);
+  }
+}
+
+std::size_t StitchBackend::allocation_size(DevicePtr ptr) const {
+  return stitch_->owns(ptr) ? stitch_->allocation_size(ptr) : pools_->allocation_size(ptr);
+}
+
+ipc::SharedRegion StitchBackend::shared_region(DevicePtr ptr) const {
+  return stitch_->owns(ptr) ? stitch_->shared_region(ptr) : pools_->shared_region(ptr);
+}
+
+void StitchBackend::empty_cache() {
+  pools_->empty_cache();
+  stitch_->empty_cache();
+}
+
+DeviceStats StitchBackend::stats() const {
+  DeviceStats total = stitch_->stats();
+  add_stats(total, pools_->stats());
+  return total;
+}
+
+void StitchBackend::reset_peak_stats() {
+  stitch_->reset_peak_stats();
+  pools_->reset_peak_stats();
+}
+
+void StitchBackend::reset_accumulated_stats() {
+  stitch_->reset_accumulated_stats();
+  pools_->reset_accumulated_stats();
+}
+
+void StitchBackend::set_memory_fraction(double fraction) {
+  stitch_->set_memory_fraction(fraction);  // checks the value first
+  pools_->set_memory_fraction(fraction);
+}
+
+double StitchBackend::memory_fraction() const {
+  return stitch_->memory_fraction();
+}
+
+std::vector<SegmentInfo> StitchBackend::segments() const {
+  std::vector<SegmentInfo> all = stitch_->segments();
+  std::vector<SegmentInfo> pooled = pools_->segments();
+  all.insert(all.end(), std::make_move_iterator(pooled.begin()),
+             std::make_move_iterator(pooled.end()));
+  std::sort(all.begin(), all.end(),
+            [](const SegmentInfo& a, const SegmentInfo& b) { return a.address < b.address; });
+  return all;
+}
+
+void StitchBackend::add_oom_observer(Allocator::OomObserver observer) {
+  stitch_->add_oom_observer(observer);
+  pools_->add_oom_observer(std::move(observer));
+}
+
+void StitchBackend::add_free_memory_callback(Allocator::FreeMemoryCallback callback) {
+  stitch_->add_free_memory_callback(callback);
+  pools_->add_free_memory_callback(std::move(callback));
+}
+
+void StitchBackend::add_trace_observer(TraceObserver observer) {
+  stitch_->add_trace_observer(observer);
+  pools_->add_trace_observer(std::move(observer));
+}
+
+void StitchBackend::record_history(const HistoryOptions& options) {
+  stitch_->record_history(options);
+  pools_->record_history(options);
+}
+
+void StitchBackend::annotate(std::string_view name, bool start) {
+  stitch_->annotate(name, start);
+}
+
+Snapshot StitchBackend::snapshot() {
+  Snapshot snap = stitch_->snapshot();
+  Snapshot pooled = pools_->snapshot();
+  snap.segments.insert(snap.segments.end(), std::make_move_iterator(pooled.segments.begin()),
+                       std::make_move_iterator(pooled.segments.end()));
+  std::stable_sort(snap.segments.begin(), snap.segments.end(),
+                   [](const SnapshotSegment& a, const SnapshotSegment& b) {
+                     return a.device != b.device ? a.device < b.device : a.address < b.address;
+                   });
+  if (snap.device_traces.size() < pooled.device_traces.size()) {
+    snap.device_traces.resize(pooled.device_traces.size());
+  }
+  for (std::size_t d = 0; d < pooled.device_traces.size(); ++d) {
+    auto& into = snap.device_traces[d];
+    auto& from = pooled.device_traces[d];
+    if (from.empty()) continue;
+    const auto middle = static_cast<std::ptrdiff_t>(into.size());
+    into.insert(into.end(), std::make_move_iterator(from.begin()),
+                std::make_move_iterator(from.end()));
+    std::inplace_merge(into.begin(), into.begin() + middle, into.end(),
+                       [](const SnapshotTraceEntry& a, const SnapshotTraceEntry& b) {
+                         return a.time_us < b.time_us;
+                       });
+  }
+  return snap;
+}
+
+void StitchBackend::check_invariants() const {
+  stitch_->check_invariants();
+  pools_->check_invariants();
+}
+
+void StitchBackend::set_check_invariants(bool on) {
+  stitch_->set_check_invariants(on);
+  pools_->set_check_invariants(on);
+}
+
+// ---------------------------------------------------------------------------------------
+// Private pools: the native engine's.
+
+void StitchBackend::create_pool(PoolId id, std::optional<SegmentSource> source) {
+  pools_->create_pool(id, std::move(source));
+}
+void StitchBackend::release_pool(PoolId id) {
+  pools_->release_pool(id);
+}
+int StitchBackend::pool_use_count(PoolId id) const {
+  return pools_->pool_use_count(id);
+}
+void StitchBackend::set_pool_use_on_oom(PoolId id, bool use_on_oom) {
+  pools_->set_pool_use_on_oom(id, use_on_oom);
+}
+void StitchBackend::set_pool_no_split(PoolId id) {
+  pools_->set_pool_no_split(id);
+}
+
+// The native engine checks the request (and throws, changing nothing) before the stitching
+// engine is told; the capture ends in the reverse order.
+void StitchBackend::begin_allocate_to_pool(PoolId id, Allocator::StreamFilter filter) {
+  pools_->begin_allocate_to_pool(id, filter);
+  stitch_->begin_capture();
+  Lock lock(captures_mutex_);
+  captures_.emplace_back(id, std::move(filter));
+  captures_underway_.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void StitchBackend::end_allocate_to_pool(PoolId id) {
+  pools_->end_allocate_to_pool(id);
+  {
+    Lock lock(captures_mutex_);
+    const auto it = std::find_if(captures_.begin(), captures_.end(),
+                                 [id](const auto& c) { return c.first == id; });
+    if (it != captures_.end()) {
+      captures_.erase(it);
+      captures_underway_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+  stitch_->end_capture();
+}
+
+void StitchBackend::empty_cache(PoolId id) {
+  if (id.is_default()) {
+    empty_cache();
+    return;
+  }
+  pools_->empty_cache(id);
+}
+std::vector<DevicePtr> StitchBackend::pool_live_allocations(PoolId id) const {
+  return pools_->pool_live_allocations(id);
+}
+std::vector<SegmentInfo> StitchBackend::pool_segments(PoolId id) const {
+  return pools_->pool_segments(id);
+}
+PoolId StitchBackend::segment_pool(DevicePtr address) const {
+  return stitch_->owns(address) ? PoolId{} : pools_->segment_pool(address);
+}
+std::shared_ptr<const PoolCheckpoint> StitchBackend::checkpoint_pool(PoolId id) {
+  return pools_->checkpoint_pool(id);
+}
+PoolRestore StitchBackend::restore_pool(const PoolCheckpoint& checkpoint) {
+  return pools_->restore_pool(checkpoint);
+}
+void StitchBackend::create_sleepable_pool(PoolId id) {
+  pools_->create_sleepable_pool(id);
+}
+void StitchBackend::sleep_pool(PoolId id, SleepMode mode) {
+  pools_->sleep_pool(id, mode);
+}
+// The pool's own engine empties its caches and retries once before it gives up; the memory
+// the default pools cache is the stitching engine's, so that goes back too before a last try.
+void StitchBackend::wake_pool(PoolId id) {
+  try {
+    pools_->wake_pool(id);
+    return;
+  } catch (const OutOfMemoryError&) {
+    if (stitch_->capturing()) throw;
+  }
+  stitch_->empty_cache();
+  pools_->wake_pool(id);
+}
+bool StitchBackend::pool_asleep(PoolId id) const {
+  return pools_->pool_asleep(id);
+}
+PoolSleepInfo StitchBackend::pool_sleep_info(PoolId id) const {
+  return pools_->pool_sleep_info(id);
+}
+
+}  // namespace ccalloc::core
