@@ -66,6 +66,9 @@ struct SnapshotTraceEntry {
   Frames frames;              // null: no C++ stack was recorded (the key is omitted)
   std::string user_metadata;  // the thread's metadata when the entry was recorded
   ContextHandle context = nullptr;  // the caller context recorded with it, or null
+  // The order of recording among all of the process's entries (not written to files; 0 for
+  // entries read from one).
+  std::uint64_t seq = 0;
 };
 
 struct Annotation {

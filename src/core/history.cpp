@@ -109,6 +109,7 @@ std::vector<SnapshotTraceEntry> snapshot_trace(
     te.size = e.size;
     te.stream = e.stream;
     te.time_us = e.time_us;
+    te.seq = e.seq;
     if (const auto f = frames.find(e.stack.cpp); f != frames.end()) te.frames = f->second;
     te.context = e.stack.context;
     if (e.metadata != 0) {

@@ -34,7 +34,12 @@ struct HistoryEntry {
   std::int64_t time_us = 0;
   Origin stack;
   std::uint32_t metadata = 0;
+  std::uint64_t seq = 0;  // set by HistoryRing::push
 };
+
+// The order in which entries were recorded, over every ring of the process: the two engines
+// of one device (stitch_backend.hpp) merge their histories by it.
+inline std::atomic<std::uint64_t> g_history_sequence{0};
 
 // The caller's context callback as the hot path reads it: one atomic load, no lock and no
 // reference count. Each callback set stays alive until the owner is destroyed, since an
@@ -61,6 +66,7 @@ class HistoryRing {
  public:
   void push(HistoryEntry e) {
     lock();
+    e.seq = g_history_sequence.fetch_add(1, std::memory_order_relaxed);
     if (entries_.size() < capacity_) {
       entries_.push_back(std::move(e));
     } else {

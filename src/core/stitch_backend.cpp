@@ -192,7 +192,7 @@ Snapshot StitchBackend::snapshot() {
                 std::make_move_iterator(from.end()));
     std::inplace_merge(into.begin(), into.begin() + middle, into.end(),
                        [](const SnapshotTraceEntry& a, const SnapshotTraceEntry& b) {
-                         return a.time_us < b.time_us;
+                         return a.seq < b.seq;
                        });
   }
   return snap;

@@ -26,8 +26,8 @@
 // the per-process fraction, so the two together stay within it. Statistics: the sum of both;
 // device-wide peaks are exact while only one engine holds memory (the private pools are empty
 // until the first capture or MemPool), and the sum of the two engines' peaks, an upper bound,
-// after both have. Snapshots: both engines' segments by address, their history entries by time,
-// the stitching engine's physical memory, annotations and settings.
+// after both have. Snapshots: both engines' segments by address, their history entries in the
+// order they were recorded, the stitching engine's physical memory, annotations and settings.
 #pragma once
 
 #include <atomic>
