@@ -192,6 +192,81 @@ TEST(Ipc, FabricHandlesAreSixtyFourBytesEach) {
   p.exporter.free(ptr);
 }
 
+// The stitching policy (the ccalloc preset): the handles mapped over the allocation, whole,
+// each of its own size; a lent handle is shared where it is live now.
+TEST(Ipc, StitchedAllocationIsSharedAsTheWholeHandlesMappedOverIt) {
+  Processes p("ccalloc");
+  const DevicePtr a = p.exporter.malloc(30 * kMiB);  // a handle of 30 MiB
+  const DevicePtr b = p.exporter.malloc(12 * kMiB);  // a 20 MiB chunk: 8 MiB left at its end
+  const DevicePtr c = p.exporter.malloc(40 * kMiB);  // those 8 MiB and a new 32 MiB handle
+  ASSERT_EQ(b, a + 30 * kMiB);
+  ASSERT_EQ(c, b + 12 * kMiB);
+  const ccalloc::ipc::SharedRegion r = ccalloc::ipc::shared_region(p.exporter, c);
+  EXPECT_EQ(r.kind, RegionKind::kHandles);
+  EXPECT_EQ(r.base, b);
+  EXPECT_EQ(r.size, 52 * kMiB);
+  EXPECT_EQ(r.allocation, c);
+  EXPECT_EQ(r.allocation_size, 40 * kMiB);
+  EXPECT_EQ(r.page_sizes, (std::vector<std::size_t>{20 * kMiB, 32 * kMiB}));
+  const auto mapped = p.exporter_gpu.mappings_in(r.base, r.size);
+  ASSERT_EQ(mapped.size(), 2u);
+  EXPECT_EQ(mapped[0].handle, r.pages[0]);
+  EXPECT_EQ(mapped[1].handle, r.pages[1]);
+
+  const std::string handle = ccalloc::ipc::export_handle(p.exporter, c);
+  const ccalloc::ipc::HandleInfo info = ccalloc::ipc::parse_handle(handle);
+  EXPECT_EQ(info.kind, RegionKind::kHandles);
+  EXPECT_EQ(info.offset, 12 * kMiB);
+  EXPECT_EQ(info.size, 40 * kMiB);
+  EXPECT_EQ(info.region_size, 52 * kMiB);
+  EXPECT_EQ(info.page_size, 0u);
+  EXPECT_EQ(info.page_sizes, r.page_sizes);
+  EXPECT_EQ(handle.size(), 56 + 2 * 8 + 2 * 4);
+  check_round_trip(p, c, 40 * kMiB, handle);
+  {
+    OpenedMemory m = ccalloc::ipc::open_handle(p.importer_gpu, handle);
+    EXPECT_EQ(p.importer_gpu.imported_handles(), 2u);
+    EXPECT_EQ(m.region_size(), 52 * kMiB);
+    EXPECT_EQ(m.ptr(), m.region_base() + 12 * kMiB);
+  }
+  EXPECT_EQ(p.importer_gpu.imported_handles(), 0u);
+  const ccalloc::ipc::SharedRegion ra = ccalloc::ipc::shared_region(p.exporter, a);
+  EXPECT_EQ(ra.page_sizes, std::vector<std::size_t>{30 * kMiB});
+  check_round_trip(p, a, 30 * kMiB, ccalloc::ipc::export_handle(p.exporter, a));
+
+  // Lending: freed, `a`'s handle lies wholly in a free block; a request no free block fits
+  // takes it to the frontier instead of new memory.
+  const DevicePtr e = p.exporter.malloc(2 * kMiB);  // a 20 MiB chunk: 18 MiB free after it
+  ASSERT_EQ(e, c + 40 * kMiB);
+  p.exporter.free(a);
+  const ccalloc::sim::Counters before = p.exporter_gpu.counters();
+  const DevicePtr d = p.exporter.malloc(40 * kMiB);  // the 18 MiB tail + a's handle
+  EXPECT_EQ(p.exporter_gpu.counters().physical_creates, before.physical_creates);
+  EXPECT_EQ(d, e + 2 * kMiB);
+  const ccalloc::ipc::SharedRegion rd = ccalloc::ipc::shared_region(p.exporter, d);
+  EXPECT_EQ(rd.page_sizes, (std::vector<std::size_t>{20 * kMiB, 30 * kMiB}));
+  EXPECT_EQ(rd.pages[1], ra.pages[0]);  // the same physical memory, mapped anew
+  EXPECT_EQ(rd.base, e);
+  check_round_trip(p, d, 40 * kMiB, ccalloc::ipc::export_handle(p.exporter, d));
+  for (const DevicePtr x : {b, c, d, e})
+    p.exporter.free(x);
+  EXPECT_NE(message_of<InvalidPointerError>([&] { ccalloc::ipc::shared_region(p.exporter, d); })
+                .find("not"),
+            std::string::npos);
+}
+
+TEST(Ipc, HandlesOfTheirOwnSizesThatDoNotAddUpAreFormatErrors) {
+  Processes p("ccalloc");
+  const DevicePtr a = p.exporter.malloc(30 * kMiB);
+  std::string h = ccalloc::ipc::export_handle(p.exporter, a);
+  h[56] = static_cast<char>(h[56] + 2);  // the first handle's size, 2 bytes more
+  const std::string m =
+      message_of<FormatError>([&] { ccalloc::ipc::open_handle(p.importer_gpu, h); });
+  EXPECT_NE(m.find("region of 31457280"), std::string::npos) << m;
+  EXPECT_EQ(p.importer_gpu.imported_handles(), 0u);
+  p.exporter.free(a);
+}
+
 TEST(Ipc, SmallPoolPagesAreTwoMiB) {
   Processes p("pytorch,expandable_segments:True");
   const DevicePtr a = p.exporter.malloc(512 * 1024);

@@ -23,11 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = {
     "native": ("", "pytorch"),
     "expandable": ("expandable_segments:True", "pytorch,expandable_segments:True"),
-    # ccalloc's stitching policy (docs/ccalloc-policy.md) against PyTorch's native setting;
-    # run it with `expandable` to see PyTorch's expandable segments beside it. Private pools
-    # are not supported under this policy yet: workloads that use torch.compile's CUDA
-    # graphs fail there.
-    "stitch": ("", "ccalloc,stitch_segments:True"),
+    # ccalloc's default preset (its stitching policy, private pools beside it;
+    # docs/ccalloc-policy.md) against PyTorch's native setting and against PyTorch's
+    # expandable segments.
+    "ccalloc": ("", "ccalloc"),
+    "ccalloc-vs-expandable": ("expandable_segments:True", "ccalloc"),
+    "stitch": ("", "ccalloc,stitch_segments:True"),  # the same as "ccalloc", by its key
 }
 
 

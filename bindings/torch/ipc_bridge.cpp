@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <memory>
@@ -69,10 +70,14 @@ Driver& importer(int device) {
 
 SharedRange share_expandable(Allocator& allocator, DevicePtr ptr, std::size_t size) {
   const ipc::SharedRegion region = ipc::shared_region(allocator, ptr);
-  if (region.kind != ipc::RegionKind::kPages) {
+  if (region.kind == ipc::RegionKind::kSegment) {
     throw Error("ccalloc: the allocation at " + std::to_string(ptr) +
                 " is not in an expandable segment");
   }
+  const bool uniform =
+      region.kind == ipc::RegionKind::kPages ||
+      std::all_of(region.page_sizes.begin(), region.page_sizes.end(),
+                  [&](std::size_t n) { return n == region.page_sizes.front(); });
   if (size > region.allocation_size) {
     throw Error("ccalloc: sharing " + std::to_string(size) + " bytes of an allocation of " +
                 std::to_string(region.allocation_size));
@@ -86,13 +91,19 @@ SharedRange share_expandable(Allocator& allocator, DevicePtr ptr, std::size_t si
                        (driver.exportable_kinds() == 0 ? "nothing (TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0)"
                                                        : "POSIX file descriptors only"));
   }
+  SharedRange out;
+  out.start = region.base;
+  if (!uniform) {
+    out.type = 'h';
+    out.payload = ipc::export_handle(allocator, ptr, kind);
+    return out;
+  }
   ShareHeader header;
   std::memset(&header, 0, sizeof header);
   header.pid = ::getpid();
-  header.segment_size = region.page_size;
+  header.segment_size =
+      region.kind == ipc::RegionKind::kPages ? region.page_size : region.page_sizes.front();
   header.num_handles = region.pages.size();
-  SharedRange out;
-  out.start = region.base;
   out.payload.assign(reinterpret_cast<const char*>(&header), sizeof header);
   for (const PhysicalHandle page : region.pages)
     out.payload += driver.export_physical(page, kind);
@@ -128,6 +139,18 @@ std::shared_ptr<void> open_expandable(int device, std::string_view payload) {
   auto opened = std::make_shared<ipc::OpenedMemory>(
       ipc::open_pages(driver, kind, static_cast<int>(header.pid), header.segment_size, handles));
   void* ptr = reinterpret_cast<void*>(opened->ptr());
+  return std::shared_ptr<void>(ptr, [opened](void*) {
+    try {
+      opened->close();
+    } catch (const Error& e) {
+      TORCH_WARN("ccalloc: closing memory shared by another process: ", e.what());
+    }
+  });
+}
+
+std::shared_ptr<void> open_handles(int device, std::string_view payload) {
+  auto opened = std::make_shared<ipc::OpenedMemory>(ipc::open_handle(importer(device), payload));
+  void* ptr = reinterpret_cast<void*>(opened->region_base());
   return std::shared_ptr<void>(ptr, [opened](void*) {
     try {
       opened->close();

@@ -112,11 +112,17 @@ void reconfigure(Allocator& allocator, const Config& config);
 
 // --- Sharing expandable segments between processes (PyTorch's handle type 'e'). ---
 struct SharedRange {
+  // PyTorch's 'e', or 'h': a ccalloc IPC handle (ipc.hpp) for memory of the stitching policy
+  // whose physical allocations differ in size, which 'e' (one page size) cannot describe;
+  // only ccalloc opens those.
+  char type = 'e';
   std::string payload;  // what follows the type byte in PyTorch's handle
   DevicePtr start = 0;  // the first address the payload covers (offset = ptr - start)
 };
 SharedRange share_expandable(Allocator& allocator, DevicePtr ptr, std::size_t size);
 // Maps the shared pages into this process on `device`; the pointer's deleter unmaps them.
 std::shared_ptr<void> open_expandable(int device, std::string_view payload);
+// The same for a type 'h' payload: the start of the region it shares.
+std::shared_ptr<void> open_handles(int device, std::string_view payload);
 
 }  // namespace ccalloc::torch_bridge

@@ -63,6 +63,9 @@ constexpr int kMaxDevices = 64;
 constexpr char kShareableHandleVersion = 2;
 constexpr char kShareableCudaMalloc = 'c';
 constexpr char kShareableExpandableSegment = 'e';
+// ccalloc's own: memory of the stitching policy in physical allocations of different sizes
+// (ipc_bridge.cpp); PyTorch's allocator refuses the type, ccalloc opens it.
+constexpr char kShareableCcallocHandles = 'h';
 
 void local_raw_delete(void* ptr);
 
@@ -690,10 +693,10 @@ class TorchAllocator final : public c10a::CUDAAllocator {
       ss.write(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
       return {static_cast<ptrdiff_t>(found.block.address - found.segment.address), ss.str()};
     }
-    ss.put(kShareableExpandableSegment);
     const bridge::SharedRange range = translated("shareIpcHandle", [&] {
       return bridge::share_expandable(*found.allocator, found.block.address, found.block.size);
     });
+    ss.put(range.type);
     ss.write(range.payload.data(), static_cast<std::streamsize>(range.payload.size()));
     return {static_cast<ptrdiff_t>(found.block.address - range.start), ss.str()};
   }
@@ -732,6 +735,10 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     } else if (type == kShareableExpandableSegment) {
       entry.expandable = translated("getIpcDevPtr", [&] {
         return bridge::open_expandable(device, std::string_view(handle).substr(payload));
+      });
+    } else if (type == kShareableCcallocHandles) {
+      entry.expandable = translated("getIpcDevPtr", [&] {
+        return bridge::open_handles(device, std::string_view(handle).substr(payload));
       });
     } else {
       TORCH_CHECK(false, "ccalloc: unexpected or ill-formed shareable handle type ",

@@ -11,8 +11,10 @@
 // handles. Memory of a native segment (cudaMalloc) is shared as the whole segment
 // (cudaIpcMemHandle, Driver::export_allocation); memory of an expandable segment as the
 // physical pages that cover the allocation (Driver::export_physical: POSIX file
-// descriptors, which the importer copies through pidfd_getfd, or fabric handles). The
-// exporter must keep the allocation live while another process uses it, as with CUDA IPC.
+// descriptors, which the importer copies through pidfd_getfd, or fabric handles); memory
+// of the stitching policy as the physical allocations mapped over the allocation, whole,
+// each of its own size. The exporter must keep the allocation live while another process
+// uses it, as with CUDA IPC.
 //
 // Errors: InvalidPointerError for a pointer that is not a live allocation; FormatError for
 // a malformed handle (it names the byte where it is truncated, the version, the device);
@@ -36,6 +38,7 @@ inline constexpr std::uint8_t kHandleVersion = 1;
 enum class RegionKind : std::uint8_t {
   kSegment = 1,  // a native segment, shared whole (cudaIpcMemHandle)
   kPages = 2,    // pages of an expandable segment (one shareable handle each)
+  kHandles = 3,  // physical allocations of the stitching policy, each of its own size
 };
 
 // The memory behind a live allocation that another process maps to see it.
@@ -43,15 +46,15 @@ struct SharedRegion {
   RegionKind kind = RegionKind::kSegment;
   DevicePtr allocation = 0;  // the live allocation
   std::size_t allocation_size = 0;
-  DevicePtr base = 0;     // kSegment: the segment; kPages: the first page covering it
-  std::size_t size = 0;   // bytes from base: the segment, or pages.size() * page_size
+  DevicePtr base = 0;     // kSegment: the segment; else the first page covering it
+  std::size_t size = 0;   // bytes from base: the segment, or the pages' bytes
   std::size_t page_size = 0;          // kPages only
-  std::vector<PhysicalHandle> pages;  // kPages only: the handles of [base, base + size)
+  std::vector<PhysicalHandle> pages;  // kPages, kHandles: the handles of [base, base + size)
+  std::vector<std::size_t> page_sizes;  // kHandles only: the bytes of each handle
 };
 // The region of the live allocation `ptr` (its start, as malloc returned it). The pages
 // stay mapped while the allocation is live. Throws InvalidPointerError if `ptr` is not
-// live; Error for a backend that cannot share (the stream-ordered pool, the stitching
-// policy).
+// live; Error for a backend that cannot share (the stream-ordered pool).
 SharedRegion shared_region(Allocator& allocator, DevicePtr ptr);
 
 // What a handle says, read without opening it.
@@ -65,7 +68,8 @@ struct HandleInfo {
   std::size_t size = 0;        // of the allocation
   std::size_t region_size = 0;
   std::size_t page_size = 0;   // kPages only
-  std::vector<std::string> handles;  // one for kSegment, one per page for kPages
+  std::vector<std::size_t> page_sizes;  // kHandles only: bytes of each handle
+  std::vector<std::string> handles;  // one for kSegment, one per page otherwise
 };
 
 // The handle of the live allocation `ptr` of `allocator`. Pages are exported as `kind`.
@@ -101,6 +105,9 @@ class OpenedMemory {
   friend OpenedMemory open_handle(Driver& driver, std::string_view handle);
   friend OpenedMemory open_pages(Driver& driver, ShareKind kind, int pid, std::size_t page_size,
                                  const std::vector<std::string>& handles);
+  friend OpenedMemory open_pages(Driver& driver, ShareKind kind, int pid,
+                                 const std::vector<std::size_t>& sizes,
+                                 const std::vector<std::string>& handles);
   Driver* driver_ = nullptr;
   RegionKind kind_ = RegionKind::kSegment;
   DevicePtr ptr_ = 0;
@@ -109,6 +116,7 @@ class OpenedMemory {
   std::size_t region_size_ = 0;
   std::size_t page_size_ = 0;
   std::vector<PhysicalHandle> pages_;  // imported, mapped from base_
+  std::vector<std::size_t> page_sizes_;  // bytes of each of pages_
 };
 
 // Opens a handle from export_handle on `driver`'s device. Throws FormatError for a
@@ -119,6 +127,10 @@ OpenedMemory open_handle(Driver& driver, std::string_view handle);
 // address range: the building block of open_handle, for adapters that read another
 // format (PyTorch's). The result's ptr() is the first page and size() the whole range.
 OpenedMemory open_pages(Driver& driver, ShareKind kind, int pid, std::size_t page_size,
+                        const std::vector<std::string>& handles);
+// The same for pages of different sizes: handles[i] holds sizes[i] bytes.
+OpenedMemory open_pages(Driver& driver, ShareKind kind, int pid,
+                        const std::vector<std::size_t>& sizes,
                         const std::vector<std::string>& handles);
 
 }  // namespace ccalloc::ipc

@@ -6,7 +6,7 @@
 // Handle format, version 1, integers little-endian:
 //   [0, 4)    magic "ccIP"
 //   4         version (1)
-//   5         region kind: 1 segment, 2 pages
+//   5         region kind: 1 segment, 2 pages, 3 handles of their own sizes
 //   6         share kind of pages: 0 for a segment, 1 POSIX file descriptor, 2 fabric
 //   7         0
 //   [8, 12)   device (int32)
@@ -14,10 +14,11 @@
 //   [16, 24)  offset of the allocation from the region's start
 //   [24, 32)  size of the allocation
 //   [32, 40)  size of the region
-//   [40, 48)  page size (0 for a segment)
+//   [40, 48)  page size (0 for a segment and for handles of their own sizes)
 //   [48, 52)  number of handles (1 for a segment)
 //   [52, 56)  bytes of each handle
-//   [56, ...) the handles
+//   [56, ...) kind 3 only: the size of each handle's memory (8 bytes each), then
+//             the handles
 #include "ccalloc/ipc.hpp"
 
 #include <unistd.h>
@@ -73,7 +74,7 @@ ipc::SharedRegion Backend::shared_region(DevicePtr ptr) const {
                 "stitch_segments",
                 ptr, config().backend == BackendKind::kCudaMallocAsync
                          ? "backend:cudaMallocAsync has no segments to share"
-                         : "the stitching policy's pieces are not shared yet");
+                         : "this backend has no memory to share");
   throw Error(buf);
 }
 }  // namespace core
@@ -143,7 +144,7 @@ std::string export_handle(Allocator& allocator, DevicePtr ptr, ShareKind kind) {
   out.append(kMagic, sizeof kMagic);
   put(out, kHandleVersion, 1);
   put(out, static_cast<std::uint8_t>(r.kind), 1);
-  put(out, r.kind == RegionKind::kPages ? static_cast<std::uint8_t>(kind) : 0, 1);
+  put(out, r.kind != RegionKind::kSegment ? static_cast<std::uint8_t>(kind) : 0, 1);
   put(out, 0, 1);
   put(out, static_cast<std::uint32_t>(driver.device()), 4);
   put(out, static_cast<std::uint32_t>(::getpid()), 4);
@@ -153,6 +154,10 @@ std::string export_handle(Allocator& allocator, DevicePtr ptr, ShareKind kind) {
   put(out, r.page_size, 8);
   put(out, handles.size(), 4);
   put(out, each, 4);
+  if (r.kind == RegionKind::kHandles) {
+    for (const std::size_t bytes : r.page_sizes)
+      put(out, bytes, 8);
+  }
   for (const std::string& h : handles)
     out += h;
   return out;
@@ -172,9 +177,9 @@ HandleInfo parse_handle(std::string_view handle) {
                       " only (export and open with the same ccalloc)");
   }
   const auto kind = in.get(1, "the region kind");
-  if (kind != 1 && kind != 2) {
+  if (kind != 1 && kind != 2 && kind != 3) {
     throw FormatError("ccalloc: IPC handle with region kind " + std::to_string(kind) +
-                      " at byte 5: expected 1 (segment) or 2 (pages)");
+                      " at byte 5: expected 1 (segment), 2 (pages) or 3 (handles)");
   }
   info.kind = static_cast<RegionKind>(kind);
   const auto share = in.get(1, "the share kind");
@@ -206,9 +211,30 @@ HandleInfo parse_handle(std::string_view handle) {
       bad("handles of " + std::to_string(each) + " bytes, expected " +
           std::to_string(share_kind_bytes(info.share_kind)) + " for the share kind");
     }
-    if (info.page_size == 0 || count == 0 || info.region_size != count * info.page_size) {
+    if (info.kind == RegionKind::kPages &&
+        (info.page_size == 0 || count == 0 || info.region_size != count * info.page_size)) {
       bad("region of " + std::to_string(info.region_size) + " bytes is not " +
           std::to_string(count) + " pages of " + std::to_string(info.page_size) + " bytes");
+    }
+    if (info.kind == RegionKind::kHandles) {
+      if (info.page_size != 0 || count == 0 || count > handle.size()) {
+        bad("handles of their own sizes with page size " + std::to_string(info.page_size) +
+            " and " + std::to_string(count) + " handles");
+      }
+      std::uint64_t total = 0;
+      for (std::uint64_t i = 0; i < count; ++i) {
+        const std::uint64_t bytes = in.get(8, ("the size of handle " + std::to_string(i)).c_str());
+        if (bytes == 0 || bytes > info.region_size - total) {
+          bad("handle " + std::to_string(i) + " of " + std::to_string(bytes) +
+              " bytes passes the region of " + std::to_string(info.region_size) + " bytes");
+        }
+        total += bytes;
+        info.page_sizes.push_back(bytes);
+      }
+      if (total != info.region_size) {
+        bad("handles of " + std::to_string(total) + " bytes for a region of " +
+            std::to_string(info.region_size));
+      }
     }
   }
   if (info.offset > info.region_size || info.size > info.region_size - info.offset) {
@@ -241,7 +267,8 @@ OpenedMemory::OpenedMemory(OpenedMemory&& o) noexcept
       base_(std::exchange(o.base_, 0)),
       region_size_(std::exchange(o.region_size_, 0)),
       page_size_(o.page_size_),
-      pages_(std::move(o.pages_)) {}
+      pages_(std::move(o.pages_)),
+      page_sizes_(std::move(o.page_sizes_)) {}
 
 OpenedMemory& OpenedMemory::operator=(OpenedMemory&& o) noexcept {
   if (this != &o) {
@@ -254,6 +281,7 @@ OpenedMemory& OpenedMemory::operator=(OpenedMemory&& o) noexcept {
     region_size_ = std::exchange(o.region_size_, 0);
     page_size_ = o.page_size_;
     pages_ = std::move(o.pages_);
+    page_sizes_ = std::move(o.page_sizes_);
   }
   return *this;
 }
@@ -266,41 +294,60 @@ void OpenedMemory::close() {
   } else {
     d.synchronize_device();  // unmapping does not wait for work that uses the pages
     d.unmap(base_, region_size_);
-    for (const PhysicalHandle h : pages_)
-      d.release_physical(h, page_size_);
+    for (std::size_t i = 0; i < pages_.size(); ++i)
+      d.release_physical(pages_[i], page_sizes_[i]);
     d.free_address_range(base_, region_size_);
   }
   pages_.clear();
+  page_sizes_.clear();
   ptr_ = base_ = 0;
   size_ = region_size_ = 0;
 }
 
 OpenedMemory open_pages(Driver& driver, ShareKind kind, int pid, std::size_t page_size,
                         const std::vector<std::string>& handles) {
-  const std::size_t g = driver.vm_granularity();
-  if (handles.empty() || page_size == 0 || page_size % g != 0) {
-    throw FormatError("ccalloc: cannot open " + std::to_string(handles.size()) + " pages of " +
-                      std::to_string(page_size) + " bytes from process " + std::to_string(pid) +
-                      " on " + driver.name() + ": pages must be a positive multiple of " +
-                      std::to_string(g) + " bytes");
-  }
-  const std::size_t total = handles.size() * page_size;
-  OpenedMemory m;
+  OpenedMemory m =
+      open_pages(driver, kind, pid, std::vector<std::size_t>(handles.size(), page_size), handles);
   m.kind_ = RegionKind::kPages;
   m.page_size_ = page_size;
+  return m;
+}
+
+OpenedMemory open_pages(Driver& driver, ShareKind kind, int pid,
+                        const std::vector<std::size_t>& sizes,
+                        const std::vector<std::string>& handles) {
+  const std::size_t g = driver.vm_granularity();
+  std::size_t total = 0;
+  bool sizes_ok = !handles.empty() && sizes.size() == handles.size();
+  for (const std::size_t n : sizes) {
+    sizes_ok = sizes_ok && n > 0 && n % g == 0;
+    total += n;
+  }
+  if (!sizes_ok) {
+    std::string list;
+    for (const std::size_t n : sizes)
+      list += (list.empty() ? "" : ", ") + std::to_string(n);
+    throw FormatError("ccalloc: cannot open " + std::to_string(handles.size()) +
+                      " pages of [" + list + "] bytes from process " + std::to_string(pid) +
+                      " on " + driver.name() + ": each page must be a positive multiple of " +
+                      std::to_string(g) + " bytes, one size per handle");
+  }
+  OpenedMemory m;
+  m.kind_ = RegionKind::kHandles;
   m.region_size_ = total;
   const DevicePtr base = driver.reserve_address_range(total);
   std::size_t mapped = 0;
   try {
-    for (const std::string& h : handles) {
-      m.pages_.push_back(driver.import_physical(h, kind, pid, page_size));
-      driver.map(base + mapped, page_size, m.pages_.back());
-      mapped += page_size;
+    for (std::size_t i = 0; i < handles.size(); ++i) {
+      m.pages_.push_back(driver.import_physical(handles[i], kind, pid, sizes[i]));
+      m.page_sizes_.push_back(sizes[i]);
+      driver.map(base + mapped, sizes[i], m.pages_.back());
+      mapped += sizes[i];
     }
   } catch (...) {
     if (mapped > 0) driver.unmap(base, mapped);
-    for (const PhysicalHandle p : m.pages_)
-      driver.release_physical(p, page_size);
+    for (std::size_t i = 0; i < m.pages_.size(); ++i)
+      driver.release_physical(m.pages_[i], m.page_sizes_[i]);
     driver.free_address_range(base, total);
     throw;
   }
@@ -324,8 +371,10 @@ OpenedMemory open_handle(Driver& driver, std::string_view handle) {
     m.kind_ = RegionKind::kSegment;
     m.base_ = base;
     m.region_size_ = info.region_size;
-  } else {
+  } else if (info.kind == RegionKind::kPages) {
     m = open_pages(driver, info.share_kind, info.pid, info.page_size, info.handles);
+  } else {
+    m = open_pages(driver, info.share_kind, info.pid, info.page_sizes, info.handles);
   }
   m.ptr_ = m.base_ + info.offset;
   m.size_ = info.size;

@@ -289,6 +289,43 @@ void StitchEngine::record_stream(DevicePtr ptr, StreamId stream) {
   throw_not_live("record_stream", ptr);
 }
 
+// A live block's pages are live, and each is covered by the one live mapping of its handle
+// (handles are mapped, lent and unmapped whole): the region is those mappings, whole. They
+// stay while the block is live, since only handles wholly inside free blocks are lent and
+// only mappings with no live block are unmapped.
+ipc::SharedRegion StitchEngine::shared_region(DevicePtr ptr) const {
+  Arena* arena = arena_of(ptr);
+  if (arena == nullptr) throw_not_live("shared_region", ptr);
+  Lock lock(arena->mutex);
+  const Block* b = arena->live.find(ptr);
+  if (b == nullptr) throw_not_live("shared_region", ptr);
+  const Space& s = *b->space;
+  const std::size_t p0 = (b->ptr - s.base) / page_;
+  const std::size_t p1 = (b->end() - s.base + page_ - 1) / page_;
+  ipc::SharedRegion r;
+  r.kind = ipc::RegionKind::kHandles;
+  r.allocation = b->ptr;
+  r.allocation_size = b->size;
+  Lock device(device_mutex_);
+  auto it = s.mappings.upper_bound(p0);
+  if (it == s.mappings.begin()) throw_not_live("shared_region", ptr);
+  --it;
+  r.base = page_va(s, it->first);
+  for (; it != s.mappings.end() && it->first < p1; ++it) {
+    const Mapping& m = it->second;
+    if (m.first_piece != 0 || m.pages != m.handle->live_at.size() ||
+        m.handle->live_at[0] != page_va(s, it->first)) {
+      throw InvariantError("ccalloc: the live allocation " + hex(ptr) + " lies on the mapping at " +
+                           hex(page_va(s, it->first)) + ", which is not its handle's live one");
+    }
+    r.pages.push_back(m.handle->id);
+    r.page_sizes.push_back(m.pages * page_);
+    r.size += m.pages * page_;
+  }
+  if (r.base + r.size < b->end()) throw_not_live("shared_region", ptr);
+  return r;
+}
+
 void StitchEngine::throw_not_live(const char* what, DevicePtr ptr) const {
   throw InvalidPointerError(pointer_error(what, ptr, device()), ptr);
 }

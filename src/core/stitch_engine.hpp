@@ -130,6 +130,8 @@ class StitchEngine final : public Backend {
   const Config& config() const override { return config_; }
   const char* policy_name() const override { return "the stitching policy (stitch_segments)"; }
   Driver& driver() const override { return driver_; }
+  // The handles mapped over the live allocation `ptr`, whole (ipc::RegionKind::kHandles).
+  ipc::SharedRegion shared_region(DevicePtr ptr) const override;
 
   // Beside the private pools (core/stitch_backend.hpp). While a capture (an allocation to a
   // private pool) is underway, events are neither recorded nor queried: a free with other

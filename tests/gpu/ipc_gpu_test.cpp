@@ -50,7 +50,13 @@ struct Sizes {
   std::size_t shared;
   std::size_t offset;
 };
+bool stitching(const std::string& conf) {
+  return ccalloc::Config::parse(conf).stitch_segments;
+}
 Sizes sizes_for(const std::string& conf) {
+  // The stitching policy: 12 MiB in a 20 MiB physical allocation, then 40 MiB on its last
+  // 8 MiB and a new 32 MiB one: shared as two allocations of different sizes.
+  if (stitching(conf)) return {12 * kMiB, 40 * kMiB, 12 * kMiB};
   if (conf.find("expandable_segments:True") != std::string::npos) {
     return {30 * kMiB, 12 * kMiB, 10 * kMiB};
   }
@@ -262,9 +268,12 @@ class Child {
 class IpcGpuTest : public ::testing::TestWithParam<const char*> {};
 
 INSTANTIATE_TEST_SUITE_P(Segments, IpcGpuTest,
-                         ::testing::Values("pytorch", "pytorch,expandable_segments:True"),
+                         ::testing::Values("pytorch", "pytorch,expandable_segments:True",
+                                           "ccalloc"),
                          [](const auto& param) {
-                           return std::string(param.index == 0 ? "Native" : "Expandable");
+                           return std::string(param.index == 0   ? "Native"
+                                              : param.index == 1 ? "Expandable"
+                                                                 : "Stitching");
                          });
 
 void parent_exports(const char* conf, const char* child_mode) {
@@ -281,8 +290,12 @@ void parent_exports(const char* conf, const char* child_mode) {
   EXPECT_EQ(info.pid, static_cast<int>(getpid()));
   EXPECT_EQ(info.size, z.shared);
   const bool expandable = std::string(conf).find("expandable") != std::string::npos;
-  EXPECT_EQ(info.kind, expandable ? ccalloc::ipc::RegionKind::kPages
-                                  : ccalloc::ipc::RegionKind::kSegment);
+  EXPECT_EQ(info.kind, stitching(conf) ? ccalloc::ipc::RegionKind::kHandles
+                       : expandable  ? ccalloc::ipc::RegionKind::kPages
+                                     : ccalloc::ipc::RegionKind::kSegment);
+  if (stitching(conf)) {
+    EXPECT_EQ(info.page_sizes, (std::vector<std::size_t>{20 * kMiB, 32 * kMiB}));
+  }
   EXPECT_EQ(info.offset, z.offset);
   Child child(child_mode, conf);
   child.send(to_hex(handle));

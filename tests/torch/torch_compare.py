@@ -7,7 +7,9 @@ A script is Python source run after this prelude:
     torch            imported; ccalloc is already installed in the ccalloc run
     emit(**values)   reports JSON-serialisable values (the last call wins per key)
 Both runs get the same allocator configuration: PyTorch's defaults (CCALLOC_CONF=pytorch for
-ccalloc; no PYTORCH_CUDA_ALLOC_CONF for either) unless the test passes `conf`.
+ccalloc; no PYTORCH_CUDA_ALLOC_CONF for either) unless the test passes `conf`. With
+preset="ccalloc" ccalloc runs its own default preset instead (CCALLOC_CONF=ccalloc), against
+PyTorch's defaults.
 """
 
 import json
@@ -49,22 +51,23 @@ def skip_without_gpu():
         pytest.skip("no CUDA device", allow_module_level=True)
 
 
-def environment(allocator, conf=None):
+def environment(allocator, conf=None, preset="pytorch"):
     env = dict(os.environ)
     for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         env.pop(key, None)
     if conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
     if allocator == "ccalloc":
-        env["CCALLOC_CONF"] = "pytorch" + ("," + conf if conf else "")
+        env["CCALLOC_CONF"] = preset + ("," + conf if conf else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def run(allocator, script, conf=None, timeout=600, expect_failure=False):
+def run(allocator, script, conf=None, timeout=600, expect_failure=False, preset="pytorch"):
     """Runs `script` on `allocator` in a fresh interpreter; returns its emitted values."""
     source = PRELUDE + "\n" + textwrap.dedent(script)
-    proc = subprocess.run([sys.executable, "-c", source, allocator], env=environment(allocator, conf),
+    proc = subprocess.run([sys.executable, "-c", source, allocator],
+                          env=environment(allocator, conf, preset),
                           capture_output=True, text=True, timeout=timeout, cwd=HERE)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("CCALLOC_RESULT ")]
     if proc.returncode != 0 and not expect_failure:
@@ -76,9 +79,9 @@ def run(allocator, script, conf=None, timeout=600, expect_failure=False):
     return json.loads(lines[-1][len("CCALLOC_RESULT "):])
 
 
-def both(script, conf=None, timeout=600):
+def both(script, conf=None, timeout=600, preset="pytorch"):
     """Runs `script` on PyTorch's allocator, then on ccalloc; returns (pytorch, ccalloc)."""
-    return tuple(run(a, script, conf=conf, timeout=timeout) for a in ALLOCATORS)
+    return tuple(run(a, script, conf=conf, timeout=timeout, preset=preset) for a in ALLOCATORS)
 
 
 def assert_same(pytorch, ccalloc, what):

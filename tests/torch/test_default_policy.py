@@ -1,0 +1,225 @@
+"""ccalloc's default preset (CCALLOC_CONF=ccalloc: the stitching policy for the default pools,
+private pools on expandable segments beside it) against PyTorch's defaults: CUDA graphs,
+torch.compile(mode="reduce-overhead") and MemPool behave as on PyTorch's allocator, a workload
+of varying sizes reserves less at the same allocated bytes, and CUDA tensors cross between
+processes (PyTorch's 'e' format where the tensor's physical allocations are of one size,
+ccalloc's 'h' where they differ). The other files compare exact figures under the `pytorch`
+preset; these check behaviour, since the policies' reserved bytes differ by design."""
+
+import pytest
+
+from torch_compare import both, run, skip_without_gpu
+
+skip_without_gpu()
+
+PRESET = "ccalloc"
+
+MLP = """
+torch.manual_seed(0)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 10)).cuda()
+inputs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)).cuda() for i in range(4)]
+with torch.no_grad():
+    eager = [model(x).cpu() for x in inputs]
+"""
+
+
+def test_the_preset_is_the_stitching_policy():
+    # 30 MiB: the stitching policy creates exactly 15 pieces of 2 MiB; expandable segments
+    # would map two 20 MiB pages.
+    result = run("ccalloc", """
+x = torch.empty(30 << 20, dtype=torch.uint8, device="cuda")
+emit(expandable=[s["is_expandable"] for s in torch.cuda.memory_snapshot()],
+     reserved=torch.cuda.memory_reserved())
+""", preset=PRESET)
+    assert result["expandable"] and all(result["expandable"]), result
+    assert result["reserved"] == 30 << 20, result
+
+
+def test_cuda_graph_replays_like_eager():
+    pytorch, ccalloc = both(MLP + """
+static_in = inputs[0].clone()
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side), torch.no_grad():
+    for _ in range(3):
+        model(static_in)
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.no_grad(), torch.cuda.graph(graph):
+    static_out = model(static_in)
+def pool_of(ptr):
+    for s in torch.cuda.memory._snapshot()["segments"]:
+        if s["address"] <= ptr < s["address"] + s["total_size"]:
+            return list(s.get("segment_pool_id", (0, 0)))
+    return None
+replayed = []
+for x in inputs:
+    static_in.copy_(x)
+    graph.replay()
+    replayed.append(static_out.cpu())
+torch.cuda.synchronize()
+emit(equal_to_eager=all(torch.equal(r, e) for r, e in zip(replayed, eager)),
+     first=replayed[0][0].tolist(), out_in_graph_pool=pool_of(static_out.data_ptr()) == list(graph.pool()),
+     in_default_pool=pool_of(static_in.data_ptr()) == [0, 0])
+graph.reset()
+""", preset=PRESET)
+    for r in (pytorch, ccalloc):
+        assert r["equal_to_eager"] and r["out_in_graph_pool"] and r["in_default_pool"], r
+    assert pytorch["first"] == ccalloc["first"]
+
+
+def test_torch_compile_reduce_overhead_gives_the_same_outputs():
+    pytorch, ccalloc = both(MLP + """
+compiled = torch.compile(model, mode="reduce-overhead")
+outs = []
+with torch.no_grad():
+    for _ in range(3):  # warm-up, recording, replays
+        outs = [compiled(x).clone().cpu() for x in inputs]
+emit(close_to_eager=all(torch.allclose(o, e, atol=1e-5, rtol=1e-5) for o, e in zip(outs, eager)),
+     first=outs[0][0].tolist())
+""", timeout=900, preset=PRESET)
+    assert pytorch["close_to_eager"] and ccalloc["close_to_eager"]
+    assert max(abs(a - b) for a, b in zip(pytorch["first"], ccalloc["first"])) < 1e-5
+
+
+def test_mempool_keeps_its_allocations_apart_from_the_default_pool():
+    pytorch, ccalloc = both("""
+MiB = 1 << 20
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    inside = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+outside = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+def in_pool(ptr):
+    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool.snapshot())
+inside_ptr = inside.data_ptr()
+result = dict(inside_in_pool=in_pool(inside_ptr), outside_in_pool=in_pool(outside.data_ptr()))
+del inside
+torch.cuda.synchronize()
+after = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+result["default_pool_reused_pool_memory"] = after.data_ptr() == inside_ptr
+with torch.cuda.use_mem_pool(pool):
+    again = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+result["pool_reused_its_block"] = again.data_ptr() == inside_ptr
+emit(**result)
+""", preset=PRESET)
+    expected = {"inside_in_pool": True, "outside_in_pool": False,
+                "default_pool_reused_pool_memory": False, "pool_reused_its_block": True}
+    assert pytorch == expected
+    assert ccalloc == expected
+
+
+def test_graphs_sharing_a_pool_give_their_memory_back_after_reset():
+    pytorch, ccalloc = both("""
+MiB = 1 << 20
+static = torch.ones(MiB, device="cuda")
+torch.cuda.synchronize()
+reserved_before = torch.cuda.memory_reserved()
+g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+with torch.cuda.graph(g1):
+    tmp = static * 2
+    out1 = tmp + 1
+    del tmp
+with torch.cuda.graph(g2, pool=g1.pool()):
+    out2 = out1 * 3
+g1.replay()
+g2.replay()
+torch.cuda.synchronize()
+result = dict(out2=out2[0].item())
+del out1, out2
+g1.reset()
+g2.reset()
+torch.cuda.empty_cache()
+result["reserved_after_reset"] = torch.cuda.memory_reserved() - reserved_before
+emit(**result)
+""", preset=PRESET)
+    assert pytorch["out2"] == 9.0 and ccalloc["out2"] == 9.0
+    assert ccalloc["reserved_after_reset"] <= pytorch["reserved_after_reset"], (pytorch, ccalloc)
+
+
+def test_varying_sizes_reserve_less_at_the_same_allocated_bytes():
+    # A sequence-length sweep as in variable-length training: activations whose sizes change
+    # every step, some kept across steps.
+    pytorch, ccalloc = both("""
+import random
+random.seed(0)
+MiB = 1 << 20
+kept = []
+for step in range(60):
+    seq = random.choice([128, 256, 384, 512, 768, 1024])
+    acts = [torch.empty(seq * 4096 * random.choice([1, 2, 3, 4]), dtype=torch.uint8, device="cuda")
+            for _ in range(24)]
+    if step % 7 == 0:
+        kept.append(acts[3])
+    del acts
+    if len(kept) > 5:
+        kept.pop(0)
+torch.cuda.synchronize()
+stats = torch.cuda.memory_stats()
+emit(peak_reserved=stats["reserved_bytes.all.peak"], peak_allocated=stats["allocated_bytes.all.peak"],
+     allocated_now=stats["allocated_bytes.all.current"], keys=sorted(stats))
+""", preset=PRESET)
+    assert ccalloc["peak_allocated"] == pytorch["peak_allocated"]
+    assert ccalloc["allocated_now"] == pytorch["allocated_now"]
+    assert ccalloc["keys"] == pytorch["keys"]
+    assert ccalloc["peak_reserved"] < pytorch["peak_reserved"], (pytorch["peak_reserved"], ccalloc["peak_reserved"])
+
+
+PARENT = """
+import torch.multiprocessing as mp
+import ipc_worker
+MiB = 1 << 20
+ctx = mp.get_context("spawn")
+to_child, to_parent = ctx.Queue(), ctx.Queue()
+process = ctx.Process(target=ipc_worker.child, args=(CHILD, to_child, to_parent))
+process.start()
+if SPLIT:
+    # 30 MiB, 12 MiB (in a 20 MiB chunk), then 40 MiB: the last lies on the chunk's last
+    # 8 MiB and a new 32 MiB physical allocation, two sizes.
+    pads = [torch.empty(30 * MiB, dtype=torch.uint8, device="cuda"),
+            torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")]
+    base = torch.arange(10 * MiB, dtype=torch.float32, device="cuda")
+else:
+    base = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+view = base[1000:2000]
+torch.cuda.synchronize()
+handle = base.untyped_storage()._share_cuda_()[1]
+to_child.put(view)
+reply = to_parent.get(timeout=180)
+if "error" in reply:
+    raise RuntimeError("child: " + reply["error"])
+received = reply["tensor"]
+child_backend, child_sum, child_exact = reply["backend"], reply["sum"], reply["exact"]
+values = received.cpu().tolist()
+del received, reply
+to_child.put("done")
+finished = to_parent.get(timeout=180)
+if "error" in finished:
+    raise RuntimeError("child: " + finished["error"])
+process.join(timeout=180)
+torch.cuda.synchronize()
+expected = torch.arange(base.numel(), dtype=torch.float32, device="cuda")
+expected[1000:2000] += 1
+emit(handle_type=chr(handle[1]), child_backend=child_backend, child_sum=child_sum, child_exact=child_exact,
+     parent_sees_child_write=bool(torch.equal(base, expected)),
+     parent_reads_child_tensor=values == [float(v) for v in range(1000, 1000 + (1 << 19))],
+     exitcode=process.exitcode)
+"""
+
+
+@pytest.mark.parametrize("child,split,handle_type", [
+    pytest.param("ccalloc", True, "h", id="ccalloc-to-ccalloc-two-sizes"),
+    pytest.param("pytorch", False, "e", id="ccalloc-to-pytorch-one-size"),
+    pytest.param("ccalloc", False, "e", id="ccalloc-to-ccalloc-one-size"),
+])
+def test_cuda_tensors_cross_between_processes(child, split, handle_type):
+    result = run("ccalloc", f"CHILD = {child!r}\nSPLIT = {split!r}\n" + PARENT, timeout=600, preset=PRESET)
+    assert result["exitcode"] == 0
+    assert result["handle_type"] == handle_type, result
+    assert result["child_backend"] == ("ccalloc" if child == "ccalloc" else "native")
+    assert result["child_sum"] == sum(range(1000, 2000)) and result["child_exact"], result
+    assert result["parent_sees_child_write"], result
+    assert result["parent_reads_child_tensor"], result
