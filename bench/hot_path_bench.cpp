@@ -1,7 +1,7 @@
 // Cache-hit malloc+free pairs on the simulated GPU: the allocator's own CPU cost, with no
 // device call on the measured path (the first malloc creates the memory outside the loop).
 // Each policy is measured in the same run: the native engine (`pytorch` preset) and the
-// stitching policy (`ccalloc,stitch_segments:True`).
+// `ccalloc` preset (the stitching policy with its private pools beside it).
 //
 //   build/bin/bench_hot_path --benchmark_repetitions=5 --benchmark_report_aggregates_only
 #include <benchmark/benchmark.h>
@@ -37,7 +37,7 @@ void BM_CacheHitPair(benchmark::State& state) {
 }
 
 constexpr char kNative[] = "pytorch";
-constexpr char kStitch[] = "ccalloc,stitch_segments:True";
+constexpr char kStitch[] = "ccalloc";
 
 }  // namespace
 

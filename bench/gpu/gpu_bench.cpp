@@ -889,6 +889,11 @@ int run(int argc, char** argv) {
       ccalloc::Config::parse("pytorch,expandable_segments:True");
   ccalloc::cuda::CudaDriver expandable_driver(0);
   ccalloc::Allocator expandable(expandable_driver, expandable_config);
+  // PyTorch's policy in ccalloc, beside the process's config (the `ccalloc` preset unless
+  // CCALLOC_CONF says otherwise): the preset's own cost on the same run.
+  const ccalloc::Config pytorch_config = ccalloc::Config::parse("pytorch");
+  ccalloc::cuda::CudaDriver pytorch_driver(0);
+  ccalloc::Allocator pytorch_preset(pytorch_driver, pytorch_config);
   const ccalloc::Config async_config = ccalloc::Config::parse("backend:cudaMallocAsync");
   ccalloc::cuda::CudaDriver async_driver(0);
   ccalloc::Allocator async_backend(async_driver, async_config);
@@ -935,6 +940,8 @@ int run(int argc, char** argv) {
   Bench bench(opt, streams, pinning);
   bench.add({"ccalloc", std::make_unique<RunnerOf<CcallocProcess>>(CcallocProcess{pa})});
   bench.add({"ccalloc (direct)", std::make_unique<RunnerOf<CcallocDirect>>(CcallocDirect{direct})});
+  bench.add({"ccalloc pytorch preset",
+             std::make_unique<RunnerOf<CcallocDirect>>(CcallocDirect{pytorch_preset})});
   bench.add(
       {"ccalloc expandable", std::make_unique<RunnerOf<CcallocDirect>>(CcallocDirect{expandable})});
   bench.add(
