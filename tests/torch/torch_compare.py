@@ -57,8 +57,9 @@ def environment(allocator, conf=None, preset="pytorch"):
         env.pop(key, None)
     if conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
-    if allocator == "ccalloc":
-        env["CCALLOC_CONF"] = preset + ("," + conf if conf else "")
+    # Set for both: PyTorch's allocator ignores it, and a ccalloc process the script starts
+    # (test_ipc's children) runs the test's configuration, not ccalloc's default.
+    env["CCALLOC_CONF"] = preset + ("," + conf if conf else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
