@@ -1,4 +1,4 @@
-// Acceptance of the `ccalloc` policy on every bundled trace (data/traces/*.csv.gz and the
+// Acceptance of the `ccalloc` preset (the stitching policy) on every bundled trace (data/traces/*.csv.gz and the
 // *.pickle.gz recordings), replayed on the simulated GPU (141 GiB):
 //  (a) peak reserved within 3% of the floor (the trace's peak live requested bytes), and no
 //      higher than the best of PyTorch's three settings (native, expandable segments,
@@ -26,7 +26,7 @@
 
 namespace {
 
-constexpr const char* kStitch = "ccalloc,stitch_segments:True";
+constexpr const char* kStitch = "ccalloc";  // the default preset: the stitching policy
 constexpr double kBound = 1.03;
 
 // Every bundled trace file, by name, sorted.
