@@ -108,19 +108,38 @@ TEST_P(StitchTrace, PeakWithinThreePercentOfTheFloorAndNoMoreDriverTimeThanExpan
   EXPECT_EQ(c.stream_synchronizes + c.event_synchronizes + c.device_synchronizes, 0u);
 }
 
-// (a), its second half: no higher than the best of PyTorch's three settings. Not met yet:
-// with whole handles, resnet50_train peaks at 1.0123 against expandable segments' 1.0103,
-// and moe_train at 1.0288 against the simulated cudaMallocAsync pool's 1.0099
-// (docs/ccalloc-policy.md, "Limits and what remains"). Run it with
-// --gtest_also_run_disabled_tests.
-TEST_P(StitchTrace, DISABLED_PeakNoHigherThanTheBestPytorchSetting) {
+// (a), its second half: no higher than the best of PyTorch's settings. The simulated GPU
+// runs PyTorch's native policy and expandable segments exactly as PyTorch does (the replays
+// give PyTorch's recorded peaks), so both bounds are computed: the replays under the `pytorch`
+// settings, and the peaks the trace and its `.expandable` companion recorded.
+TEST_P(StitchTrace, PeakNoHigherThanPytorchsNativeOrExpandableSegments) {
   const auto ours = replay(trace_, kStitch);
-  const std::int64_t best =
-      std::min({replay(trace_, "pytorch").peak_reserved_bytes,
-                replay(trace_, "pytorch,expandable_segments:True").peak_reserved_bytes,
-                replay(trace_, "pytorch,backend:cudaMallocAsync").peak_reserved_bytes});
+  std::int64_t best =
+      std::min(replay(trace_, "pytorch").peak_reserved_bytes,
+               replay(trace_, "pytorch,expandable_segments:True").peak_reserved_bytes);
+  best = std::min(best, ccalloc::replay::recorded_figures(trace_).peak_reserved_bytes);
+  const std::string name = GetParam();
+  const auto dot = name.find('.');
+  const std::filesystem::path companion =
+      std::filesystem::path(CCALLOC_TRACES_DIR) / (name.substr(0, dot) + ".expandable.csv.gz");
+  if (std::filesystem::exists(companion) && name.find(".frames.") == std::string::npos) {
+    const auto expandable = ccalloc::io::read_any_trace(companion.string());
+    best = std::min(best, ccalloc::replay::recorded_figures(expandable).peak_reserved_bytes);
+  }
   EXPECT_LE(ours.peak_reserved_bytes, best)
       << "stitching " << ratio(ours.peak_reserved_bytes) << " x the floor, best " << ratio(best);
+}
+
+// Against the simulated cudaMallocAsync pool as well. Not met on moe_train (1.0280 against
+// the model's 1.0099). The model is not calibrated: it gives 1.0707 / 1.0348 / 1.0099 on
+// resnet50 / gpt2 / moe where PyTorch measured 1.030 / 1.090 / 1.056 with the real pool
+// (data/traces/README.md), which the policy beats on all three (docs/ccalloc-policy.md).
+// Run it with --gtest_also_run_disabled_tests.
+TEST_P(StitchTrace, DISABLED_PeakNoHigherThanTheSimulatedCudaMallocAsyncPool) {
+  const auto ours = replay(trace_, kStitch);
+  const std::int64_t pool = replay(trace_, "pytorch,backend:cudaMallocAsync").peak_reserved_bytes;
+  EXPECT_LE(ours.peak_reserved_bytes, pool)
+      << "stitching " << ratio(ours.peak_reserved_bytes) << " x the floor, the pool " << ratio(pool);
 }
 
 // (b).

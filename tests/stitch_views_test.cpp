@@ -253,42 +253,53 @@ TEST(StitchViews, WholeChunksLentAndTheirDeadPagesAddUpToTheReservedBytes) {
   expect_stats_recovered(f, s);
 }
 
-TEST(StitchViews, AHandleLentToTheSmallPoolStaysCountedWhereItWasCreated) {
-  // 18 MiB device (exact growth). a = 4 MiB: handle 1 (2 pieces); b = 2 MiB: handle 2 (1
-  // piece); c = 4 MiB: handle 3 (2 pieces). b freed: its page holds handle 2 whole.
+TEST(StitchViews, AHandleLentToTheLargePoolStaysCountedWhereItWasCreated) {
+  // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (1 piece, small pool); freed, its
+  // page holds handle 1 whole. a = 4 MiB: the large pool lends handle 1 and creates the one
+  // piece it still lacks (handle 2). (The small pool lends only from its own pages.)
+  Fixture f(18 * kMiB);
+  const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
+  f.engine.free(s0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  const Snapshot s = f.engine.snapshot();
+  ASSERT_EQ(s.segments.size(), 1u);  // the small range has no live page left
+  EXPECT_EQ(s.segments[0].address, a);
+  EXPECT_FALSE(s.segments[0].is_small);
+  EXPECT_EQ(s.segments[0].pieces, (std::vector<PieceRun>{whole(1, 1), whole(2, 1)}));
+  const PhysicalMemory& p = s.physical.at(0);
+  // Handle 1 backs a large-pool page but was created by the small pool: it counts there.
+  EXPECT_EQ(p.handles, (std::vector<PhysicalHandleInfo>{{1, 1, true}, {2, 1, false}}));
+  ASSERT_EQ(p.ranges.size(), 2u);
+  const auto& small_range = p.ranges[0].is_small ? p.ranges[0] : p.ranges[1];
+  const auto& large_range = p.ranges[0].is_small ? p.ranges[1] : p.ranges[0];
+  EXPECT_EQ(small_range.dead, (std::vector<DeadPages>{{s0, whole(1, 1)}}));
+  EXPECT_EQ(small_range.frontier, 2 * kMiB);
+  EXPECT_EQ(large_range.address, a);
+  EXPECT_TRUE(large_range.dead.empty());
+  EXPECT_EQ(large_range.frontier, 4 * kMiB);
+  expect_accounts_for_reserved(f, s);
+  EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
+  EXPECT_EQ(f.reserved(kLargePool), 2 * kMiB);
+  expect_stats_recovered(f, s);
+}
+
+TEST(StitchViews, TheSmallPoolLendsNothingFromTheLargePool) {
+  // As above but the other way round: b's freed page holds a large-pool handle whole, and a
+  // small request creates a piece of its own instead of taking it.
   Fixture f(18 * kMiB);
   f.engine.malloc(4 * kMiB, 0);
   const DevicePtr b = f.engine.malloc(2 * kMiB, 0);
   f.engine.malloc(4 * kMiB, 0);
   f.engine.free(b);
-  // The small pool of the same stream has no page: it lends handle 2 from b's free block
-  // (of the large pool) instead of creating a piece. b's page is dead, and a's and c's
-  // pages are two segments.
-  const DevicePtr small = f.engine.malloc(512 * 1024, 0);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
-  const Snapshot s = f.engine.snapshot();
-  ASSERT_EQ(s.segments.size(), 3u);
-  EXPECT_EQ(s.segments[0].address, kVa);
-  EXPECT_EQ(s.segments[0].pieces, (std::vector<PieceRun>{whole(1, 2)}));
-  EXPECT_EQ(s.segments[1].address, kVa + 6 * kMiB);
-  EXPECT_EQ(s.segments[1].pieces, (std::vector<PieceRun>{whole(3, 2)}));
-  EXPECT_EQ(s.segments[2].address, small);
-  EXPECT_TRUE(s.segments[2].is_small);
-  EXPECT_EQ(s.segments[2].pieces, (std::vector<PieceRun>{whole(2, 1)}));
-  const PhysicalMemory& p = s.physical.at(0);
-  // Handle 2 backs a small-pool page but was created by the large pool: it counts there.
-  EXPECT_EQ(p.handles,
-            (std::vector<PhysicalHandleInfo>{{1, 2, false}, {2, 1, false}, {3, 2, false}}));
-  ASSERT_EQ(p.ranges.size(), 2u);
-  EXPECT_EQ(p.ranges[0].dead, (std::vector<DeadPages>{{kVa + 4 * kMiB, whole(2, 1)}}));
-  EXPECT_EQ(p.ranges[0].frontier, 10 * kMiB);
-  EXPECT_TRUE(p.ranges[1].is_small);
-  EXPECT_EQ(p.ranges[1].address, small);
-  EXPECT_TRUE(p.ranges[1].dead.empty());
-  expect_accounts_for_reserved(f, s);
-  EXPECT_EQ(f.reserved(kSmallPool), 0u);
+  f.engine.malloc(512 * 1024, 0);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 4u);
+  EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
   EXPECT_EQ(f.reserved(kLargePool), 10 * kMiB);
-  expect_stats_recovered(f, s);
+  const Snapshot s = f.engine.snapshot();
+  for (const auto& range : s.physical.at(0).ranges)
+    EXPECT_TRUE(range.dead.empty());
+  expect_accounts_for_reserved(f, s);
 }
 
 // The engine holds no spare piece between operations: a handle becomes spare only while the

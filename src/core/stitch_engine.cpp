@@ -602,9 +602,13 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
       have += pieces_of(h);
     }
     if (have >= pages) return;
-    // Handles live wholly inside the whole pages of one free block of the stream.
+    // Handles live wholly inside the whole pages of one free block of the stream. The small
+    // pool lends to either pool; the large pool only to itself: its handles (up to 64 MiB)
+    // would sit in a small space behind blocks of at most 1 MiB, and the small pool's growth
+    // lacks a page or two, which its own free pages or one new piece serve.
     std::vector<Lend> candidates;
     for (const Pool& pool : arena.pools) {
+      if (small && &pool != &arena.pool(true)) continue;
       for (Block* b : pool) {
         if (b == tail) continue;
         const DevicePtr hi = align_down(b->end(), page_);
