@@ -3,7 +3,7 @@
 ccalloc, each in a fresh process, with PyTorch's native policy and with
 expandable_segments:True on both sides. Prints a table and writes JSON.
 
-    python3 bench/torch/compare.py [--json results.json] [--workloads a,b] [--modes native,expandable]
+    python3 bench/torch/compare.py [--json results.json] [--workloads a,b] [--modes native,expandable,ccalloc]
 
 Step time is the median over the timed steps of every process of an allocator (pooled).
 Where step shapes vary, a step's time depends mostly on its shape, so the pooled median says
@@ -88,7 +88,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--workloads", default="resnet50,gpt2_varlen,llama_generate,finetune_bf16,compiled_gpt2,compiled_mlp")
-    parser.add_argument("--modes", default="native,expandable")
+    parser.add_argument("--modes", default="native,expandable,ccalloc")
     parser.add_argument("--repeats", type=int, default=2,
                         help="processes per allocator, interleaved; step times are pooled")
     parser.add_argument("--cpus", help="run every process on these CPUs, e.g. 0-7 or 0,2,4")
