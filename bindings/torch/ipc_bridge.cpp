@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ccalloc/cuda.hpp"
@@ -64,6 +65,19 @@ Driver& importer(int device) {
   std::lock_guard lock(mutex);
   if (drivers[device] == nullptr) drivers[device] = new cuda::CudaDriver(device);  // never freed
   return *drivers[device];
+}
+
+// The start of the opened region, as PyTorch holds it: the last owner's release closes it.
+std::shared_ptr<void> hold_region(ipc::OpenedMemory memory) {
+  auto opened = std::make_shared<ipc::OpenedMemory>(std::move(memory));
+  void* ptr = reinterpret_cast<void*>(opened->region_base());
+  return std::shared_ptr<void>(ptr, [opened](void*) {
+    try {
+      opened->close();
+    } catch (const Error& e) {
+      TORCH_WARN("ccalloc: closing memory shared by another process: ", e.what());
+    }
+  });
 }
 
 }  // namespace
@@ -135,29 +149,12 @@ std::shared_ptr<void> open_expandable(int device, std::string_view payload) {
   std::vector<std::string> handles;
   for (std::size_t i = 0; i < header.num_handles; ++i)
     handles.emplace_back(payload.substr(sizeof header + i * each, each));
-  Driver& driver = importer(device);
-  auto opened = std::make_shared<ipc::OpenedMemory>(
-      ipc::open_pages(driver, kind, static_cast<int>(header.pid), header.segment_size, handles));
-  void* ptr = reinterpret_cast<void*>(opened->ptr());
-  return std::shared_ptr<void>(ptr, [opened](void*) {
-    try {
-      opened->close();
-    } catch (const Error& e) {
-      TORCH_WARN("ccalloc: closing memory shared by another process: ", e.what());
-    }
-  });
+  return hold_region(ipc::open_pages(importer(device), kind, static_cast<int>(header.pid),
+                                     header.segment_size, handles));
 }
 
 std::shared_ptr<void> open_handles(int device, std::string_view payload) {
-  auto opened = std::make_shared<ipc::OpenedMemory>(ipc::open_handle(importer(device), payload));
-  void* ptr = reinterpret_cast<void*>(opened->region_base());
-  return std::shared_ptr<void>(ptr, [opened](void*) {
-    try {
-      opened->close();
-    } catch (const Error& e) {
-      TORCH_WARN("ccalloc: closing memory shared by another process: ", e.what());
-    }
-  });
+  return hold_region(ipc::open_handle(importer(device), payload));
 }
 
 }  // namespace ccalloc::torch_bridge
