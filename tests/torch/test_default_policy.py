@@ -9,22 +9,13 @@ preset; these check behaviour, since the policies' reserved bytes differ by desi
 import pytest
 
 from torch_compare import both, run, skip_without_gpu
+from test_graphs_and_pools import (COMPILE, MEMPOOL_ISOLATED, MEMPOOL_ISOLATION, MLP,
+                                   without_use_count)
+from test_ipc import parent_script
 
 skip_without_gpu()
 
 PRESET = "ccalloc"
-
-MLP = """
-torch.manual_seed(0)
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                            torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                            torch.nn.Linear(256, 10)).cuda()
-inputs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)).cuda() for i in range(4)]
-with torch.no_grad():
-    eager = [model(x).cpu() for x in inputs]
-"""
 
 
 def test_the_preset_is_the_stitching_policy():
@@ -73,43 +64,15 @@ graph.reset()
 
 
 def test_torch_compile_reduce_overhead_gives_the_same_outputs():
-    pytorch, ccalloc = both(MLP + """
-compiled = torch.compile(model, mode="reduce-overhead")
-outs = []
-with torch.no_grad():
-    for _ in range(3):  # warm-up, recording, replays
-        outs = [compiled(x).clone().cpu() for x in inputs]
-emit(close_to_eager=all(torch.allclose(o, e, atol=1e-5, rtol=1e-5) for o, e in zip(outs, eager)),
-     first=outs[0][0].tolist())
-""", timeout=900, preset=PRESET)
+    pytorch, ccalloc = both(COMPILE, timeout=900, preset=PRESET)
     assert pytorch["close_to_eager"] and ccalloc["close_to_eager"]
     assert max(abs(a - b) for a, b in zip(pytorch["first"], ccalloc["first"])) < 1e-5
 
 
 def test_mempool_keeps_its_allocations_apart_from_the_default_pool():
-    pytorch, ccalloc = both("""
-MiB = 1 << 20
-pool = torch.cuda.MemPool()
-with torch.cuda.use_mem_pool(pool):
-    inside = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-outside = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-def in_pool(ptr):
-    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool.snapshot())
-inside_ptr = inside.data_ptr()
-result = dict(inside_in_pool=in_pool(inside_ptr), outside_in_pool=in_pool(outside.data_ptr()))
-del inside
-torch.cuda.synchronize()
-after = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-result["default_pool_reused_pool_memory"] = after.data_ptr() == inside_ptr
-with torch.cuda.use_mem_pool(pool):
-    again = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
-result["pool_reused_its_block"] = again.data_ptr() == inside_ptr
-emit(**result)
-""", preset=PRESET)
-    expected = {"inside_in_pool": True, "outside_in_pool": False,
-                "default_pool_reused_pool_memory": False, "pool_reused_its_block": True}
-    assert pytorch == expected
-    assert ccalloc == expected
+    pytorch, ccalloc = both(MEMPOOL_ISOLATION, preset=PRESET)
+    assert without_use_count(pytorch) == MEMPOOL_ISOLATED
+    assert without_use_count(ccalloc) == MEMPOOL_ISOLATED
 
 
 def test_graphs_sharing_a_pool_give_their_memory_back_after_reset():
@@ -168,14 +131,9 @@ emit(peak_reserved=stats["reserved_bytes.all.peak"], peak_allocated=stats["alloc
     assert ccalloc["peak_reserved"] < pytorch["peak_reserved"], (pytorch["peak_reserved"], ccalloc["peak_reserved"])
 
 
-PARENT = """
-import torch.multiprocessing as mp
-import ipc_worker
+# The shared tensor's allocation in the parent; the handle type it travels with is reported.
+ALLOCATE = """
 MiB = 1 << 20
-ctx = mp.get_context("spawn")
-to_child, to_parent = ctx.Queue(), ctx.Queue()
-process = ctx.Process(target=ipc_worker.child, args=(CHILD, to_child, to_parent))
-process.start()
 if SPLIT:
     # 30 MiB, 12 MiB (in a 20 MiB chunk), then 40 MiB: the last lies on the chunk's last
     # 8 MiB and a new 32 MiB physical allocation, two sizes.
@@ -184,29 +142,7 @@ if SPLIT:
     base = torch.arange(10 * MiB, dtype=torch.float32, device="cuda")
 else:
     base = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-view = base[1000:2000]
-torch.cuda.synchronize()
-handle = base.untyped_storage()._share_cuda_()[1]
-to_child.put(view)
-reply = to_parent.get(timeout=180)
-if "error" in reply:
-    raise RuntimeError("child: " + reply["error"])
-received = reply["tensor"]
-child_backend, child_sum, child_exact = reply["backend"], reply["sum"], reply["exact"]
-values = received.cpu().tolist()
-del received, reply
-to_child.put("done")
-finished = to_parent.get(timeout=180)
-if "error" in finished:
-    raise RuntimeError("child: " + finished["error"])
-process.join(timeout=180)
-torch.cuda.synchronize()
-expected = torch.arange(base.numel(), dtype=torch.float32, device="cuda")
-expected[1000:2000] += 1
-emit(handle_type=chr(handle[1]), child_backend=child_backend, child_sum=child_sum, child_exact=child_exact,
-     parent_sees_child_write=bool(torch.equal(base, expected)),
-     parent_reads_child_tensor=values == [float(v) for v in range(1000, 1000 + (1 << 19))],
-     exitcode=process.exitcode)
+emit(handle_type=chr(base.untyped_storage()._share_cuda_()[1][1]))
 """
 
 
@@ -216,7 +152,8 @@ emit(handle_type=chr(handle[1]), child_backend=child_backend, child_sum=child_su
     pytest.param("ccalloc", False, "e", id="ccalloc-to-ccalloc-one-size"),
 ])
 def test_cuda_tensors_cross_between_processes(child, split, handle_type):
-    result = run("ccalloc", f"CHILD = {child!r}\nSPLIT = {split!r}\n" + PARENT, timeout=600, preset=PRESET)
+    result = run("ccalloc", f"SPLIT = {split!r}\n" + parent_script(child, ALLOCATE), timeout=600,
+                 preset=PRESET)
     assert result["exitcode"] == 0
     assert result["handle_type"] == handle_type, result
     assert result["child_backend"] == ("ccalloc" if child == "ccalloc" else "native")

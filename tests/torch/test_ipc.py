@@ -19,8 +19,7 @@ ctx = mp.get_context("spawn")
 to_child, to_parent = ctx.Queue(), ctx.Queue()
 process = ctx.Process(target=ipc_worker.child, args=(CHILD, to_child, to_parent))
 process.start()
-pad = torch.empty(18 << 20, dtype=torch.uint8, device="cuda") if EXPANDABLE else None
-base = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+ALLOCATE
 view = base[1000:2000]  # an offset inside the allocation, which is inside a segment
 torch.cuda.synchronize()
 segments = torch.cuda.memory_snapshot()
@@ -40,12 +39,12 @@ if "error" in finished:
     raise RuntimeError("child: " + finished["error"])
 process.join(timeout=180)
 torch.cuda.synchronize()
-expected = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+expected = torch.arange(base.numel(), dtype=torch.float32, device="cuda")
 expected[1000:2000] += 1
 emit(child_backend=child_backend, child_sum=child_sum, child_exact=child_exact,
      parent_sees_child_write=bool(torch.equal(base, expected)),
      parent_reads_child_tensor=values == [float(v) for v in range(1000, 1000 + (1 << 19))],
-     expandable=EXPANDABLE, base_is_expandable=base_is_expandable,
+     base_is_expandable=base_is_expandable,
      exitcode=process.exitcode)
 """
 
@@ -53,8 +52,21 @@ emit(child_backend=child_backend, child_sum=child_sum, child_exact=child_exact,
 SEGMENTS = [pytest.param(None, id="native"), pytest.param("expandable_segments:True", id="expandable")]
 
 
+def parent_script(child, allocate):
+    """PARENT for a child on `child`, with `allocate` (source) defining `base`, the tensor
+    whose view is shared."""
+    return f"CHILD = {child!r}\n" + PARENT.replace("ALLOCATE\n", allocate + "\n")
+
+
+# In the expandable runs, 18 MiB first: the shared tensor then straddles two 20 MiB pages.
+ALLOCATE = """
+pad = torch.empty(18 << 20, dtype=torch.uint8, device="cuda") if EXPANDABLE else None
+base = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+"""
+
+
 def exchange(parent, child, conf):
-    script = f"CHILD = {child!r}\nEXPANDABLE = {conf is not None!r}\n" + PARENT
+    script = f"EXPANDABLE = {conf is not None!r}\n" + parent_script(child, ALLOCATE)
     return run(parent, script, conf=conf, timeout=600)
 
 
