@@ -6,6 +6,7 @@
 // whose handles are numbered from 1 in creation order, so every piece is known.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <ostream>
 #include <string>
@@ -300,6 +301,84 @@ TEST(StitchViews, TheSmallPoolLendsNothingFromTheLargePool) {
   for (const auto& range : s.physical.at(0).ranges)
     EXPECT_TRUE(range.dead.empty());
   expect_accounts_for_reserved(f, s);
+}
+
+// The small pool takes back a piece of its own creation that the large pool borrowed, once
+// that piece lies whole in a large free block, instead of creating one; a large-pool handle
+// beside it stays (the test above).
+TEST(StitchViews, TheSmallPoolTakesBackItsOwnPieceFromALargeFreeBlock) {
+  // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (small pool), freed. a = 4 MiB:
+  // handle 1 lent + handle 2 created. b = 2 MiB: handle 3, after a. a freed: its free block
+  // holds handles 1 and 2 whole. s1 = 512 KiB: the small pool takes handle 1 back.
+  Fixture f(18 * kMiB);
+  const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
+  f.engine.free(s0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+  const DevicePtr b = f.engine.malloc(2 * kMiB, 0);
+  EXPECT_EQ(b, a + 4 * kMiB);
+  f.engine.free(a);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
+  const DevicePtr s1 = f.engine.malloc(512 * 1024, 0);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
+  EXPECT_EQ(s1, s0 + kPiece);  // the small range's next page; its first is still dead
+  const Snapshot s = f.engine.snapshot();
+  const auto small_seg = std::find_if(s.segments.begin(), s.segments.end(),
+                                      [](const auto& seg) { return seg.is_small; });
+  ASSERT_NE(small_seg, s.segments.end());
+  EXPECT_EQ(small_seg->address, s1);
+  EXPECT_EQ(small_seg->pieces, (std::vector<PieceRun>{whole(1, 1)}));
+  for (const auto& seg : s.segments) {
+    if (!seg.is_small) {
+      EXPECT_EQ(seg.pieces, (std::vector<PieceRun>{whole(2, 1), whole(3, 1)}));
+    }
+  }
+  EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
+  EXPECT_EQ(f.reserved(kLargePool), 4 * kMiB);
+  expect_accounts_for_reserved(f, s);
+  expect_stats_recovered(f, s);
+}
+
+// Large growth creates at least a chunk (20 MiB). The small pool's free pages are taken only
+// where they spare creating memory: pages that the chunk covers anyway stay in the small pool.
+TEST(StitchViews, TheLargePoolTakesSmallPagesOnlyWhereTheySpareACreation) {
+  Fixture f(std::size_t{1} << 34);
+  // One free small page (handle 1); a 4 MiB request lacks 2 pages: the page would cover one,
+  // and the chunk is created anyway, so the page stays and the next small request reuses it.
+  const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
+  f.engine.free(s0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(f.engine.malloc(512 * 1024, 0), s0);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  Snapshot s = f.engine.snapshot();
+  for (const auto& range : s.physical.at(0).ranges)
+    EXPECT_TRUE(range.dead.empty());
+  for (const auto& seg : s.segments) {
+    if (!seg.is_small) {
+      EXPECT_EQ(seg.address, a);
+      EXPECT_EQ(seg.pieces, (std::vector<PieceRun>{whole(2, 10)}));
+    }
+  }
+  expect_accounts_for_reserved(f, s);
+
+  // Two free small pages (handles 1 and 2, under 1 MiB blocks) on a fresh engine: a 4 MiB request
+  // lacks exactly two pages, which they cover, so it takes them and creates nothing.
+  Fixture g(std::size_t{1} << 34);
+  const DevicePtr t0 = g.engine.malloc(kMiB, 0);
+  const DevicePtr t1 = g.engine.malloc(kMiB, 0);
+  const DevicePtr t2 = g.engine.malloc(kMiB, 0);
+  EXPECT_EQ(g.gpu.counters().physical_creates, 2u);
+  for (const DevicePtr p : {t0, t1, t2})
+    g.engine.free(p);
+  g.engine.malloc(4 * kMiB, 0);
+  EXPECT_EQ(g.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(g.reserved(kSmallPool), 4 * kMiB);
+  EXPECT_EQ(g.reserved(kLargePool), 0u);
+  s = g.engine.snapshot();
+  ASSERT_EQ(s.segments.size(), 1u);
+  EXPECT_FALSE(s.segments[0].is_small);
+  EXPECT_EQ(s.segments[0].pieces, (std::vector<PieceRun>{whole(1, 1), whole(2, 1)}));
+  expect_accounts_for_reserved(g, s);
 }
 
 // The engine holds no spare piece between operations: a handle becomes spare only while the

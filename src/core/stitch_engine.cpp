@@ -602,13 +602,14 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
       have += pieces_of(h);
     }
     if (have >= pages) return;
-    // Handles live wholly inside the whole pages of one free block of the stream. The small
-    // pool lends to either pool; the large pool only to itself: its handles (up to 64 MiB)
-    // would sit in a small space behind blocks of at most 1 MiB, and the small pool's growth
-    // lacks a page or two, which its own free pages or one new piece serve.
+    // Handles live wholly inside the whole pages of one free block of the stream: any
+    // handle of the pool's own free blocks; from the other pool, the large pool takes any
+    // (a small page freed whole joins a large range) and the small pool only the one-piece
+    // handles that its own growth created (they come back; a large handle of up to 64 MiB
+    // would sit in a small space behind blocks of at most 1 MiB).
     std::vector<Lend> candidates;
     for (const Pool& pool : arena.pools) {
-      if (small && &pool != &arena.pool(true)) continue;
+      const bool other = &pool != &arena.pool(small);
       for (Block* b : pool) {
         if (b == tail) continue;
         const DevicePtr hi = align_down(b->end(), page_);
@@ -616,7 +617,8 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
         for (DevicePtr va = align_up(b->ptr, page_); va < hi;) {
           const Page& p = bs.pages[(va - bs.base) / page_];
           const std::size_t n = pieces_of(p.handle);
-          if (p.piece == 0 && va + n * page_ <= hi) {
+          if (p.piece == 0 && va + n * page_ <= hi &&
+              (!other || !small || (p.handle->small && n == 1))) {
             candidates.push_back(Lend{p.handle, b, va});
             va += n * page_;
           } else {
@@ -657,6 +659,19 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
         if (tried * page_ > limit() || held() > limit() - tried * page_) continue;
         created = tried;
         break;
+      }
+      // A chunk created anyway covers pages that moves from the other pool would: those
+      // moves would cost a map each and take the other pool's free pages for nothing.
+      if (created > lacking) {
+        std::stable_partition(lends.begin(), lends.end(), [&](const Lend& l) {
+          return l.block->space->small == small;
+        });
+        while (!lends.empty() && lends.back().block->space->small != small &&
+               have - pieces_of(lends.back().handle) + created >= pages) {
+          have -= pieces_of(lends.back().handle);
+          lends.pop_back();
+        }
+        lacking = pages - have;
       }
     }
     const std::size_t room = fresh ? space_pages_ : s->reserved_pages - s->pages.size();

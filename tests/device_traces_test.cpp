@@ -1,0 +1,178 @@
+// The `ccalloc` preset on the workloads recorded on an H100 with bench/torch's models
+// (data/traces/device/: ResNet-50 at batch 64 and 128, ViT-B/16, a BERT-sized fine-tune,
+// GPT-2 with varying lengths, Llama-style generation), replayed on the simulated GPU, against
+// PyTorch's peaks measured on the device for the same runs (measured.json: native,
+// expandable segments, cudaMallocAsync) and against PyTorch's policies replayed:
+//  - every trace: peak reserved no higher than any of those;
+//  - every trace but the known gaps below: peak within 3% of the floor (peak live requested
+//    bytes), no more simulated driver time than expandable segments, no OOM on a device of
+//    1.03 x the floor and `fit` within it.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/trace_file.hpp"
+#include "replay/fit.hpp"
+#include "replay/replay.hpp"
+
+#ifndef CCALLOC_TRACES_DIR
+#error "CCALLOC_TRACES_DIR must name data/traces (set by the build)"
+#endif
+
+namespace {
+
+constexpr const char* kPolicy = "ccalloc";
+constexpr double kBound = 1.03;
+
+const std::filesystem::path kDir = std::filesystem::path(CCALLOC_TRACES_DIR) / "device";
+
+// Where the policy misses a bound on these recordings (docs/ccalloc-policy.md, "Limits").
+// Both peak at exactly expandable segments' figure, which the first test still enforces.
+struct Gap {
+  bool peak = false;    // peak reserved above 1.03 x the floor
+  bool driver = false;  // more simulated driver time than expandable segments
+  bool fit = false;     // needs more than 1.03 x the floor
+  const char* why = "";
+};
+const std::map<std::string, Gap>& known_gaps() {
+  static const std::map<std::string, Gap> gaps = {
+      {"llama_generate",
+       {true, true, false,
+        "1.0459 x the floor, as expandable segments; 2.2 against 2.0 ms of driver time: "
+        "requests a page or two beyond a free tail grow by a whole chunk, and the moves "
+        "between pools cost a map per 2 MiB piece"}},
+      {"vit_b16",
+       {true, false, true,
+        "1.0301 x the floor, as expandable segments: the free blocks at the peak (132 MiB, "
+        "the largest 31 MiB) hold no whole 20 MiB handle to lend"}},
+  };
+  return gaps;
+}
+
+std::vector<std::string> device_traces() {
+  std::vector<std::string> stems;
+  for (const auto& e : std::filesystem::directory_iterator(kDir)) {
+    const std::string name = e.path().filename().string();
+    const std::string suffix = ".pickle.gz";
+    if (name.size() > suffix.size() &&
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      stems.push_back(name.substr(0, name.size() - suffix.size()));
+    }
+  }
+  std::sort(stems.begin(), stems.end());
+  return stems;
+}
+
+const nlohmann::json& measured() {
+  static const nlohmann::json j = [] {
+    std::ifstream in(kDir / "measured.json");
+    return nlohmann::json::parse(in);
+  }();
+  return j.at("peak_reserved_bytes");
+}
+
+std::string test_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string n = info.param;
+  for (char& c : n) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  return n;
+}
+
+ccalloc::replay::Result replay(const std::vector<ccalloc::io::TraceRecord>& trace,
+                               const char* conf, std::size_t capacity = 0) {
+  ccalloc::replay::Options o;
+  o.conf = conf;
+  if (capacity != 0) o.capacity = capacity;
+  return ccalloc::replay::run(trace, o);
+}
+
+class DeviceTrace : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    trace_ = ccalloc::io::read_any_trace((kDir / (GetParam() + ".pickle.gz")).string());
+    floor_ = ccalloc::replay::recorded_figures(trace_).peak_requested_bytes;
+    ASSERT_GT(floor_, 0) << GetParam() << " allocates nothing";
+    const auto it = known_gaps().find(GetParam());
+    if (it != known_gaps().end()) gap_ = it->second;
+  }
+  double ratio(std::int64_t bytes) const {
+    return static_cast<double>(bytes) / static_cast<double>(floor_);
+  }
+  std::vector<ccalloc::io::TraceRecord> trace_;
+  std::int64_t floor_ = 0;
+  Gap gap_;
+};
+
+TEST(DeviceTraceFiles, EveryTraceHasPytorchsMeasuredPeaks) {
+  const auto stems = device_traces();
+  EXPECT_GE(stems.size(), 6u);
+  for (const auto& stem : stems) {
+    ASSERT_TRUE(measured().contains(stem)) << stem;
+    EXPECT_TRUE(measured()[stem].at("expandable_segments").is_number_integer()) << stem;
+  }
+  for (const auto& [stem, gap] : known_gaps())
+    EXPECT_NE(std::find(stems.begin(), stems.end(), stem), stems.end()) << stem;
+}
+
+TEST_P(DeviceTrace, PeakNoHigherThanAnyPytorchSettingMeasuredOrReplayed) {
+  const auto ours = replay(trace_, kPolicy);
+  const auto native = replay(trace_, "pytorch");
+  const auto expandable = replay(trace_, "pytorch,expandable_segments:True");
+  std::int64_t best = std::min(native.peak_reserved_bytes, expandable.peak_reserved_bytes);
+  std::string figures;
+  for (const auto& [setting, bytes] : measured().at(GetParam()).items()) {
+    if (bytes.is_null()) continue;  // not measured
+    best = std::min(best, bytes.get<std::int64_t>());
+    figures += " " + setting + " " + std::to_string(ratio(bytes.get<std::int64_t>()));
+  }
+  std::printf("[ %s ] peak/floor: ccalloc %.4f; replayed pytorch %.4f, expandable %.4f; "
+              "measured%s; driver ms: ccalloc %.1f, expandable %.1f\n",
+              GetParam().c_str(), ratio(ours.peak_reserved_bytes),
+              ratio(native.peak_reserved_bytes), ratio(expandable.peak_reserved_bytes),
+              figures.c_str(), ours.simulated_driver_us / 1000.0,
+              expandable.simulated_driver_us / 1000.0);
+  EXPECT_EQ(ours.ooms, 0);
+  EXPECT_LE(ours.peak_reserved_bytes, best)
+      << "ccalloc " << ratio(ours.peak_reserved_bytes) << " x the floor, best " << ratio(best);
+}
+
+TEST_P(DeviceTrace, WithinThreePercentOfTheFloorAndNoMoreDriverTimeThanExpandable) {
+  const auto ours = replay(trace_, kPolicy);
+  const auto expandable = replay(trace_, "pytorch,expandable_segments:True");
+  if (!gap_.peak) {
+    EXPECT_LE(ratio(ours.peak_reserved_bytes), kBound);
+  }
+  if (!gap_.driver) {
+    EXPECT_LE(ours.simulated_driver_us, expandable.simulated_driver_us);
+  }
+  if (gap_.peak || gap_.driver) GTEST_SKIP() << "known gap: " << gap_.why;
+}
+
+TEST_P(DeviceTrace, RunsOnADeviceOfThreePercentAboveTheFloorAndFitsWithin) {
+  if (gap_.fit) GTEST_SKIP() << "known gap: " << gap_.why;
+  const auto capacity = static_cast<std::size_t>(static_cast<double>(floor_) * kBound);
+  const auto r = replay(trace_, kPolicy, capacity);
+  EXPECT_EQ(r.ooms, 0);
+  ccalloc::replay::FitOptions options;
+  options.conf = kPolicy;
+  const auto fit = ccalloc::replay::fit(trace_, options);
+  std::printf("[ %s ] fit: %zu bytes, %.4f x the floor\n", GetParam().c_str(), fit.capacity,
+              ratio(static_cast<std::int64_t>(fit.capacity)));
+  EXPECT_TRUE(fit.verified());
+  EXPECT_LE(fit.capacity, capacity);
+}
+
+INSTANTIATE_TEST_SUITE_P(RecordedOnTheDevice, DeviceTrace, ::testing::ValuesIn(device_traces()),
+                         test_name);
+
+}  // namespace
