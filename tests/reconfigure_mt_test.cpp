@@ -1,7 +1,9 @@
 // Live reconfiguration under concurrency (label "concurrency": run under ThreadSanitizer).
 // Worker threads malloc and free on their own streams while another thread cycles the
 // allocator through settings that change rounding, splitting, garbage collection and the
-// kind of new segments. Every operation sees one config or the next, never a mixture: the
+// kind of new segments, under the `pytorch` preset and the `ccalloc` preset (the stitching
+// policy, whose settings reach both of its engines). Every operation sees one config or the
+// next, never a mixture: the
 // invariant checker, run concurrently and at the end, holds, every allocation is at least
 // its request and 512-byte aligned, and everything returns to the device at the end.
 #include <gtest/gtest.h>
@@ -9,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -19,16 +22,20 @@
 namespace ccalloc {
 namespace {
 
-TEST(ReconfigureMt, SettingsChangeWhileThreadsAllocate) {
+class ReconfigureMt : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ReconfigureMt, SettingsChangeWhileThreadsAllocate) {
   sim::Options o;
   o.capacity = std::size_t{16} << 30;  // never out of memory
   sim::SimDriver gpu(o);
-  Allocator alloc(gpu, Config::parse("pytorch"));
+  const std::string preset = GetParam();
+  Allocator alloc(gpu, Config::parse(preset));
   const std::vector<Config> configs = {
-      Config::parse("pytorch,max_split_size_mb:20,roundup_power2_divisions:4"),
-      Config::parse("pytorch,expandable_segments:True"),
-      Config::parse("pytorch,garbage_collection_threshold:0.5,max_split_size_mb:64"),
-      Config::parse("pytorch"),
+      Config::parse(preset + ",max_split_size_mb:20,roundup_power2_divisions:4"),
+      Config::parse(preset + (preset == "pytorch" ? ",expandable_segments:True"
+                                                  : ",expandable_segments:False")),
+      Config::parse(preset + ",garbage_collection_threshold:0.5,max_split_size_mb:64"),
+      Config::parse(preset),
   };
   constexpr int kWorkers = 4;
   constexpr int kOps = 1000;      // per worker, at least
@@ -81,6 +88,8 @@ TEST(ReconfigureMt, SettingsChangeWhileThreadsAllocate) {
   EXPECT_EQ(alloc.stats().reserved_bytes[kAggregate].current, 0);
   EXPECT_EQ(gpu.used_bytes(), 0u);
 }
+
+INSTANTIATE_TEST_SUITE_P(Presets, ReconfigureMt, ::testing::Values("pytorch", "ccalloc"));
 
 }  // namespace
 }  // namespace ccalloc

@@ -177,14 +177,61 @@ TEST(Reconfigure, CompatibilityAndPinnedKeysAreRecordedWithoutEffect) {
   rig.alloc.free(b);
 }
 
-TEST(Reconfigure, TheStitchingPolicyDeclinesAndKeepsItsSettings) {
-  sim::SimDriver gpu;
-  Allocator alloc(gpu, Config::parse("ccalloc,stitch_segments:True"));
-  const Config before = alloc.config();
-  Config next = before;
-  next.max_split_size = 20 * M;
-  EXPECT_FALSE(core::reconfigure(alloc, next));
-  EXPECT_EQ(alloc.config(), before);
+// The `ccalloc` preset: the stitching engine takes the request rounding, the fraction, the GC
+// threshold and the chunk; the private pools' engine everything a native engine takes (here
+// expandable_segments, for new private segments).
+TEST(Reconfigure, TheCcallocPresetAppliesSettingsToBothEngines) {
+  sim::Options o;
+  o.capacity = 1024 * M;
+  sim::SimDriver gpu(o);
+  Allocator alloc(gpu, Config::parse("ccalloc"));
+  alloc.set_check_invariants(true);
+  const std::size_t odd = 5 * M + 1;
+  const DevicePtr a = alloc.malloc(odd, kS);
+  EXPECT_EQ(alloc.allocation_size(a), 5 * M + 512);
+
+  const Config next = Config::parse(
+      "ccalloc,roundup_power2_divisions:4,per_process_memory_fraction:0.5,"
+      "expandable_segments:False,garbage_collection_threshold:0.9");
+  ASSERT_TRUE(core::reconfigure(alloc, next));
+  EXPECT_EQ(alloc.config(), next);
+  EXPECT_EQ(alloc.memory_fraction(), 0.5);
+  const DevicePtr b = alloc.malloc(odd, kS);
+  EXPECT_EQ(alloc.allocation_size(b), 6 * M);  // 4-8 MiB in quarters
+  // Half of the 1 GiB device, for both engines together.
+  EXPECT_THROW(alloc.malloc(600 * M, kS), OutOfMemoryError);
+
+  // A private pool's new segment follows the new expandable_segments.
+  const PoolId pool{0, 7};
+  alloc.create_pool(pool);
+  alloc.begin_allocate_to_pool(pool, [](StreamId s) { return s == kS; });
+  const DevicePtr c = alloc.malloc(3 * M, kS);
+  alloc.end_allocate_to_pool(pool);
+  EXPECT_EQ(alloc.segment_pool(c), pool);
+  bool found = false;
+  for (const SegmentInfo& seg : alloc.segments()) {
+    if (c < seg.address || c >= seg.address + seg.total_size) continue;
+    found = true;
+    EXPECT_FALSE(seg.is_expandable);
+    EXPECT_EQ(seg.pool, pool);
+  }
+  EXPECT_TRUE(found);
+
+  // Keys that pick the implementation: refused by name, nothing changed.
+  const std::string stitch = ccalloc_test::message_of<ConfigError>(
+      [&] { core::reconfigure(alloc, Config::parse("ccalloc,stitch_segments:False,roundup_power2_divisions:8")); });
+  EXPECT_NE(stitch.find("'stitch_segments' cannot change while the allocator is live"),
+            std::string::npos)
+      << stitch;
+  EXPECT_EQ(alloc.config(), next);
+  const DevicePtr d = alloc.malloc(odd, kS);
+  EXPECT_EQ(alloc.allocation_size(d), 6 * M);
+  for (const DevicePtr p : {a, b, c, d})
+    alloc.free(p);
+  for (int n = alloc.pool_use_count(pool); n > 0; --n)
+    alloc.release_pool(pool);
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.stats().reserved_bytes[kAggregate].current, 0);
 }
 
 TEST(Reconfigure, TheAsyncBackendTakesEveryKeyButBackend) {

@@ -123,7 +123,7 @@ PoolSleepInfo pool_sleep_info(Allocator& allocator, PoolId id) {
 }
 void reconfigure(Allocator& allocator, const Config& config) {
   if (!core::reconfigure(allocator, config)) {
-    missing("live reconfiguration of the stitching policy (stitch_segments:True)");
+    missing("live reconfiguration of this device's backend");
   }
 }
 

@@ -78,4 +78,8 @@ class Backend {
 // Creates the backend the config names. Throws ConfigError for one this build lacks.
 std::unique_ptr<Backend> make_backend(Driver& driver, Config config);
 
+// For reconfigure(): throws ConfigError naming the key if `next` changes one that picks the
+// implementation (backend, stitch_segments, uncached); reconfigure.cpp.
+void check_fixed_keys(const Config& now, const Config& next);
+
 }  // namespace ccalloc::core

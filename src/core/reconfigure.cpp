@@ -42,18 +42,20 @@ std::string backend_name(BackendKind k) {
 
 }  // namespace
 
+void check_fixed_keys(const Config& now, const Config& next) {
+  if (next.backend != now.backend) {
+    fixed_key("backend", backend_name(now.backend), backend_name(next.backend));
+  }
+  if (next.stitch_segments != now.stitch_segments) {
+    fixed_key("stitch_segments", bool_name(now.stitch_segments), bool_name(next.stitch_segments));
+  }
+  if (next.uncached != now.uncached) {
+    fixed_key("uncached", bool_name(now.uncached), bool_name(next.uncached));
+  }
+}
+
 bool Engine::reconfigure(const Config& next) {
-  // A fixed key is reported before anything changes.
-  if (next.backend != config_.backend) {
-    fixed_key("backend", backend_name(config_.backend), backend_name(next.backend));
-  }
-  if (next.stitch_segments != config_.stitch_segments) {
-    fixed_key("stitch_segments", bool_name(config_.stitch_segments),
-              bool_name(next.stitch_segments));
-  }
-  if (next.uncached != config_.uncached) {
-    fixed_key("uncached", bool_name(config_.uncached), bool_name(next.uncached));
-  }
+  check_fixed_keys(config_, next);  // before anything changes
   // The fraction first: it validates the value, and a rejected one changes nothing. Only a
   // changed fraction is applied, so one set through set_memory_fraction() stays otherwise.
   double configured_fraction;

@@ -133,6 +133,16 @@ void StitchBackend::set_memory_fraction(double fraction) {
   pools_->set_memory_fraction(fraction);
 }
 
+// The private pools' engine first: it validates the fraction before changing anything, so
+// once it has applied the settings the stitching engine's cannot fail.
+bool StitchBackend::reconfigure(const Config& next) {
+  check_fixed_keys(config_, next);
+  pools_->reconfigure(without_stitching(next));
+  stitch_->reconfigure(next);
+  config_ = next;
+  return true;
+}
+
 double StitchBackend::memory_fraction() const {
   return stitch_->memory_fraction();
 }

@@ -68,7 +68,13 @@ class StitchBackend final : public Backend {
   void annotate(std::string_view name, bool start) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override;
+  // The live config; reconfigure() changes it in place (as Engine::config()).
   const Config& config() const override { return config_; }
+  // Applies `config` to both engines: the private pools' engine takes it as a native engine
+  // does (expandable_segments, max_split_size and the rest apply to new private segments),
+  // the stitching engine as StitchEngine::reconfigure says. ConfigError, changing nothing,
+  // for backend, stitch_segments or uncached.
+  bool reconfigure(const Config& config) override;
   const char* policy_name() const override { return "the stitching policy (stitch_segments)"; }
   Driver& driver() const override { return stitch_->driver(); }
   ipc::SharedRegion shared_region(DevicePtr ptr) const override;
@@ -101,7 +107,7 @@ class StitchBackend final : public Backend {
   bool capture_takes(StreamId stream) const EXCLUDES(captures_mutex_);
   DevicePtr malloc_default_after_oom(std::size_t size, StreamId stream);
 
-  const Config config_;
+  Config config_;  // written only by reconfigure()
   std::unique_ptr<StitchEngine> stitch_;
   std::unique_ptr<Engine> pools_;
   mutable Mutex captures_mutex_;

@@ -106,8 +106,6 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   }
   const Origin stack =
       capture_on_malloc_.load(std::memory_order_relaxed) ? capture() : Origin{};
-  const std::size_t rounded = round_size(size, config_);
-  const bool small = is_small_size(rounded);
   // During a capture events may be neither recorded nor queried: pending frees wait.
   if ((pending_events_.load(std::memory_order_relaxed) |
        deferred_frees_.load(std::memory_order_relaxed)) != 0 &&
@@ -117,6 +115,8 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   Arena& arena = arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
+  const std::size_t rounded = round_size(size, config_);  // under the lock: see reconfigure()
+  const bool small = is_small_size(rounded);
   Pool& pool = arena.pool(small);
   const auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
   if (pos == pool.end()) return malloc_slow(arena, std::move(lock), size, rounded, small, stack);
@@ -1082,6 +1082,29 @@ void StitchEngine::set_memory_fraction(double fraction) {
   Lock device(device_mutex_);
   fraction_ = fraction;
   limit_ = limit;
+}
+
+bool StitchEngine::reconfigure(const Config& next) {
+  check_fixed_keys(config_, next);  // before anything changes
+  // The fraction first: it validates the value, and a rejected one changes nothing. Only a
+  // changed fraction is applied, so one set through set_memory_fraction() stays otherwise.
+  double configured_fraction;
+  {
+    Lock device(device_mutex_);
+    configured_fraction = config_.per_process_memory_fraction;
+  }
+  if (next.per_process_memory_fraction != configured_fraction) {
+    set_memory_fraction(next.per_process_memory_fraction);
+  }
+  {
+    // malloc rounds under its arena's lock and grow() reads the rest under device_mutex_.
+    const AllArenasLock all(*this);
+    Lock device(device_mutex_);
+    config_ = next;
+    chunk_pieces_ = std::max<std::size_t>(1, config_.large_segment_size / page_);
+  }
+  after_operation();
+  return true;
 }
 
 double StitchEngine::memory_fraction() const {

@@ -127,7 +127,15 @@ class StitchEngine final : public Backend {
   void annotate(std::string_view name, bool start) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
+  // The live config. reconfigure() changes it in place: reading it on another thread while
+  // a reconfiguration runs is a data race (the fields that cannot change excepted).
   const Config& config() const override { return config_; }
+  // Applies `config` live: the memory fraction, the request rounding
+  // (roundup_power2_divisions, max_non_split_rounding_size), the GC threshold and the chunk
+  // (large_segment_size) take effect; the other keys are recorded (they have no effect on
+  // this policy). Throws ConfigError, changing nothing, for backend, stitch_segments or
+  // uncached.
+  bool reconfigure(const Config& config) override EXCLUDES(registry_mutex_, device_mutex_);
   const char* policy_name() const override { return "the stitching policy (stitch_segments)"; }
   Driver& driver() const override { return driver_; }
   // The handles mapped over the live allocation `ptr`, whole (ipc::RegionKind::kHandles).
@@ -355,7 +363,9 @@ class StitchEngine final : public Backend {
   void check_locked(const AllArenasLock& all) const REQUIRES(device_mutex_);
 
   Driver& driver_;
-  const Config config_;
+  // Written only by reconfigure(), under every arena lock and device_mutex_; read under an
+  // arena lock or device_mutex_, except backend, stitch_segments and uncached (never written).
+  Config config_;
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
   std::atomic<bool> check_invariants_{false};
   std::atomic<bool> capture_on_malloc_{false};
@@ -372,7 +382,7 @@ class StitchEngine final : public Backend {
   // Set at construction, then read-only.
   std::size_t page_ = 0;          // the driver's granularity
   std::size_t space_pages_ = 0;   // pages reserved per space
-  std::size_t chunk_pieces_ = 0;  // pieces per created handle, at least
+
   std::size_t capacity_ = 0;
 
   mutable Mutex registry_mutex_ ACQUIRED_BEFORE(device_mutex_, trace_mutex_);
@@ -390,6 +400,7 @@ class StitchEngine final : public Backend {
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);
   double fraction_ GUARDED_BY(device_mutex_) = 1.0;
   PublishedSize reserved_ GUARDED_BY(device_mutex_);  // pieces held x page_
+  std::size_t chunk_pieces_ GUARDED_BY(device_mutex_) = 0;  // least pieces large growth creates
   std::map<PhysicalHandle, std::unique_ptr<Handle>> handles_ GUARDED_BY(device_mutex_);
   // pieces live nowhere
   std::set<std::pair<PhysicalHandle, std::uint32_t>> spare_ GUARDED_BY(device_mutex_);
