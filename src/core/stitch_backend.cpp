@@ -83,12 +83,7 @@ DevicePtr StitchBackend::malloc_default_after_oom(std::size_t size, StreamId str
 }
 
 void StitchBackend::free(DevicePtr ptr) {
-  if (ptr == 0) return;
-  if (stitch_->owns(ptr)) {
-    stitch_->free(ptr);
-  } else {
-    pools_->free(ptr);
-  }
+  if (ptr != 0 && !stitch_->free_owned(ptr)) pools_->free(ptr);
 }
 
 void StitchBackend::record_stream(DevicePtr ptr, StreamId stream) {

@@ -221,19 +221,24 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
 }
 
 void StitchEngine::free(DevicePtr ptr) {
-  if (ptr == 0) return;
+  if (ptr != 0 && !free_owned(ptr)) throw_not_live("free", ptr);
+}
+
+bool StitchEngine::free_owned(DevicePtr ptr) {
+  Arena* arena = arena_of(ptr);
+  if (arena == nullptr) return false;
   const Origin stack =
       capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{};
-  if (Arena* arena = arena_of(ptr)) {
-    Lock lock(arena->mutex);
-    if (Block* b = arena->live.erase(ptr)) {
-      release(*arena, b, stack);
-      lock.unlock();
-      after_operation();
-      return;
-    }
+  Lock lock(arena->mutex);
+  Block* b = arena->live.erase(ptr);
+  if (b == nullptr) {
+    lock.unlock();
+    throw_not_live("free", ptr);
   }
-  throw_not_live("free", ptr);
+  release(*arena, b, stack);
+  lock.unlock();
+  after_operation();
+  return true;
 }
 
 // Frees lower the block statistics only: no peak debt to settle.

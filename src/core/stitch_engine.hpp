@@ -152,6 +152,10 @@ class StitchEngine final : public Backend {
   bool capturing() const { return captures_underway_.load(std::memory_order_acquire) != 0; }
   // Whether `ptr` lies in one of this engine's spaces (no lock).
   bool owns(DevicePtr ptr) const { return arena_of(ptr) != nullptr; }
+  // free() for a pointer in this engine's address ranges, with one lookup: false, doing
+  // nothing, where none holds `ptr`; InvalidPointerError where one does but no live block
+  // starts at it.
+  bool free_owned(DevicePtr ptr);
   // The reserved bytes of the engine beside this one, counted against the memory limit and
   // the device's capacity; this engine's reserved bytes, read without its locks.
   void set_peer_reserved(const std::atomic<std::size_t>* peer) { peer_reserved_.set(peer); }
