@@ -36,7 +36,7 @@ constexpr double kBound = 1.03;
 const std::filesystem::path kDir = std::filesystem::path(CCALLOC_TRACES_DIR) / "device";
 
 // Where the policy misses a bound on these recordings (docs/ccalloc-policy.md, "Limits").
-// Both peak at exactly expandable segments' figure, which the first test still enforces.
+// Both peak no higher than expandable segments, which the first test still enforces.
 struct Gap {
   bool peak = false;    // peak reserved above 1.03 x the floor
   bool driver = false;  // more simulated driver time than expandable segments
@@ -47,9 +47,9 @@ const std::map<std::string, Gap>& known_gaps() {
   static const std::map<std::string, Gap> gaps = {
       {"llama_generate",
        {true, true, false,
-        "1.0459 x the floor, as expandable segments; 2.2 against 2.0 ms of driver time: "
-        "requests a page or two beyond a free tail grow by a whole chunk, and the moves "
-        "between pools cost a map per 2 MiB piece"}},
+        "1.0353 x the floor (expandable segments 1.0459); 2.1 against 2.0 ms of driver "
+        "time: requests a page or two beyond a free tail grow by a whole chunk, and moves "
+        "between the pools cost a map per 2 MiB piece"}},
       {"vit_b16",
        {true, false, true,
         "1.0301 x the floor, as expandable segments: the free blocks at the peak (132 MiB, "

@@ -130,7 +130,7 @@ TEST_P(StitchTrace, PeakNoHigherThanPytorchsNativeOrExpandableSegments) {
       << "stitching " << ratio(ours.peak_reserved_bytes) << " x the floor, best " << ratio(best);
 }
 
-// Against the simulated cudaMallocAsync pool as well. Not met on moe_train (1.0269 against
+// Against the simulated cudaMallocAsync pool as well. Not met on moe_train (1.0266 against
 // the model's 1.0099). The model is not calibrated: it gives 1.0707 / 1.0348 / 1.0099 on
 // resnet50 / gpt2 / moe where PyTorch measured 1.030 / 1.090 / 1.056 with the real pool
 // (data/traces/README.md), which the policy beats on all three (docs/ccalloc-policy.md).

@@ -256,21 +256,21 @@ TEST(StitchViews, WholeChunksLentAndTheirDeadPagesAddUpToTheReservedBytes) {
 
 TEST(StitchViews, AHandleLentToTheLargePoolStaysCountedWhereItWasCreated) {
   // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (1 piece, small pool); freed, its
-  // page holds handle 1 whole. a = 4 MiB: the large pool lends handle 1 and creates the one
-  // piece it still lacks (handle 2). (The small pool lends only from its own pages.)
+  // page holds handle 1 whole. a = 2 MiB: the one page it lacks is that page, so the large
+  // pool takes handle 1 and creates nothing.
   Fixture f(18 * kMiB);
   const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
   f.engine.free(s0);
-  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  const DevicePtr a = f.engine.malloc(2 * kMiB, 0);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 1u);
   const Snapshot s = f.engine.snapshot();
   ASSERT_EQ(s.segments.size(), 1u);  // the small range has no live page left
   EXPECT_EQ(s.segments[0].address, a);
   EXPECT_FALSE(s.segments[0].is_small);
-  EXPECT_EQ(s.segments[0].pieces, (std::vector<PieceRun>{whole(1, 1), whole(2, 1)}));
+  EXPECT_EQ(s.segments[0].pieces, (std::vector<PieceRun>{whole(1, 1)}));
   const PhysicalMemory& p = s.physical.at(0);
   // Handle 1 backs a large-pool page but was created by the small pool: it counts there.
-  EXPECT_EQ(p.handles, (std::vector<PhysicalHandleInfo>{{1, 1, true}, {2, 1, false}}));
+  EXPECT_EQ(p.handles, (std::vector<PhysicalHandleInfo>{{1, 1, true}}));
   ASSERT_EQ(p.ranges.size(), 2u);
   const auto& small_range = p.ranges[0].is_small ? p.ranges[0] : p.ranges[1];
   const auto& large_range = p.ranges[0].is_small ? p.ranges[1] : p.ranges[0];
@@ -278,10 +278,10 @@ TEST(StitchViews, AHandleLentToTheLargePoolStaysCountedWhereItWasCreated) {
   EXPECT_EQ(small_range.frontier, 2 * kMiB);
   EXPECT_EQ(large_range.address, a);
   EXPECT_TRUE(large_range.dead.empty());
-  EXPECT_EQ(large_range.frontier, 4 * kMiB);
+  EXPECT_EQ(large_range.frontier, 2 * kMiB);
   expect_accounts_for_reserved(f, s);
   EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
-  EXPECT_EQ(f.reserved(kLargePool), 2 * kMiB);
+  EXPECT_EQ(f.reserved(kLargePool), 0u);
   expect_stats_recovered(f, s);
 }
 
@@ -307,19 +307,19 @@ TEST(StitchViews, TheSmallPoolLendsNothingFromTheLargePool) {
 // that piece lies whole in a large free block, instead of creating one; a large-pool handle
 // beside it stays (the test above).
 TEST(StitchViews, TheSmallPoolTakesBackItsOwnPieceFromALargeFreeBlock) {
-  // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (small pool), freed. a = 4 MiB:
-  // handle 1 lent + handle 2 created. b = 2 MiB: handle 3, after a. a freed: its free block
-  // holds handles 1 and 2 whole. s1 = 512 KiB: the small pool takes handle 1 back.
+  // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (small pool), freed. a = 2 MiB:
+  // handle 1, lent. b = 2 MiB: handle 2, after a. a freed: its free block holds handle 1
+  // whole. s1 = 512 KiB: the small pool takes handle 1 back.
   Fixture f(18 * kMiB);
   const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
   f.engine.free(s0);
-  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+  const DevicePtr a = f.engine.malloc(2 * kMiB, 0);
   const DevicePtr b = f.engine.malloc(2 * kMiB, 0);
-  EXPECT_EQ(b, a + 4 * kMiB);
+  EXPECT_EQ(b, a + 2 * kMiB);
   f.engine.free(a);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
   const DevicePtr s1 = f.engine.malloc(512 * 1024, 0);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
   EXPECT_EQ(s1, s0 + kPiece);  // the small range's next page; its first is still dead
   const Snapshot s = f.engine.snapshot();
   const auto small_seg = std::find_if(s.segments.begin(), s.segments.end(),
@@ -329,11 +329,12 @@ TEST(StitchViews, TheSmallPoolTakesBackItsOwnPieceFromALargeFreeBlock) {
   EXPECT_EQ(small_seg->pieces, (std::vector<PieceRun>{whole(1, 1)}));
   for (const auto& seg : s.segments) {
     if (!seg.is_small) {
-      EXPECT_EQ(seg.pieces, (std::vector<PieceRun>{whole(2, 1), whole(3, 1)}));
+      EXPECT_EQ(seg.address, b);
+      EXPECT_EQ(seg.pieces, (std::vector<PieceRun>{whole(2, 1)}));
     }
   }
   EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
-  EXPECT_EQ(f.reserved(kLargePool), 4 * kMiB);
+  EXPECT_EQ(f.reserved(kLargePool), 2 * kMiB);
   expect_accounts_for_reserved(f, s);
   expect_stats_recovered(f, s);
 }

@@ -654,6 +654,17 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     }
     plan();
     lacking = have < pages ? pages - have : 0;
+    // A move between the pools is made only where the moves spare creating memory
+    // altogether: when memory is created anyway, the other pool's pages stay where they are
+    // (each move costs a map, and the pool that gave them would create them again).
+    if (lacking > 0) {
+      std::erase_if(lends, [&](const Lend& l) {
+        if (l.block->space->small == small) return false;
+        have -= pieces_of(l.handle);
+        return true;
+      });
+      lacking = pages - have;
+    }
     created = 0;
     if (lacking > 0) {
       // Large growth creates at least a chunk (large_segment_size), so that creations and
@@ -664,19 +675,6 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
         if (tried * page_ > limit() || held() > limit() - tried * page_) continue;
         created = tried;
         break;
-      }
-      // A chunk created anyway covers pages that moves from the other pool would: those
-      // moves would cost a map each and take the other pool's free pages for nothing.
-      if (created > lacking) {
-        std::stable_partition(lends.begin(), lends.end(), [&](const Lend& l) {
-          return l.block->space->small == small;
-        });
-        while (!lends.empty() && lends.back().block->space->small != small &&
-               have - pieces_of(lends.back().handle) + created >= pages) {
-          have -= pieces_of(lends.back().handle);
-          lends.pop_back();
-        }
-        lacking = pages - have;
       }
     }
     const std::size_t room = fresh ? space_pages_ : s->reserved_pages - s->pages.size();
