@@ -305,11 +305,12 @@ TEST(StitchViews, TheSmallPoolLendsNothingFromTheLargePool) {
 
 // The small pool takes back a piece of its own creation that the large pool borrowed, once
 // that piece lies whole in a large free block, instead of creating one; a large-pool handle
-// beside it stays (the test above).
-TEST(StitchViews, TheSmallPoolTakesBackItsOwnPieceFromALargeFreeBlock) {
+// beside it stays (the test above). The piece is still mapped, dead, at its old small page:
+// it comes back there, with no driver call.
+TEST(StitchViews, TheSmallPoolRevivesItsOwnPieceFromALargeFreeBlock) {
   // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (small pool), freed. a = 2 MiB:
   // handle 1, lent. b = 2 MiB: handle 2, after a. a freed: its free block holds handle 1
-  // whole. s1 = 512 KiB: the small pool takes handle 1 back.
+  // whole. s1 = 512 KiB: handle 1 is live at s0's page again, and dead at a.
   Fixture f(18 * kMiB);
   const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
   f.engine.free(s0);
@@ -317,15 +318,18 @@ TEST(StitchViews, TheSmallPoolTakesBackItsOwnPieceFromALargeFreeBlock) {
   const DevicePtr b = f.engine.malloc(2 * kMiB, 0);
   EXPECT_EQ(b, a + 2 * kMiB);
   f.engine.free(a);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  const auto before = f.gpu.counters();
+  EXPECT_EQ(before.physical_creates, 2u);
   const DevicePtr s1 = f.engine.malloc(512 * 1024, 0);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
-  EXPECT_EQ(s1, s0 + kPiece);  // the small range's next page; its first is still dead
+  EXPECT_EQ(s1, s0);
+  const auto after = f.gpu.counters();
+  EXPECT_EQ(after.physical_creates, 2u);
+  EXPECT_EQ(after.maps, before.maps);  // revived: mapped there all along
   const Snapshot s = f.engine.snapshot();
   const auto small_seg = std::find_if(s.segments.begin(), s.segments.end(),
                                       [](const auto& seg) { return seg.is_small; });
   ASSERT_NE(small_seg, s.segments.end());
-  EXPECT_EQ(small_seg->address, s1);
+  EXPECT_EQ(small_seg->address, s0);
   EXPECT_EQ(small_seg->pieces, (std::vector<PieceRun>{whole(1, 1)}));
   for (const auto& seg : s.segments) {
     if (!seg.is_small) {
@@ -333,14 +337,28 @@ TEST(StitchViews, TheSmallPoolTakesBackItsOwnPieceFromALargeFreeBlock) {
       EXPECT_EQ(seg.pieces, (std::vector<PieceRun>{whole(2, 1)}));
     }
   }
+  for (const auto& range : s.physical.at(0).ranges) {
+    if (range.is_small) {
+      EXPECT_TRUE(range.dead.empty());
+      EXPECT_EQ(range.frontier, 2 * kMiB);
+    } else {
+      EXPECT_EQ(range.dead, (std::vector<DeadPages>{{a, whole(1, 1)}}));
+    }
+  }
   EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
   EXPECT_EQ(f.reserved(kLargePool), 2 * kMiB);
   expect_accounts_for_reserved(f, s);
   expect_stats_recovered(f, s);
+  // Back and forth: freed again, the page serves the large pool's next 2 MiB request.
+  f.engine.free(s1);
+  const DevicePtr c = f.engine.malloc(2 * kMiB, 0);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(f.engine.allocation_size(c), 2 * kMiB);
+  expect_accounts_for_reserved(f, f.engine.snapshot());
 }
 
-// Large growth creates at least a chunk (20 MiB). The small pool's free pages are taken only
-// where they spare creating memory: pages that the chunk covers anyway stay in the small pool.
+// The large pool takes the small pool's free pages only where they spare creating memory
+// altogether: when a chunk (20 MiB) is created anyway, they stay in the small pool.
 TEST(StitchViews, TheLargePoolTakesSmallPagesOnlyWhereTheySpareACreation) {
   Fixture f(std::size_t{1} << 34);
   // One free small page (handle 1); a 4 MiB request lacks 2 pages: the page would cover one,

@@ -460,9 +460,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 void StitchEngine::free_block(Arena& arena, Block* b) {
-  Space& s = *b->space;
-  Pool& pool = arena.pool(s.small);
-  for (StatType t : {kAggregate, pool_stat(s.small)}) {
+  for (StatType t : {kAggregate, pool_stat(b->space->small)}) {
     arena.stats.active[t].decrease(1);
     arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
     arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
@@ -470,11 +468,17 @@ void StitchEngine::free_block(Arena& arena, Block* b) {
   record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
   b->kind = Block::Kind::kFree;
   b->stack = {};
+  pool_free(arena, b);
+}
+
+StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b) {
+  Space& s = *b->space;
+  Pool& pool = arena.pool(s.small);
   Block* const prev = b->prev != nullptr && b->prev->kind == Block::Kind::kFree ? b->prev : nullptr;
   Block* const next = b->next != nullptr && b->next->kind == Block::Kind::kFree ? b->next : nullptr;
   if (prev == nullptr && next == nullptr) {
     pool.insert(b);
-    return;
+    return b;
   }
   // The survivor is a neighbour already in the pool; the others are absorbed into it. It
   // only grew, so it keeps its place unless it now sorts after its successor.
@@ -507,6 +511,7 @@ void StitchEngine::free_block(Arena& arena, Block* b) {
     pool.erase(pos);
     pool.insert(merged);
   }
+  return merged;
 }
 
 // Turns the page-aligned [lo, hi), covered by free and void blocks starting with `from`
@@ -561,6 +566,39 @@ void StitchEngine::merge_void_around(Arena& arena, Space& s, Block* b) {
 // ---------------------------------------------------------------------------------------
 // Growth: spare pieces, then lent pages, then new memory
 
+StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
+  // The candidates as growth would lend them: smallest large free block first, then by
+  // address; the large space's last block included (it is not the growing space's tail).
+  for (Block* b : arena.pool(false)) {
+    const DevicePtr hi = align_down(b->end(), page_);
+    const Space& bs = *b->space;
+    for (DevicePtr va = align_up(b->ptr, page_); va < hi; va += page_) {
+      const Page& p = bs.pages[(va - bs.base) / page_];
+      Handle* h = p.handle;
+      if (!h->small || h->live_at.size() != 1 || h->mappings[0] < 2) continue;
+      // The small page that still maps it, dead there.
+      for (const auto& space : arena.spaces[1]) {
+        Space& ss = *space;
+        for (const auto& [first, m] : ss.mappings) {
+          if (m.handle != h) continue;
+          const DevicePtr at = page_va(ss, first);
+          make_void(arena, *b->space, b, va, va + page_);  // b may be split or absorbed
+          Block* v = ss.first;
+          while (v->end() <= at)
+            v = v->next;
+          // v is the void block holding the page: split the page out and free it.
+          if (v->ptr < at) split_off_front(arena, v, at - v->ptr);
+          if (v->end() > at + page_) v = split_off_front(arena, v, page_);
+          v->kind = Block::Kind::kFree;
+          h->live_at[0] = at;
+          return pool_free(arena, v);
+        }
+      }
+    }
+  }
+  return nullptr;
+}
+
 StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
   auto s = std::make_unique<Space>();
   s->arena = &arena;
@@ -574,6 +612,12 @@ StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
 
 StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size, bool gc_allowed,
                                       Block** out) {
+  if (small) {
+    if (Block* revived = revive_small_piece(arena)) {
+      *out = revived;
+      return Grow::kDone;
+    }
+  }
   auto& spaces = arena.spaces[small ? 1 : 0];
   Space* s = spaces.empty() ? nullptr : spaces.back().get();
   Block* tail =

@@ -311,6 +311,14 @@ class StitchEngine final : public Backend {
   DevicePtr hand_out(Arena& arena, Pool::iterator pos, std::size_t size, std::size_t requested,
                      const Origin& stack) REQUIRES(arena.mutex);
   void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
+  // Puts the free block `b` (in its space's list, not in the pool) into its pool, merged with
+  // free neighbours; returns the block that holds it then.
+  Block* pool_free(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  // Small-pool growth without a driver call: a one-piece handle that the small pool created
+  // and lent to the large pool, now wholly inside a large free block, goes back to the
+  // small page that still maps it (dead there since the lend). Returns the free block that
+  // holds the revived page, or nullptr where there is none.
+  Block* revive_small_piece(Arena& arena) REQUIRES(arena.mutex, device_mutex_);
   void make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, DevicePtr hi)
       REQUIRES(arena.mutex);
   Block* split_off_front(Arena& arena, Block* b, std::size_t size) REQUIRES(arena.mutex);

@@ -100,6 +100,7 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
   Result result;
   result.conf = options.conf;
   Allocator allocator(gpu, Config::parse(options.conf));
+  if (options.check_invariants) allocator.set_check_invariants(true);
   if (options.keep_trace) {
     allocator.add_trace_observer([&result](const TraceEntry& e) { result.emitted.push_back(e); });
   }

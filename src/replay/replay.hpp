@@ -33,6 +33,8 @@ struct Options {
   bool keep_trace = false;
   // Record history (context none) and keep the final snapshot in Result::snapshot.
   bool keep_snapshot = false;
+  // Run the allocator's invariant checker after every operation (slow: for tests).
+  bool check_invariants = false;
   sim::CostModel cost;
 };
 
