@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -24,6 +23,7 @@
 #include "io/trace_file.hpp"
 #include "replay/fit.hpp"
 #include "replay/replay.hpp"
+#include "trace_test_support.hpp"
 
 #ifndef CCALLOC_TRACES_DIR
 #error "CCALLOC_TRACES_DIR must name data/traces (set by the build)"
@@ -80,21 +80,7 @@ const nlohmann::json& measured() {
   return j.at("peak_reserved_bytes");
 }
 
-std::string test_name(const ::testing::TestParamInfo<std::string>& info) {
-  std::string n = info.param;
-  for (char& c : n) {
-    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-  }
-  return n;
-}
-
-ccalloc::replay::Result replay(const std::vector<ccalloc::io::TraceRecord>& trace,
-                               const char* conf, std::size_t capacity = 0) {
-  ccalloc::replay::Options o;
-  o.conf = conf;
-  if (capacity != 0) o.capacity = capacity;
-  return ccalloc::replay::run(trace, o);
-}
+using ccalloc_test::replay_trace;
 
 class DeviceTrace : public ::testing::TestWithParam<std::string> {
  protected:
@@ -125,9 +111,9 @@ TEST(DeviceTraceFiles, EveryTraceHasPytorchsMeasuredPeaks) {
 }
 
 TEST_P(DeviceTrace, PeakNoHigherThanAnyPytorchSettingMeasuredOrReplayed) {
-  const auto ours = replay(trace_, kPolicy);
-  const auto native = replay(trace_, "pytorch");
-  const auto expandable = replay(trace_, "pytorch,expandable_segments:True");
+  const auto ours = replay_trace(trace_, kPolicy);
+  const auto native = replay_trace(trace_, "pytorch");
+  const auto expandable = replay_trace(trace_, "pytorch,expandable_segments:True");
   std::int64_t best = std::min(native.peak_reserved_bytes, expandable.peak_reserved_bytes);
   std::string figures;
   for (const auto& [setting, bytes] : measured().at(GetParam()).items()) {
@@ -147,8 +133,8 @@ TEST_P(DeviceTrace, PeakNoHigherThanAnyPytorchSettingMeasuredOrReplayed) {
 }
 
 TEST_P(DeviceTrace, WithinThreePercentOfTheFloorAndNoMoreDriverTimeThanExpandable) {
-  const auto ours = replay(trace_, kPolicy);
-  const auto expandable = replay(trace_, "pytorch,expandable_segments:True");
+  const auto ours = replay_trace(trace_, kPolicy);
+  const auto expandable = replay_trace(trace_, "pytorch,expandable_segments:True");
   if (!gap_.peak) {
     EXPECT_LE(ratio(ours.peak_reserved_bytes), kBound);
   }
@@ -161,7 +147,7 @@ TEST_P(DeviceTrace, WithinThreePercentOfTheFloorAndNoMoreDriverTimeThanExpandabl
 TEST_P(DeviceTrace, RunsOnADeviceOfThreePercentAboveTheFloorAndFitsWithin) {
   if (gap_.fit) GTEST_SKIP() << "known gap: " << gap_.why;
   const auto capacity = static_cast<std::size_t>(static_cast<double>(floor_) * kBound);
-  const auto r = replay(trace_, kPolicy, capacity);
+  const auto r = replay_trace(trace_, kPolicy, capacity);
   EXPECT_EQ(r.ooms, 0);
   ccalloc::replay::FitOptions options;
   options.conf = kPolicy;
@@ -195,6 +181,6 @@ TEST(DeviceTraceFiles, InvariantsHoldThroughEveryOperationOnADeviceAsLargeAsTheF
 }
 
 INSTANTIATE_TEST_SUITE_P(RecordedOnTheDevice, DeviceTrace, ::testing::ValuesIn(device_traces()),
-                         test_name);
+                         ccalloc_test::trace_param_name);
 
 }  // namespace

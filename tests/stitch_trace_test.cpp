@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -19,6 +18,7 @@
 #include "io/trace_file.hpp"
 #include "replay/fit.hpp"
 #include "replay/replay.hpp"
+#include "trace_test_support.hpp"
 
 #ifndef CCALLOC_TRACES_DIR
 #error "CCALLOC_TRACES_DIR must name data/traces (set by the build)"
@@ -44,21 +44,7 @@ std::vector<std::string> bundled_traces() {
   return names;
 }
 
-std::string test_name(const ::testing::TestParamInfo<std::string>& info) {
-  std::string n = info.param;
-  for (char& c : n) {
-    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
-  }
-  return n;
-}
-
-ccalloc::replay::Result replay(const std::vector<ccalloc::io::TraceRecord>& trace,
-                               const char* conf, std::size_t capacity = 0) {
-  ccalloc::replay::Options o;
-  o.conf = conf;
-  if (capacity != 0) o.capacity = capacity;
-  return ccalloc::replay::run(trace, o);
-}
+using ccalloc_test::replay_trace;
 
 class StitchTrace : public ::testing::TestWithParam<std::string> {
  protected:
@@ -87,10 +73,10 @@ TEST(StitchTraceFiles, EveryRecordedWorkloadIsBundled) {
 
 // (a), its first half, with (c).
 TEST_P(StitchTrace, PeakWithinThreePercentOfTheFloorAndNoMoreDriverTimeThanExpandable) {
-  const auto ours = replay(trace_, kStitch);
-  const auto native = replay(trace_, "pytorch");
-  const auto expandable = replay(trace_, "pytorch,expandable_segments:True");
-  const auto async = replay(trace_, "pytorch,backend:cudaMallocAsync");
+  const auto ours = replay_trace(trace_, kStitch);
+  const auto native = replay_trace(trace_, "pytorch");
+  const auto expandable = replay_trace(trace_, "pytorch,expandable_segments:True");
+  const auto async = replay_trace(trace_, "pytorch,backend:cudaMallocAsync");
   std::printf(
       "[ %s ] peak/floor: stitching %.4f, pytorch %.4f, expandable %.4f, cudaMallocAsync %.4f; "
       "driver ms: stitching %.1f, expandable %.1f\n",
@@ -113,10 +99,10 @@ TEST_P(StitchTrace, PeakWithinThreePercentOfTheFloorAndNoMoreDriverTimeThanExpan
 // give PyTorch's recorded peaks), so both bounds are computed: the replays under the `pytorch`
 // settings, and the peaks the trace and its `.expandable` companion recorded.
 TEST_P(StitchTrace, PeakNoHigherThanPytorchsNativeOrExpandableSegments) {
-  const auto ours = replay(trace_, kStitch);
+  const auto ours = replay_trace(trace_, kStitch);
   std::int64_t best =
-      std::min(replay(trace_, "pytorch").peak_reserved_bytes,
-               replay(trace_, "pytorch,expandable_segments:True").peak_reserved_bytes);
+      std::min(replay_trace(trace_, "pytorch").peak_reserved_bytes,
+               replay_trace(trace_, "pytorch,expandable_segments:True").peak_reserved_bytes);
   best = std::min(best, ccalloc::replay::recorded_figures(trace_).peak_reserved_bytes);
   const std::string name = GetParam();
   const auto dot = name.find('.');
@@ -136,8 +122,8 @@ TEST_P(StitchTrace, PeakNoHigherThanPytorchsNativeOrExpandableSegments) {
 // (data/traces/README.md), which the policy beats on all three (docs/ccalloc-policy.md).
 // Run it with --gtest_also_run_disabled_tests.
 TEST_P(StitchTrace, DISABLED_PeakNoHigherThanTheSimulatedCudaMallocAsyncPool) {
-  const auto ours = replay(trace_, kStitch);
-  const std::int64_t pool = replay(trace_, "pytorch,backend:cudaMallocAsync").peak_reserved_bytes;
+  const auto ours = replay_trace(trace_, kStitch);
+  const std::int64_t pool = replay_trace(trace_, "pytorch,backend:cudaMallocAsync").peak_reserved_bytes;
   EXPECT_LE(ours.peak_reserved_bytes, pool)
       << "stitching " << ratio(ours.peak_reserved_bytes) << " x the floor, the pool " << ratio(pool);
 }
@@ -145,7 +131,7 @@ TEST_P(StitchTrace, DISABLED_PeakNoHigherThanTheSimulatedCudaMallocAsyncPool) {
 // (b).
 TEST_P(StitchTrace, RunsOnADeviceOfThreePercentAboveTheFloorAndFitsWithin) {
   const auto capacity = static_cast<std::size_t>(static_cast<double>(floor_) * kBound);
-  const auto r = replay(trace_, kStitch, capacity);
+  const auto r = replay_trace(trace_, kStitch, capacity);
   EXPECT_EQ(r.ooms, 0);
   EXPECT_LE(r.peak_reserved_bytes, static_cast<std::int64_t>(capacity));
   ccalloc::replay::FitOptions options;
@@ -159,6 +145,6 @@ TEST_P(StitchTrace, RunsOnADeviceOfThreePercentAboveTheFloorAndFitsWithin) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BundledTraces, StitchTrace, ::testing::ValuesIn(bundled_traces()),
-                         test_name);
+                         ccalloc_test::trace_param_name);
 
 }  // namespace
