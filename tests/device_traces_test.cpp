@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -23,6 +22,7 @@
 #include "io/trace_file.hpp"
 #include "replay/fit.hpp"
 #include "replay/replay.hpp"
+#include "test_support.hpp"
 #include "trace_test_support.hpp"
 
 #ifndef CCALLOC_TRACES_DIR
@@ -165,8 +165,8 @@ TEST_P(DeviceTrace, RunsOnADeviceOfThreePercentAboveTheFloorAndFitsWithin) {
 // Ten seconds in a plain build: the sanitizer builds (CCALLOC_TEST_SCALE below 1) skip it;
 // stitch_views_test takes them through each of those paths.
 TEST(DeviceTraceFiles, InvariantsHoldThroughEveryOperationOnADeviceAsLargeAsTheFloor) {
-  if (const char* scale = std::getenv("CCALLOC_TEST_SCALE"); scale != nullptr && std::atof(scale) < 1.0) {
-    GTEST_SKIP() << "CCALLOC_TEST_SCALE=" << scale;
+  if (ccalloc_test::test_scale() < 1.0) {
+    GTEST_SKIP() << "CCALLOC_TEST_SCALE=" << ccalloc_test::test_scale();
   }
   const auto trace = ccalloc::io::read_any_trace((kDir / "llama_generate.pickle.gz").string());
   ccalloc::replay::Options o;

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
-#include <cstdlib>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -33,6 +32,7 @@
 #include "ccalloc/sim.hpp"
 #include "ccalloc/stats.hpp"
 #include "core/rounding.hpp"
+#include "test_support.hpp"
 
 namespace {
 
@@ -79,10 +79,8 @@ static_assert(std::size(kRuns) * std::size(kSeeds) * kOpsPerRun >= 1'000'000,
 // Sanitizer builds run a share of the operations (CCALLOC_TEST_SCALE, e.g. 0.1 from
 // scripts/test); the plain build always runs all of them.
 std::uint64_t ops_per_run() {
-  const char* scale = std::getenv("CCALLOC_TEST_SCALE");
-  const double f = scale == nullptr ? 1.0 : std::strtod(scale, nullptr);
-  return f > 0.0 && f < 1.0 ? static_cast<std::uint64_t>(static_cast<double>(kOpsPerRun) * f)
-                            : kOpsPerRun;
+  const double f = ccalloc_test::test_scale();
+  return f < 1.0 ? static_cast<std::uint64_t>(static_cast<double>(kOpsPerRun) * f) : kOpsPerRun;
 }
 
 struct Live {

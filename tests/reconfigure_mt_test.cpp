@@ -3,9 +3,9 @@
 // allocator through settings that change rounding, splitting, garbage collection and the
 // kind of new segments, under the `pytorch` preset and the `ccalloc` preset (the stitching
 // policy, whose settings reach both of its engines). Every operation sees one config or the
-// next, never a mixture: the
-// invariant checker, run concurrently and at the end, holds, every allocation is at least
-// its request and 512-byte aligned, and everything returns to the device at the end.
+// next, never a mixture: the invariant checker, run concurrently and at the end, holds,
+// every allocation is at least its request and 512-byte aligned, and everything returns to
+// the device at the end.
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -58,8 +57,7 @@ std::vector<std::string> shared_pickles() {
 // the other workloads' files do, and the fuzzers take the readers further.
 std::vector<std::string> pickles_to_read_whole() {
   std::vector<std::string> out = shared_pickles();
-  const char* scale = std::getenv("CCALLOC_TEST_SCALE");
-  if (scale != nullptr && std::atof(scale) < 1.0) {
+  if (ccalloc_test::test_scale() < 1.0) {
     std::erase_if(out, [](const std::string& path) {
       return fs::path(path).filename().string().find("resnet50") == std::string::npos;
     });

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -19,6 +18,7 @@
 #include "io/trace_file.hpp"
 #include "replay/fit.hpp"
 #include "replay/replay.hpp"
+#include "test_support.hpp"
 #include "trace_test_support.hpp"
 
 #ifndef CCALLOC_TRACES_DIR
@@ -50,8 +50,7 @@ std::vector<std::string> bundled_traces() {
 // expandable-segments recordings of a workload replay to the same figures.
 std::vector<std::string> replayed_traces() {
   std::vector<std::string> names = bundled_traces();
-  const char* scale = std::getenv("CCALLOC_TEST_SCALE");
-  if (scale != nullptr && std::atof(scale) < 1.0) {
+  if (ccalloc_test::test_scale() < 1.0) {
     std::erase_if(names, [](const std::string& name) {
       return !name.ends_with(".pickle.gz") || name.find(".expandable.") != std::string::npos;
     });

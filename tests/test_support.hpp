@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <string>
@@ -27,6 +28,14 @@ std::string message_of(F&& f) {
   }
   ADD_FAILURE() << "expected an exception, nothing was thrown";
   return {};
+}
+
+// The share of their work that the heavy tests do: CCALLOC_TEST_SCALE, which scripts/test sets
+// to 0.1 in the sanitizer builds; 1 (everything) when it is unset or not between 0 and 1.
+inline double test_scale() {
+  const char* scale = std::getenv("CCALLOC_TEST_SCALE");
+  const double f = scale == nullptr ? 1.0 : std::strtod(scale, nullptr);
+  return f > 0.0 && f < 1.0 ? f : 1.0;
 }
 
 // A fresh directory per test, named after the test and removed afterwards.
