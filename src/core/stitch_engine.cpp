@@ -566,35 +566,60 @@ void StitchEngine::merge_void_around(Arena& arena, Space& s, Block* b) {
 // ---------------------------------------------------------------------------------------
 // Growth: spare pieces, then lent pages, then new memory
 
+template <typename F>
+bool StitchEngine::find_whole_handle(const Block& b, F&& f) const {
+  const DevicePtr hi = align_down(b.end(), page_);
+  const Space& bs = *b.space;
+  for (DevicePtr va = align_up(b.ptr, page_); va < hi;) {
+    const Page& p = bs.pages[(va - bs.base) / page_];
+    const std::size_t n = p.handle->live_at.size();
+    if (p.piece == 0 && va + n * page_ <= hi) {
+      if (f(va, p.handle)) return true;
+      va += n * page_;
+    } else {
+      va += page_;
+    }
+  }
+  return false;
+}
+
 StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
   // The candidates as growth would lend them: smallest large free block first, then by
   // address; the large space's last block included (it is not the growing space's tail).
   for (Block* b : arena.pool(false)) {
-    const DevicePtr hi = align_down(b->end(), page_);
-    const Space& bs = *b->space;
-    for (DevicePtr va = align_up(b->ptr, page_); va < hi; va += page_) {
-      const Page& p = bs.pages[(va - bs.base) / page_];
-      Handle* h = p.handle;
-      if (!h->small || h->live_at.size() != 1 || h->mappings[0] < 2) continue;
+    Handle* h = nullptr;
+    DevicePtr from = 0, at = 0;
+    Space* small_space = nullptr;
+    find_whole_handle(*b, [&](DevicePtr va, Handle* candidate) {
+      arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+      device_mutex_.assert_held();
+      if (!candidate->small || candidate->live_at.size() != 1 || candidate->mappings[0] < 2) {
+        return false;
+      }
       // The small page that still maps it, dead there.
       for (const auto& space : arena.spaces[1]) {
-        Space& ss = *space;
-        for (const auto& [first, m] : ss.mappings) {
-          if (m.handle != h) continue;
-          const DevicePtr at = page_va(ss, first);
-          make_void(arena, *b->space, b, va, va + page_);  // b may be split or absorbed
-          Block* v = ss.first;
-          while (v->end() <= at)
-            v = v->next;
-          // v is the void block holding the page: split the page out and free it.
-          if (v->ptr < at) split_off_front(arena, v, at - v->ptr);
-          if (v->end() > at + page_) v = split_off_front(arena, v, page_);
-          v->kind = Block::Kind::kFree;
-          h->live_at[0] = at;
-          return pool_free(arena, v);
+        for (const auto& [first, m] : space->mappings) {
+          if (m.handle != candidate) continue;
+          h = candidate;
+          from = va;
+          at = page_va(*space, first);
+          small_space = space.get();
+          return true;
         }
       }
-    }
+      return false;
+    });
+    if (h == nullptr) continue;
+    make_void(arena, *b->space, b, from, from + page_);  // b may be split or absorbed
+    Block* v = small_space->first;
+    while (v->end() <= at)
+      v = v->next;
+    // v is the void block holding the page: split the page out and free it.
+    if (v->ptr < at) split_off_front(arena, v, at - v->ptr);
+    if (v->end() > at + page_) v = split_off_front(arena, v, page_);
+    v->kind = Block::Kind::kFree;
+    h->live_at[0] = at;
+    return pool_free(arena, v);
   }
   return nullptr;
 }
@@ -661,19 +686,12 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
       const bool other = &pool != &arena.pool(small);
       for (Block* b : pool) {
         if (b == tail) continue;
-        const DevicePtr hi = align_down(b->end(), page_);
-        const Space& bs = *b->space;
-        for (DevicePtr va = align_up(b->ptr, page_); va < hi;) {
-          const Page& p = bs.pages[(va - bs.base) / page_];
-          const std::size_t n = pieces_of(p.handle);
-          if (p.piece == 0 && va + n * page_ <= hi &&
-              (!other || !small || (p.handle->small && n == 1))) {
-            candidates.push_back(Lend{p.handle, b, va});
-            va += n * page_;
-          } else {
-            va += page_;
+        find_whole_handle(*b, [&](DevicePtr va, Handle* h) {
+          if (!other || !small || (h->small && pieces_of(h) == 1)) {
+            candidates.push_back(Lend{h, b, va});
           }
-        }
+          return false;
+        });
       }
     }
     // The smallest free blocks are the least useful to keep whole.

@@ -319,6 +319,10 @@ class StitchEngine final : public Backend {
   // small page that still maps it (dead there since the lend). Returns the free block that
   // holds the revived page, or nullptr where there is none.
   Block* revive_small_piece(Arena& arena) REQUIRES(arena.mutex, device_mutex_);
+  // The handles live wholly inside the whole pages of the free block `b`, in address order:
+  // f(address, handle) for each, until f returns true (then returns true).
+  template <typename F>
+  bool find_whole_handle(const Block& b, F&& f) const;
   void make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, DevicePtr hi)
       REQUIRES(arena.mutex);
   Block* split_off_front(Arena& arena, Block* b, std::size_t size) REQUIRES(arena.mutex);
@@ -394,7 +398,6 @@ class StitchEngine final : public Backend {
   // Set at construction, then read-only.
   std::size_t page_ = 0;          // the driver's granularity
   std::size_t space_pages_ = 0;   // pages reserved per space
-
   std::size_t capacity_ = 0;
 
   mutable Mutex registry_mutex_ ACQUIRED_BEFORE(device_mutex_, trace_mutex_);
