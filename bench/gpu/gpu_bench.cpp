@@ -17,7 +17,10 @@
 // Repetitions run in interleaved rounds: for each workload, round r runs one repetition of
 // every allocator, starting with allocator r mod k. On a shared VM the speed of the whole
 // machine drifts in phases lasting seconds; back-to-back repetitions put a slow phase on one
-// allocator only, interleaved ones spread it over all of them.
+// allocator only, interleaved ones spread it over all of them. The summary also compares the
+// `ccalloc` preset with the `pytorch` preset round by round (the median over rounds of their
+// speed ratio in the same round): thread workloads come out bimodal on a shared VM, and the
+// two columns' own medians can differ by which of their rounds fell in a slow phase.
 // The single-thread workloads run pinned to one CPU, thread t of the thread workloads to the
 // t-th of CPUs 1..8 of the allowed set: an unpinned thread that the scheduler moves between
 // cores gave bimodal repetitions.
@@ -471,10 +474,28 @@ struct Plan {
 };
 
 struct Ratio {
-  const char* key;
-  const char* label;
+  std::string key;
+  std::string label;
   double value;
 };
+
+// How much faster `a` ran than `b`, round by round: the median over rounds of b's time / a's
+// (or a's rate / b's), > 1 when `a` is faster. Both ran in every round, so a slow phase of
+// the machine that falls on one round falls on both; the medians of the two columns taken
+// apart can differ by a phase that fell on more of one column's rounds (thread workloads
+// on a shared VM come out bimodal, rounds at one speed or about half of it).
+double paired_speedup(const Sample& a, const Sample& b) {
+  std::vector<double> r;
+  for (std::size_t i = 0; i < std::min(a.values.size(), b.values.size()); ++i) {
+    if (a.values[i] > 0 && b.values[i] > 0) {
+      r.push_back(a.unit == "pairs_per_s" ? a.values[i] / b.values[i] : b.values[i] / a.values[i]);
+    }
+  }
+  if (r.empty()) return 0;
+  std::sort(r.begin(), r.end());
+  const std::size_t n = r.size();
+  return n % 2 == 1 ? r[n / 2] : (r[n / 2 - 1] + r[n / 2]) / 2;
+}
 
 constexpr const char* kWorkloads[] = {"pair_512B", "pair_1MiB", "pair_64MiB", "random",
                                       "threads_1", "threads_4", "threads_8"};
@@ -590,7 +611,7 @@ class Bench {
       std::printf("! %s failed: %s\n", name.c_str(), error.c_str());
     }
     for (const Ratio& r : ratios())
-      std::printf("%s: %.2f\n", r.label, r.value);
+      std::printf("%s: %.3f\n", r.label.c_str(), r.value);
   }
 
   void write_json(const std::string& path, const std::string& device, const std::string& config,
@@ -769,6 +790,16 @@ class Bench {
       out.push_back({"pytorch_over_ccalloc_direct_pair_512B",
                      "PyTorch / ccalloc (direct), 512 B pair time, medians (> 1: ccalloc faster)",
                      torch->median / direct->median});
+    }
+    // The `ccalloc` preset against the `pytorch` preset, the same engine code otherwise.
+    for (const char* w : kWorkloads) {
+      const Sample* preset = find(w, "ccalloc (direct)");
+      const Sample* pytorch = find(w, "ccalloc pytorch preset");
+      if (preset == nullptr || pytorch == nullptr) continue;
+      out.push_back({std::string("paired_ccalloc_preset_over_pytorch_preset_") + w,
+                     std::string("ccalloc (direct) vs ccalloc pytorch preset, ") + w +
+                         ", median of per-round speed ratios (> 1: ccalloc preset faster)",
+                     paired_speedup(*preset, *pytorch)});
     }
     const Sample* one = find("threads_1", "ccalloc");
     const Sample* eight = find("threads_8", "ccalloc");
