@@ -179,6 +179,49 @@ TEST(StitchPools, OneMemoryFractionCoversBothEngines) {
   EXPECT_EQ(f.reserved(), 0);
 }
 
+// Each engine's own peaks are exact; their sum is not the device's once both have held memory
+// at different times. Reserved bytes' device-wide peaks come from one ledger of both.
+TEST(StitchPools, ReservedPeaksAreTheDevicesNotTheSumOfTheEngines) {
+  Fixture f;
+  const auto peak = [&f](StatType t) { return f.alloc.stats().reserved_bytes[t].peak; };
+  const DevicePtr stitched = f.alloc.malloc(100 * kMiB, 0);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(100 * kMiB));
+  f.alloc.free(stitched);
+  f.alloc.empty_cache();
+  EXPECT_EQ(f.reserved(), 0);
+  f.begin(kGraph, 1);
+  const DevicePtr pooled = f.alloc.malloc(60 * kMiB, 1);  // the private pool's engine
+  f.end(kGraph, 1);
+  EXPECT_EQ(f.alloc.segment_pool(pooled), kGraph);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(60 * kMiB));
+  // 100 MiB, then 60: the device never held 160.
+  EXPECT_EQ(peak(kAggregate), static_cast<std::int64_t>(100 * kMiB));
+  EXPECT_EQ(peak(kLargePool), static_cast<std::int64_t>(100 * kMiB));
+  EXPECT_EQ(peak(kSmallPool), 0);
+  // Both at once: 60 + 70 is a new peak.
+  const DevicePtr more = f.alloc.malloc(70 * kMiB, 0);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(130 * kMiB));
+  EXPECT_EQ(peak(kAggregate), static_cast<std::int64_t>(130 * kMiB));
+  const DevicePtr tiny = f.alloc.malloc(4096, 0);  // a small page of the stitched engine
+  EXPECT_EQ(peak(kSmallPool), static_cast<std::int64_t>(2 * kMiB));
+  EXPECT_EQ(peak(kAggregate), static_cast<std::int64_t>(132 * kMiB));
+  f.alloc.free(more);
+  f.alloc.free(tiny);
+  f.alloc.empty_cache();  // the pool's segment stays: its block is live
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(60 * kMiB));
+  EXPECT_EQ(peak(kAggregate), static_cast<std::int64_t>(132 * kMiB));
+  f.alloc.reset_peak_stats();
+  for (StatType t : {kAggregate, kSmallPool, kLargePool}) {
+    EXPECT_EQ(peak(t), f.alloc.stats().reserved_bytes[t].current) << t;
+  }
+  EXPECT_EQ(peak(kAggregate), static_cast<std::int64_t>(60 * kMiB));
+  f.alloc.free(pooled);
+  f.alloc.release_pool(kGraph);
+  f.alloc.empty_cache();
+  EXPECT_EQ(f.reserved(), 0);
+  EXPECT_EQ(peak(kAggregate), static_cast<std::int64_t>(60 * kMiB));
+}
+
 TEST(StitchPools, AUseOnOomPoolLendsItsFreeBlockToADefaultRequest) {
   Fixture f(64 * kMiB);
   f.alloc.create_pool(kPool);

@@ -78,6 +78,7 @@
 #include "core/arena.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
+#include "core/device_reserved.hpp"
 #include "core/event_pool.hpp"
 #include "core/history.hpp"
 #include "core/published_size.hpp"
@@ -128,6 +129,9 @@ class Engine final : public Backend {
   // engine's reserved bytes, read without its locks; and a use_on_oom pool's free block for
   // a default-pool request the other engine could not serve (its address, or 0).
   void set_peer_reserved(const std::atomic<std::size_t>* peer) { peer_reserved_.set(peer); }
+  // Where every change of this engine's reserved bytes is also reported, for device-wide
+  // peaks over both engines (core/device_reserved.hpp); set before the engine is used.
+  void set_device_reserved(DeviceReserved* ledger) { device_reserved_ = ledger; }
   // The published copy is an atomic of its own: no lock (the analysis cannot see past the
   // guarded member that holds it).
   const std::atomic<std::size_t>& published_reserved() const NO_THREAD_SAFETY_ANALYSIS {
@@ -418,6 +422,7 @@ class Engine final : public Backend {
   DeviceStats device_stats_ GUARDED_BY(device_mutex_);
   PublishedSize reserved_ GUARDED_BY(device_mutex_);  // bytes held from the device
   PeerReserved peer_reserved_;  // the engine beside this one (stitch_backend.hpp)
+  DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
   std::size_t capacity_ = 0;          // device memory, read once at construction
   // per_process_memory_fraction x capacity
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);

@@ -181,6 +181,7 @@ void Engine::add_segment_stats(bool small, std::size_t size, std::int64_t sign) 
       device_stats_.reserved_bytes[t].decrease(n);
     }
   }
+  if (device_reserved_ != nullptr) device_reserved_->add(small, sign > 0 ? n : -n);
   if (is_oversize(size, config_)) {
     if (sign > 0) {
       device_stats_.oversize_segments.increase(1);

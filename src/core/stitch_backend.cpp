@@ -37,6 +37,8 @@ StitchBackend::StitchBackend(Driver& driver, Config config)
       pools_(std::make_unique<Engine>(driver, without_stitching(config_))) {
   stitch_->set_peer_reserved(&pools_->published_reserved());
   pools_->set_peer_reserved(&stitch_->published_reserved());
+  stitch_->set_device_reserved(&device_reserved_);
+  pools_->set_device_reserved(&device_reserved_);
 }
 
 // The private pools go first: their segments may have come from a segment source.
@@ -110,12 +112,20 @@ void StitchBackend::empty_cache() {
 DeviceStats StitchBackend::stats() const {
   DeviceStats total = stitch_->stats();
   add_stats(total, pools_->stats());
+  // The summed peaks overstate once both engines have held memory: the ledger's are exact
+  // (read last, so that no peak is below the current taken before it).
+  const StatArray reserved = device_reserved_.reserved();
+  for (std::size_t t = 0; t < reserved.size(); ++t) {
+    Stat& s = total.reserved_bytes[t];
+    s.peak = std::max(reserved[t].peak, s.current);
+  }
   return total;
 }
 
 void StitchBackend::reset_peak_stats() {
   stitch_->reset_peak_stats();
   pools_->reset_peak_stats();
+  device_reserved_.reset_peaks();
 }
 
 void StitchBackend::reset_accumulated_stats() {

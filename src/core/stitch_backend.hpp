@@ -23,10 +23,12 @@
 //   pool calls       the native engine.
 //
 // Memory limit: each engine counts the other's reserved bytes (published without locks) against
-// the per-process fraction, so the two together stay within it. Statistics: the sum of both;
-// device-wide peaks are exact while only one engine holds memory (the private pools are empty
-// until the first capture or MemPool), and the sum of the two engines' peaks, an upper bound,
-// after both have. Snapshots: both engines' segments by address, their history entries in the
+// the per-process fraction, so the two together stay within it. Statistics: the sum of both.
+// Reserved bytes' device-wide peaks are exact: both engines report each change of their
+// reserved bytes to one ledger (core/device_reserved.hpp). The other statistics' device-wide
+// peaks are exact while only one engine holds blocks (the private pools are empty until the
+// first capture or MemPool), and the sum of the two engines' peaks, an upper bound, after
+// both have. Snapshots: both engines' segments by address, their history entries in the
 // order they were recorded, the stitching engine's physical memory, annotations and settings.
 #pragma once
 
@@ -108,6 +110,7 @@ class StitchBackend final : public Backend {
   DevicePtr malloc_default_after_oom(std::size_t size, StreamId stream);
 
   Config config_;  // written only by reconfigure()
+  DeviceReserved device_reserved_;  // declared before the engines: outlives them
   std::unique_ptr<StitchEngine> stitch_;
   std::unique_ptr<Engine> pools_;
   mutable Mutex captures_mutex_;

@@ -865,6 +865,7 @@ void StitchEngine::add_reserved(bool small, std::int64_t bytes) {
       stats_.reserved_bytes[t].decrease(-bytes);
     }
   }
+  if (device_reserved_ != nullptr) device_reserved_->add(small, bytes);
 }
 
 // ---------------------------------------------------------------------------------------

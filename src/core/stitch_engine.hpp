@@ -87,6 +87,7 @@
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "core/device_reserved.hpp"
 #include "core/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
@@ -159,6 +160,8 @@ class StitchEngine final : public Backend {
   // The reserved bytes of the engine beside this one, counted against the memory limit and
   // the device's capacity; this engine's reserved bytes, read without its locks.
   void set_peer_reserved(const std::atomic<std::size_t>* peer) { peer_reserved_.set(peer); }
+  // As Engine::set_device_reserved.
+  void set_device_reserved(DeviceReserved* ledger) { device_reserved_ = ledger; }
   // The published copy is an atomic of its own: no lock (the analysis cannot see past the
   // guarded member that holds it).
   const std::atomic<std::size_t>& published_reserved() const NO_THREAD_SAFETY_ANALYSIS {
@@ -410,6 +413,7 @@ class StitchEngine final : public Backend {
   std::atomic<std::int64_t> deferred_frees_{0};  // sum of Arena::deferred sizes
   std::atomic<int> captures_underway_{0};
   PeerReserved peer_reserved_;
+  DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
 
   mutable Mutex device_mutex_ ACQUIRED_BEFORE(trace_mutex_);
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);

@@ -1,0 +1,44 @@
+// The reserved bytes of two engines that share one device (core/stitch_backend.hpp), with
+// exact device-wide peaks: each engine reports every change of its reserved-bytes statistic
+// here, under its own device lock, and this ledger keeps the sum and its peak under a lock
+// of its own (a leaf: taken last, never held while taking another). Reserved memory changes
+// only when an engine creates, maps, unmaps or releases device memory, never on a cache
+// hit, so the hot path does not come here.
+#pragma once
+
+#include <cstdint>
+
+#include "ccalloc/stats.hpp"
+#include "core/thread_annotations.hpp"
+
+namespace ccalloc::core {
+
+class DeviceReserved {
+ public:
+  // `bytes` more (or, negative, fewer) reserved in the small or large pool.
+  void add(bool small, std::int64_t bytes) EXCLUDES(mutex_) {
+    Lock lock(mutex_);
+    for (StatType t : {kAggregate, small ? kSmallPool : kLargePool}) {
+      if (bytes >= 0) {
+        reserved_[t].increase(bytes);
+      } else {
+        reserved_[t].decrease(-bytes);
+      }
+    }
+  }
+  StatArray reserved() const EXCLUDES(mutex_) {
+    Lock lock(mutex_);
+    return reserved_;
+  }
+  void reset_peaks() EXCLUDES(mutex_) {
+    Lock lock(mutex_);
+    for (Stat& s : reserved_)
+      s.peak = s.current;
+  }
+
+ private:
+  mutable Mutex mutex_;
+  StatArray reserved_ GUARDED_BY(mutex_);
+};
+
+}  // namespace ccalloc::core
