@@ -1,6 +1,7 @@
 // The `ccalloc` preset on the workloads recorded on an H100 with bench/torch's models
 // (data/traces/device/: ResNet-50 at batch 64 and 128, ViT-B/16, a BERT-sized fine-tune,
-// GPT-2 with varying lengths, Llama-style generation), replayed on the simulated GPU, against
+// GPT-2 with varying lengths, Llama-style generation, and bench/torch's own default runs of
+// the last two), replayed on the simulated GPU, against
 // PyTorch's peaks measured on the device for the same runs (measured.json: native,
 // expandable segments, cudaMallocAsync) and against PyTorch's policies replayed:
 //  - every trace: peak reserved no higher than any of those;
@@ -37,7 +38,7 @@ constexpr double kBound = 1.03;
 const std::filesystem::path kDir = std::filesystem::path(CCALLOC_TRACES_DIR) / "device";
 
 // Where the policy misses a bound on these recordings (docs/ccalloc-policy.md, "Limits").
-// Both peak no higher than expandable segments, which the first test still enforces.
+// All peak no higher than expandable segments, which the first test still enforces.
 struct Gap {
   bool peak = false;    // peak reserved above 1.03 x the floor
   bool driver = false;  // more simulated driver time than expandable segments
@@ -50,6 +51,11 @@ const std::map<std::string, Gap>& known_gaps() {
        {true, false, false,
         "1.0353 x the floor (expandable segments 1.0459): requests a page or two beyond a "
         "free tail grow by a whole chunk"}},
+      {"llama_generate14",
+       {true, true, true,
+        "1.0587 x the floor (expandable segments 1.0681), 2.4 ms of driver time against 2.3 "
+        "(the small pages the large pool takes are mapped at its frontier one by one), fit "
+        "1.0493: a handle of up to 64 MiB holds all its pieces while one byte is live"}},
       {"vit_b16",
        {true, false, true,
         "1.0301 x the floor, as expandable segments: the free blocks at the peak (132 MiB, "
@@ -101,7 +107,7 @@ class DeviceTrace : public ::testing::TestWithParam<std::string> {
 
 TEST(DeviceTraceFiles, EveryTraceHasPytorchsMeasuredPeaks) {
   const auto stems = device_traces();
-  EXPECT_GE(stems.size(), 6u);
+  EXPECT_GE(stems.size(), 8u);
   for (const auto& stem : stems) {
     ASSERT_TRUE(measured().contains(stem)) << stem;
     EXPECT_TRUE(measured()[stem].at("expandable_segments").is_number_integer()) << stem;
