@@ -169,12 +169,7 @@ bool Engine::map_block(Arena& arena, Block* b, std::size_t size) {
   {
     Lock lock(device_mutex_);
     reserved_ += r.size;
-    for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
-      device_stats_.reserved_bytes[t].increase(static_cast<std::int64_t>(r.size));
-    }
-    if (device_reserved_ != nullptr) {
-      device_reserved_->add(pool.is_small, static_cast<std::int64_t>(r.size));
-    }
+    add_reserved_bytes(pool.is_small, static_cast<std::int64_t>(r.size));
     ++device_stats_.num_device_alloc;
     owners_.assign(r.ptr, r.size, arena.owner);
   }
@@ -262,12 +257,7 @@ Block* Engine::unmap_block(Arena& arena, Block* b) {
   {
     Lock lock(device_mutex_);
     reserved_ -= r.size;
-    for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
-      device_stats_.reserved_bytes[t].decrease(static_cast<std::int64_t>(r.size));
-    }
-    if (device_reserved_ != nullptr) {
-      device_reserved_->add(pool.is_small, -static_cast<std::int64_t>(r.size));
-    }
+    add_reserved_bytes(pool.is_small, -static_cast<std::int64_t>(r.size));
     ++device_stats_.num_device_free;
     owners_.clear(r.ptr, r.size);
   }

@@ -175,13 +175,11 @@ void Engine::add_segment_stats(bool small, std::size_t size, std::int64_t sign) 
   for (StatType t : {kAggregate, pool_stat(small)}) {
     if (sign > 0) {
       device_stats_.segment[t].increase(1);
-      device_stats_.reserved_bytes[t].increase(n);
     } else {
       device_stats_.segment[t].decrease(1);
-      device_stats_.reserved_bytes[t].decrease(n);
     }
   }
-  if (device_reserved_ != nullptr) device_reserved_->add(small, sign > 0 ? n : -n);
+  add_reserved_bytes(small, sign > 0 ? n : -n);
   if (is_oversize(size, config_)) {
     if (sign > 0) {
       device_stats_.oversize_segments.increase(1);
@@ -189,6 +187,17 @@ void Engine::add_segment_stats(bool small, std::size_t size, std::int64_t sign) 
       device_stats_.oversize_segments.decrease(1);
     }
   }
+}
+
+void Engine::add_reserved_bytes(bool small, std::int64_t bytes) {
+  for (StatType t : {kAggregate, pool_stat(small)}) {
+    if (bytes >= 0) {
+      device_stats_.reserved_bytes[t].increase(bytes);
+    } else {
+      device_stats_.reserved_bytes[t].decrease(-bytes);
+    }
+  }
+  if (device_reserved_ != nullptr) device_reserved_->add(small, bytes);
 }
 
 // Frees cached oversize segments of this stream: the smallest that covers the request, or

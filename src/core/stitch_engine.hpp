@@ -87,10 +87,10 @@
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
-#include "core/device_reserved.hpp"
 #include "core/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
+#include "core/device_reserved.hpp"
 #include "core/event_pool.hpp"
 #include "core/history.hpp"
 #include "core/peak_ledger.hpp"
