@@ -119,6 +119,50 @@ TEST(StitchPolicy, LargeGrowthIsCreatedInHandlesOfAtMost64MiB) {
   EXPECT_EQ(m[1].bytes, 36 * kMiB);
 }
 
+// Grows a stream's large range to `mib` MiB, then frees and allocates it whole again: the
+// stream has handed out more than its range since the pool last created memory (settled).
+DevicePtr settle(Fixture& f, std::size_t mib) {
+  const DevicePtr p = f.engine.malloc(mib * kMiB, 0);
+  f.engine.free(p);
+  EXPECT_EQ(f.engine.malloc(mib * kMiB, 0), p);  // a cache hit: no creation
+  f.engine.free(p);
+  return p;
+}
+
+TEST(StitchPolicy, ASettledStreamCreatesBeyondItsNeedAtMostASixtyFourthOfTheReservation) {
+  // Not settled: 2 MiB lacking beyond the free 40 MiB creates a whole 20 MiB chunk.
+  {
+    Fixture f(1 * kGiB, kExact);
+    f.engine.free(f.engine.malloc(40 * kMiB, 0));
+    f.engine.malloc(42 * kMiB, 0);
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(60 * kMiB));
+  }
+  // Settled on 40 MiB: 1/64 of it is less than a piece, so the growth is exact.
+  {
+    Fixture f(1 * kGiB, kExact);
+    const DevicePtr p = settle(f, 40);
+    EXPECT_EQ(f.engine.malloc(42 * kMiB, 0), p);
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(42 * kMiB));
+    // The growth created memory: settled again only after another turnover.
+    f.engine.malloc(2 * kMiB, 0);  // lacks 2 MiB: a whole chunk again
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(62 * kMiB));
+  }
+  // Settled on 640 MiB: 1/64 is 10 MiB, five pieces, less than the chunk.
+  {
+    Fixture f(2 * kGiB, kExact);
+    settle(f, 640);
+    f.engine.malloc(642 * kMiB, 0);
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(650 * kMiB));
+  }
+  // Settled on 1280 MiB and more: 1/64 is the chunk or more, which stays.
+  {
+    Fixture f(4 * kGiB, kExact);
+    settle(f, 1280);
+    f.engine.malloc(1282 * kMiB, 0);
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(1300 * kMiB));
+  }
+}
+
 // a | b | c, 4 MiB each (one 2-piece handle each); a freed; a request of 4 MiB + 512 fits
 // no free block: a's handle, wholly free, is lent to the frontier and only one new piece is
 // created.

@@ -47,6 +47,11 @@ std::size_t align_down(std::size_t v, std::size_t a) {
 // See grow(): new memory is created in handles of at most this many pieces (64 MiB of 2 MiB).
 constexpr std::size_t kMaxHandlePieces = 32;
 
+// See grow(): once a stream has handed out its large range's bytes again since the large
+// pool last created memory, a growth creates beyond what it lacks at most this fraction of
+// the reserved bytes (1/64, under 1.6 %), when that is less than the chunk.
+constexpr std::size_t kSettledExtraDivisor = 64;
+
 StatType pool_stat(bool small) {
   return small ? kSmallPool : kLargePool;
 }
@@ -441,6 +446,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
   }
   block->kind = Block::Kind::kAllocated;
   block->requested = requested;
+  if (!small) arena.large_served += block->size;
   block->stack = stack;
   arena.live.insert(block->ptr, block);
   DeviceStats& st = arena.stats;
@@ -624,6 +630,15 @@ StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
   return nullptr;
 }
 
+std::size_t StitchEngine::least_large_growth(const Arena& arena) const {
+  std::size_t frontier = 0;  // bytes of the stream's large spaces below their frontiers
+  for (const auto& space : arena.spaces[0])
+    frontier += space->pages.size() * page_;
+  if (arena.large_served <= frontier) return chunk_pieces_;
+  const std::size_t reserved = reserved_;
+  return std::clamp<std::size_t>(reserved / kSettledExtraDivisor / page_, 1, chunk_pieces_);
+}
+
 StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
   auto s = std::make_unique<Space>();
   s->arena = &arena;
@@ -731,8 +746,13 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     if (lacking > 0) {
       // Large growth creates at least a chunk (large_segment_size), so that creations and
       // mappings stay as few as expandable segments' (one per 20 MiB page); the small pool
-      // and a chunk that would not fit the limit create exactly what is lacking.
-      const std::size_t chunk = small ? lacking : std::max(lacking, chunk_pieces_);
+      // and a chunk that would not fit the limit create exactly what is lacking. A stream
+      // that has handed out its large range's bytes again since the pool's last creation
+      // has settled: growth is rare from then on and each one may set the peak, so what
+      // it creates beyond its need is also held to 1/64 of the reserved bytes (which on
+      // a device's worth of memory is more than the chunk and changes nothing).
+      const std::size_t chunk =
+          small ? lacking : std::max(lacking, least_large_growth(arena));
       for (const std::size_t tried : {chunk, lacking}) {
         if (tried * page_ > limit() || held() > limit() - tried * page_) continue;
         created = tried;
@@ -809,6 +829,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     handles_.emplace(ids[j], std::move(h));
   }
   if (created > 0) {
+    if (!small) arena.large_served = 0;
     add_reserved(small, static_cast<std::int64_t>(created * page_));
     stats_.num_device_alloc += ids.size();
     for (StatType t : {kAggregate, pool_stat(small)})

@@ -23,9 +23,11 @@
 //   2. lent handles: handles live wholly inside the whole pages of one of the stream's free
 //      blocks, smallest block first (stream order makes their reuse safe without waiting);
 //      their old pages become void;
-//   3. new memory of max(lacking pieces, chunk) pieces (chunk: large_segment_size; the small
-//      pool creates just what it lacks), or exactly the lacking pieces when the chunk does
-//      not fit the device or the memory fraction, in handles of at most 32 pieces (64 MiB).
+//   3. new memory of max(lacking pieces, chunk) pieces (chunk: large_segment_size, or 1/64
+//      of the reserved bytes when less once the stream has handed out its large range's
+//      bytes again since the pool last created memory; the small pool creates just what it
+//      lacks), or exactly the lacking pieces when the chunk does not fit the device or the
+//      memory fraction, in handles of at most 32 pieces (64 MiB).
 // Each handle is mapped with one call; whole handles may pass what the request lacks, and
 // the rest extends the new free block. Free memory is thus stitched into the range that
 // needs it instead of new memory being created, at one mapping per handle.
@@ -276,6 +278,9 @@ class StitchEngine final : public Backend {
     DeviceStats stats GUARDED_BY(mutex);
     PeakBaselines debts GUARDED_BY(mutex);
     bool in_debt GUARDED_BY(mutex) = false;
+    // Bytes of large blocks handed out since the large pool last created memory for this
+    // stream (see least_large_growth).
+    std::size_t large_served GUARDED_BY(mutex) = 0;
     std::atomic<std::int64_t> pending_events{0};  // pending.size(), read without the lock
   };
   enum class Grow { kDone, kOutOfMemory, kNeedsGc };
@@ -308,6 +313,9 @@ class StitchEngine final : public Backend {
   Block* find_free(Arena& arena, bool small, std::size_t size) REQUIRES(arena.mutex);
   Grow grow(Arena& arena, bool small, std::size_t size, bool gc_allowed, Block** out)
       REQUIRES(arena.mutex, device_mutex_);
+  // The least pieces a growth of the stream's large pool creates: the chunk, or 1/64 of the
+  // reserved bytes when less, once the stream has settled (see grow()).
+  std::size_t least_large_growth(const Arena& arena) const REQUIRES(arena.mutex, device_mutex_);
   Space& new_space(Arena& arena, bool small) REQUIRES(arena.mutex, device_mutex_);
   DevicePtr page_va(const Space& s, std::size_t page) const { return s.base + page * page_; }
   // Hands out the pooled block at `pos` (split to `size` when the rest is worth a block).
