@@ -47,9 +47,20 @@ void ExpectPeaksCoverCurrent(const DeviceStats& s) {
   EXPECT_GE(s.oversize_allocations.peak, s.oversize_allocations.current);
 }
 
-TEST(DevicePeaksMt, PhasedThreadsOnTheirOwnStreamsGiveTheExactPeak) {
+// Under PyTorch's policy one engine holds every block. Under the `ccalloc` preset the odd
+// threads' streams allocate to a private pool (a MemPool), so the stitching engine and the
+// private pools' engine both hold blocks and settle their peaks together.
+class DevicePeaksMt : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DevicePeaksMt, PhasedThreadsOnTheirOwnStreamsGiveTheExactPeak) {
   sim::SimDriver gpu;
-  Allocator alloc(gpu, Config::parse("pytorch"));
+  Allocator alloc(gpu, Config::parse(GetParam()));
+  const bool pooled = GetParam() == "ccalloc";
+  const PoolId pool{0, 1};
+  if (pooled) {
+    alloc.create_pool(pool);
+    alloc.begin_allocate_to_pool(pool, [](StreamId s) { return s >= 10 && s % 2 == 1; });
+  }
   std::array<std::vector<Held>, kThreads> held;  // held[t]: blocks of thread t's stream
   std::barrier sync(kThreads);
   std::atomic<bool> done{false};
@@ -100,6 +111,7 @@ TEST(DevicePeaksMt, PhasedThreadsOnTheirOwnStreamsGiveTheExactPeak) {
       for (int i = 0; i < n; ++i) {
         const std::size_t size = rng() % 3 == 0 ? 1 + rng() % (12u << 20) : 1 + rng() % (1u << 20);
         const DevicePtr p = alloc.malloc(size, stream);
+        if ((alloc.segment_pool(p) == pool) != (pooled && t % 2 == 1)) failures.fetch_add(1);
         held[static_cast<std::size_t>(t)].push_back(
             Held{p, static_cast<std::int64_t>(alloc.allocation_size(p)),
                  static_cast<std::int64_t>(size)});
@@ -146,15 +158,22 @@ TEST(DevicePeaksMt, PhasedThreadsOnTheirOwnStreamsGiveTheExactPeak) {
     for (const Held& b : h)
       alloc.free(b.ptr);
   }
+  if (pooled) {
+    alloc.end_allocate_to_pool(pool);
+    alloc.release_pool(pool);
+  }
   const DeviceStats s = alloc.stats();
   EXPECT_EQ(s.allocated_bytes[kAggregate].current, 0);
+  EXPECT_EQ(s.allocated_bytes[kAggregate].peak, expected_peak.bytes);
   ExpectPeaksCoverCurrent(s);
 }
+
+INSTANTIATE_TEST_SUITE_P(Presets, DevicePeaksMt, ::testing::Values("pytorch", "ccalloc"));
 
 // Threads hammering their own streams with malloc/free pairs: the peak of each counter is
 // between the largest current seen at quiescent points and the sum of each stream's own
 // maximum, and never below the current value.
-TEST(DevicePeaksMt, ConcurrentPairsKeepPeaksWithinBounds) {
+TEST(DevicePeaksPairsMt, ConcurrentPairsKeepPeaksWithinBounds) {
   sim::SimDriver gpu;
   Allocator alloc(gpu, Config::parse("pytorch"));
   alloc.set_check_invariants(true);

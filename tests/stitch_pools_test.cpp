@@ -181,6 +181,51 @@ TEST(StitchPools, OneMemoryFractionCoversBothEngines) {
 
 // Each engine's own peaks are exact; their sum is not the device's once both have held memory
 // at different times. Reserved bytes' device-wide peaks come from one ledger of both.
+// The block statistics' device-wide peaks are those of the two engines' blocks together
+// (settled jointly), not the sum of each engine's peak.
+TEST(StitchPools, BlockPeaksAreTheDevicesNotTheSumOfTheEngines) {
+  Fixture f;
+  const auto stats = [&f] { return f.alloc.stats(); };
+  const DevicePtr stitched = f.alloc.malloc(100 * kMiB, 0);
+  f.alloc.free(stitched);
+  f.begin(kGraph, 1);
+  const DevicePtr pooled = f.alloc.malloc(60 * kMiB, 1);  // the private pool's engine
+  f.end(kGraph, 1);
+  ASSERT_EQ(f.alloc.segment_pool(pooled), kGraph);
+  // 100 MiB, then 60: the device never held 160 MiB of blocks, nor two at once.
+  EXPECT_EQ(stats().allocated_bytes[kAggregate].peak, static_cast<std::int64_t>(100 * kMiB));
+  EXPECT_EQ(stats().allocated_bytes[kLargePool].peak, static_cast<std::int64_t>(100 * kMiB));
+  EXPECT_EQ(stats().active_bytes[kAggregate].peak, static_cast<std::int64_t>(100 * kMiB));
+  EXPECT_EQ(stats().requested_bytes[kAggregate].peak, static_cast<std::int64_t>(100 * kMiB));
+  EXPECT_EQ(stats().allocation[kAggregate].peak, 1);
+  EXPECT_EQ(stats().active[kAggregate].peak, 1);
+  // 50 MiB more beside the pool's 60: 110 is a new peak, and two blocks at once.
+  const DevicePtr more = f.alloc.malloc(50 * kMiB, 0);
+  EXPECT_EQ(stats().allocated_bytes[kAggregate].peak, static_cast<std::int64_t>(110 * kMiB));
+  EXPECT_EQ(stats().allocation[kAggregate].peak, 2);
+  // Small blocks count in their pool and in the aggregate, at once with the others.
+  const DevicePtr tiny = f.alloc.malloc(4096, 0);
+  EXPECT_EQ(stats().allocated_bytes[kSmallPool].peak, 4096);
+  EXPECT_EQ(stats().allocated_bytes[kAggregate].peak,
+            static_cast<std::int64_t>(110 * kMiB + 4096));
+  EXPECT_EQ(stats().allocation[kAggregate].peak, 3);
+  f.alloc.free(more);
+  f.alloc.free(tiny);
+  // The pool's block goes, then the stitched engine rises to 150: the peak is 150, not
+  // the 110 before it plus anything of the pool's.
+  f.alloc.free(pooled);
+  const DevicePtr big = f.alloc.malloc(150 * kMiB, 0);
+  EXPECT_EQ(stats().allocated_bytes[kAggregate].peak, static_cast<std::int64_t>(150 * kMiB));
+  EXPECT_EQ(stats().allocation[kAggregate].peak, 3);
+  f.alloc.reset_peak_stats();
+  EXPECT_EQ(stats().allocated_bytes[kAggregate].peak, static_cast<std::int64_t>(150 * kMiB));
+  EXPECT_EQ(stats().allocation[kAggregate].peak, 1);
+  f.alloc.free(big);
+  f.alloc.release_pool(kGraph);
+  EXPECT_EQ(stats().allocated_bytes[kAggregate].current, 0);
+  EXPECT_EQ(stats().allocated_bytes[kAggregate].peak, static_cast<std::int64_t>(150 * kMiB));
+}
+
 TEST(StitchPools, ReservedPeaksAreTheDevicesNotTheSumOfTheEngines) {
   Fixture f;
   const auto peak = [&f](StatType t) { return f.alloc.stats().reserved_bytes[t].peak; };

@@ -67,6 +67,7 @@
 #include <array>
 #include <map>
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -132,6 +133,14 @@ class Engine final : public Backend {
   // Where every change of this engine's reserved bytes is also reported, for device-wide
   // peaks over both engines (core/device_reserved.hpp); set before the engine is used.
   void set_device_reserved(DeviceReserved* ledger) { device_reserved_ = ledger; }
+  // Settles this engine's peak debts together with the other engine's (core/peak_ledger.hpp,
+  // JointSettlement): from then on an operation that leaves an arena in debt marks `joint`
+  // and the owner settles; set before the engine is used.
+  void set_joint_settlement(JointSettlement* joint) { joint_ = joint; }
+  // Calls f with every arena's ledger share, under every arena lock (none held by the
+  // caller; the owner nests the other engine's call inside f).
+  void with_ledger_shares(const std::function<void(std::vector<LedgerShare>&)>& f) const
+      EXCLUDES(registry_mutex_, device_mutex_);
   // The published copy is an atomic of its own: no lock (the analysis cannot see past the
   // guarded member that holds it).
   const std::atomic<std::size_t>& published_reserved() const NO_THREAD_SAFETY_ANALYSIS {
@@ -309,6 +318,10 @@ class Engine final : public Backend {
   void settle_peak_debts(const AllArenasLock& all) const;
   // The same, taking every arena lock (none held).
   void settle_peak_debts() EXCLUDES(registry_mutex_, device_mutex_) {
+    if (joint_ != nullptr) {
+      joint_->mark();  // the owner settles both engines together
+      return;
+    }
     const AllArenasLock all(*this);
     settle_peak_debts(all);
   }
@@ -425,6 +438,7 @@ class Engine final : public Backend {
   PublishedSize reserved_ GUARDED_BY(device_mutex_);  // bytes held from the device
   PeerReserved peer_reserved_;  // the engine beside this one (stitch_backend.hpp)
   DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
+  JointSettlement* joint_ = nullptr;            // settled with another engine's arenas, or alone
   std::size_t capacity_ = 0;          // device memory, read once at construction
   // per_process_memory_fraction x capacity
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);

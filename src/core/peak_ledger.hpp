@@ -26,6 +26,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -96,6 +97,27 @@ struct LedgerShare {
 
 // Settles every arena's debts (stats.cpp): see the header comment. Every arena lock held.
 void settle_peak_debts(const std::vector<LedgerShare>& shares);
+
+// Two engines that share one device (core::StitchBackend: the stitching policy and the
+// private pools beside it) settle their arenas together, so that the device-wide peaks are
+// those of the sum of both engines' blocks rather than the sum of each engine's peaks. The
+// engines cannot take each other's locks from inside their operations (each has its own lock
+// order), so an engine joined to a JointSettlement does not settle itself: when an operation
+// leaves an arena in debt it marks the settlement pending, and the owner, which calls the
+// engines one at a time and holds no lock of either between calls, settles every arena of
+// both under all their locks (first engine's, then second's) before the operation returns.
+class JointSettlement {
+ public:
+  void mark() { pending_.store(true, std::memory_order_release); }
+  // True once per mark (a mark made while a settlement runs is seen by the next take).
+  bool take() {
+    return pending_.load(std::memory_order_acquire) &&
+           pending_.exchange(false, std::memory_order_acq_rel);
+  }
+
+ private:
+  std::atomic<bool> pending_{false};
+};
 
 // Adds an arena's tracked block statistics to `total` (currents and totals) and its
 // baselines to `peaks`; once every arena is added, set_tracked_peaks() makes the device's

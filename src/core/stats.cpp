@@ -239,11 +239,29 @@ void settle_peak_debts(const std::vector<LedgerShare>& arenas) {
 void Engine::settle_peak_debts(const AllArenasLock& all) const {
   std::vector<LedgerShare> shares;
   shares.reserve(all.by_stream().size());
+  bool debt = false;
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
+    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
+    debt = debt || arena->in_debt;
+  }
+  if (joint_ != nullptr) {
+    if (debt) joint_->mark();  // the owner settles both engines together
+    return;
+  }
+  core::settle_peak_debts(shares);
+}
+
+void Engine::with_ledger_shares(
+    const std::function<void(std::vector<LedgerShare>&)>& f) const {
+  const AllArenasLock all(*this);
+  std::vector<LedgerShare> shares;
+  shares.reserve(all.by_stream().size());
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
     shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
   }
-  core::settle_peak_debts(shares);
+  f(shares);
 }
 
 void Engine::reset_peak_stats() {

@@ -39,6 +39,18 @@ StitchBackend::StitchBackend(Driver& driver, Config config)
   pools_->set_peer_reserved(&stitch_->published_reserved());
   stitch_->set_device_reserved(&device_reserved_);
   pools_->set_device_reserved(&device_reserved_);
+  stitch_->set_joint_settlement(&joint_);
+  pools_->set_joint_settlement(&joint_);
+}
+
+void StitchBackend::settle_pending() const {
+  if (!joint_.take()) return;
+  stitch_->with_ledger_shares([this](std::vector<LedgerShare>& shares) {
+    pools_->with_ledger_shares([&shares](std::vector<LedgerShare>& pooled) {
+      shares.insert(shares.end(), pooled.begin(), pooled.end());
+      settle_peak_debts(shares);
+    });
+  });
 }
 
 // The private pools go first: their segments may have come from a segment source.
@@ -54,16 +66,22 @@ bool StitchBackend::capture_takes(StreamId stream) const {
 }
 
 DevicePtr StitchBackend::malloc(std::size_t size, StreamId stream) {
+  DevicePtr ptr = 0;
   if (captures_underway_.load(std::memory_order_acquire) != 0 && capture_takes(stream)) {
-    return pools_->malloc(size, stream);
+    ptr = pools_->malloc(size, stream);
+  } else {
+    try {
+      ptr = stitch_->malloc(size, stream);
+    } catch (const OutOfMemoryError&) {
+      ptr = malloc_default_after_oom(size, stream);
+      if (ptr == 0) {
+        settle_pending();
+        throw;
+      }
+    }
   }
-  try {
-    return stitch_->malloc(size, stream);
-  } catch (const OutOfMemoryError&) {
-    const DevicePtr ptr = malloc_default_after_oom(size, stream);
-    if (ptr == 0) throw;
-    return ptr;
-  }
+  settle_pending();
+  return ptr;
 }
 
 // The stitching engine has run its whole ladder; what the private pools can give is left:
@@ -86,6 +104,7 @@ DevicePtr StitchBackend::malloc_default_after_oom(std::size_t size, StreamId str
 
 void StitchBackend::free(DevicePtr ptr) {
   if (ptr != 0 && !stitch_->free_owned(ptr)) pools_->free(ptr);
+  settle_pending();
 }
 
 void StitchBackend::record_stream(DevicePtr ptr, StreamId stream) {
@@ -107,11 +126,24 @@ ipc::SharedRegion StitchBackend::shared_region(DevicePtr ptr) const {
 void StitchBackend::empty_cache() {
   pools_->empty_cache();
   stitch_->empty_cache();
+  settle_pending();
 }
 
 DeviceStats StitchBackend::stats() const {
+  settle_pending();
   DeviceStats total = stitch_->stats();
   add_stats(total, pools_->stats());
+  // Operations of other threads between the settlement and the reads may leave a debt for
+  // their own settlement: no peak is reported below its current.
+  for (StatArray DeviceStats::*field :
+       {&DeviceStats::allocation, &DeviceStats::active, &DeviceStats::inactive_split,
+        &DeviceStats::allocated_bytes, &DeviceStats::active_bytes,
+        &DeviceStats::inactive_split_bytes, &DeviceStats::requested_bytes}) {
+    for (Stat& s : total.*field)
+      s.peak = std::max(s.peak, s.current);
+  }
+  total.oversize_allocations.peak =
+      std::max(total.oversize_allocations.peak, total.oversize_allocations.current);
   // The summed peaks overstate once both engines have held memory: the ledger's are exact
   // (read last, so that no peak is below the current taken before it).
   const StatArray reserved = device_reserved_.reserved();
@@ -145,6 +177,7 @@ bool StitchBackend::reconfigure(const Config& next) {
   pools_->reconfigure(without_stitching(next));
   stitch_->reconfigure(next);
   config_ = next;
+  settle_pending();
   return true;
 }
 
@@ -264,6 +297,7 @@ void StitchBackend::end_allocate_to_pool(PoolId id) {
     }
   }
   stitch_->end_capture();
+  settle_pending();
 }
 
 void StitchBackend::empty_cache(PoolId id) {
@@ -286,25 +320,30 @@ std::shared_ptr<const PoolCheckpoint> StitchBackend::checkpoint_pool(PoolId id) 
   return pools_->checkpoint_pool(id);
 }
 PoolRestore StitchBackend::restore_pool(const PoolCheckpoint& checkpoint) {
-  return pools_->restore_pool(checkpoint);
+  PoolRestore restored = pools_->restore_pool(checkpoint);
+  settle_pending();
+  return restored;
 }
 void StitchBackend::create_sleepable_pool(PoolId id) {
   pools_->create_sleepable_pool(id);
 }
 void StitchBackend::sleep_pool(PoolId id, SleepMode mode) {
   pools_->sleep_pool(id, mode);
+  settle_pending();
 }
 // The pool's own engine empties its caches and retries once before it gives up; the memory
 // the default pools cache is the stitching engine's, so that goes back too before a last try.
 void StitchBackend::wake_pool(PoolId id) {
   try {
     pools_->wake_pool(id);
+    settle_pending();
     return;
   } catch (const OutOfMemoryError&) {
     if (stitch_->capturing()) throw;
   }
   stitch_->empty_cache();
   pools_->wake_pool(id);
+  settle_pending();
 }
 bool StitchBackend::pool_asleep(PoolId id) const {
   return pools_->pool_asleep(id);

@@ -25,11 +25,12 @@
 // Memory limit: each engine counts the other's reserved bytes (published without locks) against
 // the per-process fraction, so the two together stay within it. Statistics: the sum of both.
 // Reserved bytes' device-wide peaks are exact: both engines report each change of their
-// reserved bytes to one ledger (core/device_reserved.hpp). The other statistics' device-wide
-// peaks are exact while only one engine holds blocks (the private pools are empty until the
-// first capture or MemPool), and the sum of the two engines' peaks, an upper bound, after
-// both have. Snapshots: both engines' segments by address, their history entries in the
-// order they were recorded, the stitching engine's physical memory, annotations and settings.
+// reserved bytes to one ledger (core/device_reserved.hpp). The block statistics' device-wide
+// peaks are exact too: the engines settle their arenas' peak debts together
+// (core/peak_ledger.hpp, JointSettlement), here, after each operation that left one pending.
+// Segment counts' peaks are the sum of the engines' (an upper bound). Snapshots: both
+// engines' segments by address, their history entries in the order they were recorded, the
+// stitching engine's physical memory, annotations and settings.
 #pragma once
 
 #include <atomic>
@@ -108,9 +109,14 @@ class StitchBackend final : public Backend {
   // Whether a begin_allocate_to_pool underway takes `stream`.
   bool capture_takes(StreamId stream) const EXCLUDES(captures_mutex_);
   DevicePtr malloc_default_after_oom(std::size_t size, StreamId stream);
+  // Settles both engines' peak debts together when an operation left one pending (none of
+  // either engine's locks held): the stitching engine's arena locks, then the private
+  // pools' engine's.
+  void settle_pending() const;
 
   Config config_;  // written only by reconfigure()
   DeviceReserved device_reserved_;  // declared before the engines: outlives them
+  mutable JointSettlement joint_;   // likewise
   std::unique_ptr<StitchEngine> stitch_;
   std::unique_ptr<Engine> pools_;
   mutable Mutex captures_mutex_;

@@ -1115,11 +1115,29 @@ void StitchEngine::empty_cache() {
 void StitchEngine::settle_peak_debts(const AllArenasLock& all) const {
   std::vector<LedgerShare> shares;
   shares.reserve(all.arenas().size());
+  bool debt = false;
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
+    debt = debt || arena->in_debt;
+  }
+  if (joint_ != nullptr) {
+    if (debt) joint_->mark();  // the owner settles both engines together
+    return;
+  }
+  core::settle_peak_debts(shares);
+}
+
+void StitchEngine::with_ledger_shares(
+    const std::function<void(std::vector<LedgerShare>&)>& f) const {
+  const AllArenasLock all(*this);
+  std::vector<LedgerShare> shares;
+  shares.reserve(all.arenas().size());
   for (Arena* arena : all.arenas()) {
     all.held(*arena);
     shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
   }
-  core::settle_peak_debts(shares);
+  f(shares);
 }
 
 // The block statistics' currents are sums over the arenas, their peaks the sums of the

@@ -75,6 +75,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -162,8 +163,11 @@ class StitchEngine final : public Backend {
   // The reserved bytes of the engine beside this one, counted against the memory limit and
   // the device's capacity; this engine's reserved bytes, read without its locks.
   void set_peer_reserved(const std::atomic<std::size_t>* peer) { peer_reserved_.set(peer); }
-  // As Engine::set_device_reserved.
+  // As Engine::set_device_reserved, set_joint_settlement and with_ledger_shares.
   void set_device_reserved(DeviceReserved* ledger) { device_reserved_ = ledger; }
+  void set_joint_settlement(JointSettlement* joint) { joint_ = joint; }
+  void with_ledger_shares(const std::function<void(std::vector<LedgerShare>&)>& f) const
+      EXCLUDES(registry_mutex_, device_mutex_);
   // The published copy is an atomic of its own: no lock (the analysis cannot see past the
   // guarded member that holds it).
   const std::atomic<std::size_t>& published_reserved() const NO_THREAD_SAFETY_ANALYSIS {
@@ -358,6 +362,10 @@ class StitchEngine final : public Backend {
   void add_reserved(bool small, std::int64_t bytes) REQUIRES(device_mutex_);
   void settle_peak_debts(const AllArenasLock& all) const;
   void settle_peak_debts() const EXCLUDES(registry_mutex_, device_mutex_) {
+    if (joint_ != nullptr) {
+      joint_->mark();  // the owner settles both engines together
+      return;
+    }
     const AllArenasLock all(*this);
     settle_peak_debts(all);
   }
@@ -422,6 +430,7 @@ class StitchEngine final : public Backend {
   std::atomic<int> captures_underway_{0};
   PeerReserved peer_reserved_;
   DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
+  JointSettlement* joint_ = nullptr;            // settled with another engine's arenas, or alone
 
   mutable Mutex device_mutex_ ACQUIRED_BEFORE(trace_mutex_);
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);

@@ -247,3 +247,28 @@ emit(small_reuses_big=small.data_ptr() == big_ptr, pool=pool_layout(pool),
     _skip_if_missing(pytorch)
     assert pytorch["small_reuses_big"], pytorch
     assert_same(pytorch, ccalloc, f"MemPool(no_split={no_split})")
+
+
+def test_max_memory_allocated_counts_default_and_mempool_blocks_together():
+    # Under the ccalloc preset the default pool and MemPools are two engines; the device's
+    # peak of allocated bytes is still that of their blocks together, as PyTorch reports it.
+    pytorch, ccalloc = both("""
+MiB = 1 << 20
+peaks = []
+x = torch.empty(100 * MiB, dtype=torch.uint8, device="cuda")
+del x
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    y = torch.empty(60 * MiB, dtype=torch.uint8, device="cuda")
+peaks.append(torch.cuda.max_memory_allocated())   # 100 MiB, then 60: never 160
+z = torch.empty(50 * MiB, dtype=torch.uint8, device="cuda")
+peaks.append(torch.cuda.max_memory_allocated())   # 60 + 50 = 110
+del y, z
+w = torch.empty(150 * MiB, dtype=torch.uint8, device="cuda")
+peaks.append(torch.cuda.max_memory_allocated())   # 150
+stats = torch.cuda.memory_stats()
+emit(peaks=peaks, blocks=stats["allocation.all.peak"], active=stats["active_bytes.all.peak"])
+""", preset="ccalloc")
+    MiB = 1 << 20
+    assert pytorch["peaks"] == [100 * MiB, 110 * MiB, 150 * MiB]
+    assert_same(pytorch, ccalloc, "max_memory_allocated over the default pool and a MemPool")
