@@ -226,6 +226,38 @@ TEST(StitchPools, BlockPeaksAreTheDevicesNotTheSumOfTheEngines) {
   EXPECT_EQ(stats().allocated_bytes[kAggregate].peak, static_cast<std::int64_t>(150 * kMiB));
 }
 
+// Segment counts likewise (private pools on native segments, which count one each).
+TEST(StitchPools, SegmentPeaksAreTheDevicesNotTheSumOfTheEngines) {
+  Fixture f(kGiB, "ccalloc,expandable_segments:False");
+  const auto segments = [&f] { return f.alloc.stats().segment; };
+  f.alloc.free(f.alloc.malloc(100 * kMiB, 0));  // two handles: 64 + 36 MiB
+  EXPECT_EQ(segments()[kAggregate].current, 2);
+  f.alloc.empty_cache();
+  f.begin(kGraph, 1);
+  const DevicePtr pooled = f.alloc.malloc(60 * kMiB, 1);  // one segment of the pool's engine
+  f.end(kGraph, 1);
+  ASSERT_EQ(f.alloc.segment_pool(pooled), kGraph);
+  EXPECT_EQ(segments()[kAggregate].current, 1);
+  EXPECT_EQ(segments()[kAggregate].peak, 2);  // never three at once
+  EXPECT_EQ(segments()[kLargePool].peak, 2);
+  const DevicePtr more = f.alloc.malloc(30 * kMiB, 0);  // one more handle beside the pool's
+  EXPECT_EQ(segments()[kAggregate].current, 2);
+  EXPECT_EQ(segments()[kAggregate].peak, 2);
+  const DevicePtr tiny = f.alloc.malloc(4096, 0);  // a small handle: three at once
+  EXPECT_EQ(segments()[kAggregate].peak, 3);
+  EXPECT_EQ(segments()[kSmallPool].peak, 1);
+  f.alloc.free(more);
+  f.alloc.free(tiny);
+  f.alloc.empty_cache();
+  f.alloc.reset_peak_stats();
+  EXPECT_EQ(segments()[kAggregate].peak, 1);
+  f.alloc.free(pooled);
+  f.alloc.release_pool(kGraph);
+  f.alloc.empty_cache();
+  EXPECT_EQ(segments()[kAggregate].current, 0);
+  EXPECT_EQ(segments()[kAggregate].peak, 1);
+}
+
 TEST(StitchPools, ReservedPeaksAreTheDevicesNotTheSumOfTheEngines) {
   Fixture f;
   const auto peak = [&f](StatType t) { return f.alloc.stats().reserved_bytes[t].peak; };

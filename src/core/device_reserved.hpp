@@ -1,9 +1,9 @@
-// The reserved bytes of two engines that share one device (core/stitch_backend.hpp), with
-// exact device-wide peaks: each engine reports every change of its reserved-bytes statistic
-// here, under its own device lock, and this ledger keeps the sum and its peak under a lock
-// of its own (a leaf: taken last, never held while taking another). Reserved memory changes
-// only when an engine creates, maps, unmaps or releases device memory, never on a cache
-// hit, so the hot path does not come here.
+// The reserved bytes and segment counts of two engines that share one device
+// (core/stitch_backend.hpp), with exact device-wide peaks: each engine reports every change
+// of its reserved-bytes and segment statistics here, under its own device lock, and this
+// ledger keeps the sums and their peaks under a lock of its own (a leaf: taken last, never
+// held while taking another). Both change only when an engine creates, maps, unmaps or
+// releases device memory, never on a cache hit, so the hot path does not come here.
 #pragma once
 
 #include <cstdint>
@@ -26,19 +26,37 @@ class DeviceReserved {
       }
     }
   }
+  // `n` more (or, negative, fewer) segments in the small or large pool.
+  void add_segments(bool small, std::int64_t n) EXCLUDES(mutex_) {
+    Lock lock(mutex_);
+    for (StatType t : {kAggregate, small ? kSmallPool : kLargePool}) {
+      if (n >= 0) {
+        segments_[t].increase(n);
+      } else {
+        segments_[t].decrease(-n);
+      }
+    }
+  }
   StatArray reserved() const EXCLUDES(mutex_) {
     Lock lock(mutex_);
     return reserved_;
   }
+  StatArray segments() const EXCLUDES(mutex_) {
+    Lock lock(mutex_);
+    return segments_;
+  }
   void reset_peaks() EXCLUDES(mutex_) {
     Lock lock(mutex_);
-    for (Stat& s : reserved_)
-      s.peak = s.current;
+    for (StatArray* a : {&reserved_, &segments_}) {
+      for (Stat& s : *a)
+        s.peak = s.current;
+    }
   }
 
  private:
   mutable Mutex mutex_;
   StatArray reserved_ GUARDED_BY(mutex_);
+  StatArray segments_ GUARDED_BY(mutex_);
 };
 
 }  // namespace ccalloc::core

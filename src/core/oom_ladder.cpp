@@ -179,6 +179,7 @@ void Engine::add_segment_stats(bool small, std::size_t size, std::int64_t sign) 
       device_stats_.segment[t].decrease(1);
     }
   }
+  if (device_reserved_ != nullptr) device_reserved_->add_segments(small, sign > 0 ? 1 : -1);
   add_reserved_bytes(small, sign > 0 ? n : -n);
   if (is_oversize(size, config_)) {
     if (sign > 0) {

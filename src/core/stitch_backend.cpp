@@ -144,12 +144,16 @@ DeviceStats StitchBackend::stats() const {
   }
   total.oversize_allocations.peak =
       std::max(total.oversize_allocations.peak, total.oversize_allocations.current);
-  // The summed peaks overstate once both engines have held memory: the ledger's are exact
-  // (read last, so that no peak is below the current taken before it).
+  // Summed reserved bytes and segment counts overstate their peaks once both engines have
+  // held memory: the ledger's are exact (read last, so that no peak is below the current
+  // taken before it).
   const StatArray reserved = device_reserved_.reserved();
+  const StatArray segments = device_reserved_.segments();
   for (std::size_t t = 0; t < reserved.size(); ++t) {
-    Stat& s = total.reserved_bytes[t];
-    s.peak = std::max(reserved[t].peak, s.current);
+    Stat& r = total.reserved_bytes[t];
+    r.peak = std::max(reserved[t].peak, r.current);
+    Stat& s = total.segment[t];
+    s.peak = std::max(segments[t].peak, s.current);
   }
   return total;
 }

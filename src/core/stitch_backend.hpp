@@ -24,13 +24,12 @@
 //
 // Memory limit: each engine counts the other's reserved bytes (published without locks) against
 // the per-process fraction, so the two together stay within it. Statistics: the sum of both.
-// Reserved bytes' device-wide peaks are exact: both engines report each change of their
-// reserved bytes to one ledger (core/device_reserved.hpp). The block statistics' device-wide
+// Reserved bytes' and segment counts' device-wide peaks are exact: both engines report each
+// change of them to one ledger (core/device_reserved.hpp). The block statistics' device-wide
 // peaks are exact too: the engines settle their arenas' peak debts together
 // (core/peak_ledger.hpp, JointSettlement), here, after each operation that left one pending.
-// Segment counts' peaks are the sum of the engines' (an upper bound). Snapshots: both
-// engines' segments by address, their history entries in the order they were recorded, the
-// stitching engine's physical memory, annotations and settings.
+// Snapshots: both engines' segments by address, their history entries in the order they
+// were recorded, the stitching engine's physical memory, annotations and settings.
 #pragma once
 
 #include <atomic>

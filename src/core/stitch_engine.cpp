@@ -834,6 +834,9 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     stats_.num_device_alloc += ids.size();
     for (StatType t : {kAggregate, pool_stat(small)})
       stats_.segment[t].increase(static_cast<std::int64_t>(ids.size()));
+    if (device_reserved_ != nullptr) {
+      device_reserved_->add_segments(small, static_cast<std::int64_t>(ids.size()));
+    }
   }
   // One map_range per handle, each whole.
   const std::size_t start = s->pages.size();
@@ -1096,6 +1099,7 @@ void StitchEngine::release_spare_handles() {
     ++stats_.num_device_free;
     for (StatType t : {kAggregate, pool_stat(h.small)})
       stats_.segment[t].decrease(1);
+    if (device_reserved_ != nullptr) device_reserved_->add_segments(h.small, -1);
     it = handles_.erase(it);
   }
 }
