@@ -13,29 +13,29 @@
 
 namespace ccalloc::core {
 
+// `n` more (or, negative, fewer) of a statistic kept per pool: its aggregate entry and the
+// small or large pool's. The engines' reserved-bytes and segment statistics and this ledger's.
+inline void add_pool_stat(StatArray& stat, bool small, std::int64_t n) {
+  for (StatType t : {kAggregate, small ? kSmallPool : kLargePool}) {
+    if (n >= 0) {
+      stat[t].increase(n);
+    } else {
+      stat[t].decrease(-n);
+    }
+  }
+}
+
 class DeviceReserved {
  public:
   // `bytes` more (or, negative, fewer) reserved in the small or large pool.
   void add(bool small, std::int64_t bytes) EXCLUDES(mutex_) {
     Lock lock(mutex_);
-    for (StatType t : {kAggregate, small ? kSmallPool : kLargePool}) {
-      if (bytes >= 0) {
-        reserved_[t].increase(bytes);
-      } else {
-        reserved_[t].decrease(-bytes);
-      }
-    }
+    add_pool_stat(reserved_, small, bytes);
   }
   // `n` more (or, negative, fewer) segments in the small or large pool.
   void add_segments(bool small, std::int64_t n) EXCLUDES(mutex_) {
     Lock lock(mutex_);
-    for (StatType t : {kAggregate, small ? kSmallPool : kLargePool}) {
-      if (n >= 0) {
-        segments_[t].increase(n);
-      } else {
-        segments_[t].decrease(-n);
-      }
-    }
+    add_pool_stat(segments_, small, n);
   }
   StatArray reserved() const EXCLUDES(mutex_) {
     Lock lock(mutex_);

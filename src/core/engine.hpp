@@ -67,8 +67,8 @@
 #include <array>
 #include <map>
 #include <atomic>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -314,6 +314,8 @@ class Engine final : public Backend {
   void synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool = nullptr);
 
   // --- device-wide peaks (stats.cpp; the baseline ledger of arena.hpp) ---
+  // Every arena's part of the ledger (every arena lock held).
+  std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const;
   // Settles every arena's peak debt (every arena lock held).
   void settle_peak_debts(const AllArenasLock& all) const;
   // The same, taking every arena lock (none held).

@@ -172,13 +172,7 @@ void Engine::release_segment(Arena& arena, Block* block) {
 
 void Engine::add_segment_stats(bool small, std::size_t size, std::int64_t sign) {
   const auto n = static_cast<std::int64_t>(size);
-  for (StatType t : {kAggregate, pool_stat(small)}) {
-    if (sign > 0) {
-      device_stats_.segment[t].increase(1);
-    } else {
-      device_stats_.segment[t].decrease(1);
-    }
-  }
+  add_pool_stat(device_stats_.segment, small, sign > 0 ? 1 : -1);
   if (device_reserved_ != nullptr) device_reserved_->add_segments(small, sign > 0 ? 1 : -1);
   add_reserved_bytes(small, sign > 0 ? n : -n);
   if (is_oversize(size, config_)) {
@@ -191,13 +185,7 @@ void Engine::add_segment_stats(bool small, std::size_t size, std::int64_t sign) 
 }
 
 void Engine::add_reserved_bytes(bool small, std::int64_t bytes) {
-  for (StatType t : {kAggregate, pool_stat(small)}) {
-    if (bytes >= 0) {
-      device_stats_.reserved_bytes[t].increase(bytes);
-    } else {
-      device_stats_.reserved_bytes[t].decrease(-bytes);
-    }
-  }
+  add_pool_stat(device_stats_.reserved_bytes, small, bytes);
   if (device_reserved_ != nullptr) device_reserved_->add(small, bytes);
 }
 

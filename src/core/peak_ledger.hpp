@@ -98,6 +98,27 @@ struct LedgerShare {
 // Settles every arena's debts (stats.cpp): see the header comment. Every arena lock held.
 void settle_peak_debts(const std::vector<LedgerShare>& shares);
 
+// Every arena's part of the ledger, for an engine's lock over all its arenas (`all`, which
+// asserts through held() that an arena's lock is held) and its arenas in settlement order.
+template <typename AllLock, typename Arenas>
+std::vector<LedgerShare> ledger_shares_of(const AllLock& all, const Arenas& arenas) {
+  std::vector<LedgerShare> shares;
+  shares.reserve(arenas.size());
+  for (auto* arena : arenas) {
+    all.held(*arena);
+    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
+  }
+  return shares;
+}
+
+// Whether any of the arenas is in debt (every arena lock held).
+inline bool in_debt(const std::vector<LedgerShare>& shares) {
+  for (const LedgerShare& s : shares) {
+    if (*s.in_debt) return true;
+  }
+  return false;
+}
+
 // Two engines that share one device (core::StitchBackend: the stitching policy and the
 // private pools beside it) settle their arenas together, so that the device-wide peaks are
 // those of the sum of both engines' blocks rather than the sum of each engine's peaks. The

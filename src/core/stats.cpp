@@ -236,17 +236,14 @@ void settle_peak_debts(const std::vector<LedgerShare>& arenas) {
   }
 }
 
+std::vector<LedgerShare> Engine::ledger_shares(const AllArenasLock& all) const {
+  return ledger_shares_of(all, all.by_stream());
+}
+
 void Engine::settle_peak_debts(const AllArenasLock& all) const {
-  std::vector<LedgerShare> shares;
-  shares.reserve(all.by_stream().size());
-  bool debt = false;
-  for (Arena* arena : all.by_stream()) {
-    all.held(*arena);
-    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
-    debt = debt || arena->in_debt;
-  }
+  const std::vector<LedgerShare> shares = ledger_shares(all);
   if (joint_ != nullptr) {
-    if (debt) joint_->mark();  // the owner settles both engines together
+    if (in_debt(shares)) joint_->mark();  // the owner settles both engines together
     return;
   }
   core::settle_peak_debts(shares);
@@ -255,12 +252,7 @@ void Engine::settle_peak_debts(const AllArenasLock& all) const {
 void Engine::with_ledger_shares(
     const std::function<void(std::vector<LedgerShare>&)>& f) const {
   const AllArenasLock all(*this);
-  std::vector<LedgerShare> shares;
-  shares.reserve(all.by_stream().size());
-  for (Arena* arena : all.by_stream()) {
-    all.held(*arena);
-    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
-  }
+  std::vector<LedgerShare> shares = ledger_shares(all);
   f(shares);
 }
 

@@ -135,15 +135,9 @@ DeviceStats StitchBackend::stats() const {
   add_stats(total, pools_->stats());
   // Operations of other threads between the settlement and the reads may leave a debt for
   // their own settlement: no peak is reported below its current.
-  for (StatArray DeviceStats::*field :
-       {&DeviceStats::allocation, &DeviceStats::active, &DeviceStats::inactive_split,
-        &DeviceStats::allocated_bytes, &DeviceStats::active_bytes,
-        &DeviceStats::inactive_split_bytes, &DeviceStats::requested_bytes}) {
-    for (Stat& s : total.*field)
-      s.peak = std::max(s.peak, s.current);
-  }
-  total.oversize_allocations.peak =
-      std::max(total.oversize_allocations.peak, total.oversize_allocations.current);
+  PeakBaselines unused;
+  for_each_tracked(total, unused,
+                   [](Stat& s, std::int64_t&) { s.peak = std::max(s.peak, s.current); });
   // Summed reserved bytes and segment counts overstate their peaks once both engines have
   // held memory: the ledger's are exact (read last, so that no peak is below the current
   // taken before it).

@@ -832,11 +832,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     if (!small) arena.large_served = 0;
     add_reserved(small, static_cast<std::int64_t>(created * page_));
     stats_.num_device_alloc += ids.size();
-    for (StatType t : {kAggregate, pool_stat(small)})
-      stats_.segment[t].increase(static_cast<std::int64_t>(ids.size()));
-    if (device_reserved_ != nullptr) {
-      device_reserved_->add_segments(small, static_cast<std::int64_t>(ids.size()));
-    }
+    add_segments(small, static_cast<std::int64_t>(ids.size()));
   }
   // One map_range per handle, each whole.
   const std::size_t start = s->pages.size();
@@ -882,14 +878,13 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
 
 void StitchEngine::add_reserved(bool small, std::int64_t bytes) {
   reserved_ = static_cast<std::size_t>(static_cast<std::int64_t>(reserved_) + bytes);
-  for (StatType t : {kAggregate, pool_stat(small)}) {
-    if (bytes >= 0) {
-      stats_.reserved_bytes[t].increase(bytes);
-    } else {
-      stats_.reserved_bytes[t].decrease(-bytes);
-    }
-  }
+  add_pool_stat(stats_.reserved_bytes, small, bytes);
   if (device_reserved_ != nullptr) device_reserved_->add(small, bytes);
+}
+
+void StitchEngine::add_segments(bool small, std::int64_t n) {
+  add_pool_stat(stats_.segment, small, n);
+  if (device_reserved_ != nullptr) device_reserved_->add_segments(small, n);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1097,9 +1092,7 @@ void StitchEngine::release_spare_handles() {
       spare_.erase({h.id, i});
     add_reserved(h.small, -static_cast<std::int64_t>(n * page_));
     ++stats_.num_device_free;
-    for (StatType t : {kAggregate, pool_stat(h.small)})
-      stats_.segment[t].decrease(1);
-    if (device_reserved_ != nullptr) device_reserved_->add_segments(h.small, -1);
+    add_segments(h.small, -1);
     it = handles_.erase(it);
   }
 }
@@ -1116,17 +1109,14 @@ void StitchEngine::empty_cache() {
 // ---------------------------------------------------------------------------------------
 // Stats, settings, observers, history
 
+std::vector<LedgerShare> StitchEngine::ledger_shares(const AllArenasLock& all) const {
+  return ledger_shares_of(all, all.arenas());
+}
+
 void StitchEngine::settle_peak_debts(const AllArenasLock& all) const {
-  std::vector<LedgerShare> shares;
-  shares.reserve(all.arenas().size());
-  bool debt = false;
-  for (Arena* arena : all.arenas()) {
-    all.held(*arena);
-    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
-    debt = debt || arena->in_debt;
-  }
+  const std::vector<LedgerShare> shares = ledger_shares(all);
   if (joint_ != nullptr) {
-    if (debt) joint_->mark();  // the owner settles both engines together
+    if (in_debt(shares)) joint_->mark();  // the owner settles both engines together
     return;
   }
   core::settle_peak_debts(shares);
@@ -1135,12 +1125,7 @@ void StitchEngine::settle_peak_debts(const AllArenasLock& all) const {
 void StitchEngine::with_ledger_shares(
     const std::function<void(std::vector<LedgerShare>&)>& f) const {
   const AllArenasLock all(*this);
-  std::vector<LedgerShare> shares;
-  shares.reserve(all.arenas().size());
-  for (Arena* arena : all.arenas()) {
-    all.held(*arena);
-    shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
-  }
+  std::vector<LedgerShare> shares = ledger_shares(all);
   f(shares);
 }
 

@@ -75,9 +75,9 @@
 #pragma once
 
 #include <atomic>
-#include <functional>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -360,7 +360,10 @@ class StitchEngine final : public Backend {
   // Reserved bytes on this device that count against limit(): this engine's and its peer's.
   std::size_t held() const REQUIRES(device_mutex_) { return reserved_ + peer_reserved_.bytes(); }
   void add_reserved(bool small, std::int64_t bytes) REQUIRES(device_mutex_);
+  // `n` more (or, negative, fewer) handles in the segment statistics and the ledger.
+  void add_segments(bool small, std::int64_t n) REQUIRES(device_mutex_);
   void settle_peak_debts(const AllArenasLock& all) const;
+  std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const;
   void settle_peak_debts() const EXCLUDES(registry_mutex_, device_mutex_) {
     if (joint_ != nullptr) {
       joint_->mark();  // the owner settles both engines together
