@@ -88,6 +88,60 @@ TEST(StitchPolicy, SmallRequestsShareOneSmallPoolPage) {
             static_cast<std::int64_t>(2 * kMiB));
 }
 
+TEST(StitchPolicy, SmallGrowthTakesAWholeFreeLargePageInPlaceAndGivesItBackWhenFree) {
+  Fixture f;
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+  const DevicePtr b = f.engine.malloc(4 * kMiB, 0);
+  ASSERT_EQ(a, kVa);
+  ASSERT_EQ(b, kVa + 4 * kMiB);
+  f.engine.free(a);  // a large free block that is not the frontier's tail
+  const auto creates = f.gpu.counters().physical_creates;
+  const auto maps = f.gpu.counters().maps;
+  // The small pool has no page: it takes a's first page in place (an island).
+  const DevicePtr s1 = f.engine.malloc(512 * 1024, 0);
+  const DevicePtr s2 = f.engine.malloc(1 * kMiB, 0);
+  EXPECT_EQ(s1, kVa);
+  EXPECT_EQ(s2, kVa + 512 * 1024);
+  EXPECT_EQ(f.gpu.counters().physical_creates, creates);
+  EXPECT_EQ(f.gpu.counters().maps, maps);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(8 * kMiB));
+  const auto st = f.engine.stats();
+  EXPECT_EQ(st.allocated_bytes[ccalloc::kSmallPool].current,
+            static_cast<std::int64_t>(512 * 1024 + 1 * kMiB));
+  EXPECT_EQ(st.allocated_bytes[ccalloc::kLargePool].current, static_cast<std::int64_t>(4 * kMiB));
+  EXPECT_EQ(st.reserved_bytes[ccalloc::kSmallPool].current, 0);  // memory stays the large pool's
+  // The island's free rest serves small requests only; a large one takes the page after it.
+  const DevicePtr c = f.engine.malloc(2 * kMiB, 0);
+  EXPECT_EQ(c, kVa + 2 * kMiB);
+  f.engine.free(c);
+  f.engine.free(s1);
+  const auto segs = f.engine.segments();
+  ASSERT_EQ(segs.size(), 1u);
+  // s1's free space, s2, the island's free rest, c's free page, b.
+  ASSERT_EQ(segs[0].blocks.size(), 5u);
+  EXPECT_EQ(segs[0].blocks[0].size, 512 * 1024);
+  EXPECT_EQ(segs[0].blocks[1].size, 1 * kMiB);
+  EXPECT_EQ(segs[0].blocks[2].size, 512 * 1024);  // not merged with the large free block
+  EXPECT_EQ(segs[0].blocks[3].size, 2 * kMiB);
+  EXPECT_EQ(segs[0].blocks[4].size, 4 * kMiB);
+  // Wholly free, the island goes back: a's 4 MiB serve a large request again, in place.
+  f.engine.free(s2);
+  EXPECT_EQ(f.engine.malloc(4 * kMiB, 0), kVa);
+  EXPECT_EQ(f.gpu.counters().physical_creates, creates);
+  EXPECT_EQ(f.gpu.counters().maps, maps);
+}
+
+TEST(StitchPolicy, SmallGrowthNeverTakesTheFrontiersFreeTail) {
+  Fixture f;
+  f.engine.free(f.engine.malloc(4 * kMiB, 0));  // the whole large range: its free tail
+  const DevicePtr s = f.engine.malloc(512 * 1024, 0);
+  EXPECT_GE(s, kVa + 4 * kMiB);  // the small pool's own space
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(6 * kMiB));
+  EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current,
+            static_cast<std::int64_t>(2 * kMiB));
+  EXPECT_EQ(f.engine.malloc(4 * kMiB, 0), kVa);
+}
+
 TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {
   Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
   const DevicePtr a = f.engine.malloc(5 * kMiB, 0);

@@ -285,74 +285,74 @@ TEST(StitchViews, AHandleLentToTheLargePoolStaysCountedWhereItWasCreated) {
   expect_stats_recovered(f, s);
 }
 
-TEST(StitchViews, TheSmallPoolLendsNothingFromTheLargePool) {
-  // As above but the other way round: b's freed page holds a large-pool handle whole, and a
-  // small request creates a piece of its own instead of taking it.
+TEST(StitchViews, TheSmallPoolTakesALargeFreePageInPlaceAndMapsNothing) {
+  // As above but the other way round: b's freed page holds a large-pool handle whole. A
+  // small request neither creates a piece nor maps that handle into the small space: b's
+  // page becomes an island of the small pool where it is.
   Fixture f(18 * kMiB);
   f.engine.malloc(4 * kMiB, 0);
   const DevicePtr b = f.engine.malloc(2 * kMiB, 0);
   f.engine.malloc(4 * kMiB, 0);
   f.engine.free(b);
-  f.engine.malloc(512 * 1024, 0);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 4u);
-  EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
+  const auto maps = f.gpu.counters().maps;
+  EXPECT_EQ(f.engine.malloc(512 * 1024, 0), b);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
+  EXPECT_EQ(f.gpu.counters().maps, maps);
+  EXPECT_EQ(f.reserved(kSmallPool), 0u);
   EXPECT_EQ(f.reserved(kLargePool), 10 * kMiB);
   const Snapshot s = f.engine.snapshot();
   for (const auto& range : s.physical.at(0).ranges)
     EXPECT_TRUE(range.dead.empty());
+  ASSERT_EQ(s.segments.size(), 1u);  // the large range, the island's blocks inside it
+  EXPECT_EQ(s.segments[0].total_size, 10 * kMiB);
   expect_accounts_for_reserved(f, s);
+  expect_stats_recovered(f, s);
 }
 
 // The small pool takes back a piece of its own creation that the large pool borrowed, once
-// that piece lies whole in a large free block, instead of creating one; a large-pool handle
-// beside it stays (the test above). The piece is still mapped, dead, at its old small page:
-// it comes back there, with no driver call.
-TEST(StitchViews, TheSmallPoolRevivesItsOwnPieceFromALargeFreeBlock) {
+// that piece lies whole in the large range's free tail (elsewhere an island is taken in
+// place first, the test above; the tail never becomes one), instead of creating one. The
+// piece is still mapped, dead, at its old small page: it comes back there, with no driver
+// call.
+TEST(StitchViews, TheSmallPoolRevivesItsOwnPieceFromTheLargeFreeTail) {
   // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (small pool), freed. a = 2 MiB:
-  // handle 1, lent. b = 2 MiB: handle 2, after a. a freed: its free block holds handle 1
-  // whole. s1 = 512 KiB: handle 1 is live at s0's page again, and dead at a.
+  // handle 1, lent. a freed: the large range's free tail holds handle 1 whole. s1 = 512
+  // KiB: handle 1 is live at s0's page again, and dead at a.
   Fixture f(18 * kMiB);
   const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
   f.engine.free(s0);
   const DevicePtr a = f.engine.malloc(2 * kMiB, 0);
-  const DevicePtr b = f.engine.malloc(2 * kMiB, 0);
-  EXPECT_EQ(b, a + 2 * kMiB);
   f.engine.free(a);
   const auto before = f.gpu.counters();
-  EXPECT_EQ(before.physical_creates, 2u);
+  EXPECT_EQ(before.physical_creates, 1u);
   const DevicePtr s1 = f.engine.malloc(512 * 1024, 0);
   EXPECT_EQ(s1, s0);
   const auto after = f.gpu.counters();
-  EXPECT_EQ(after.physical_creates, 2u);
+  EXPECT_EQ(after.physical_creates, 1u);
   EXPECT_EQ(after.maps, before.maps);  // revived: mapped there all along
   const Snapshot s = f.engine.snapshot();
-  const auto small_seg = std::find_if(s.segments.begin(), s.segments.end(),
-                                      [](const auto& seg) { return seg.is_small; });
-  ASSERT_NE(small_seg, s.segments.end());
-  EXPECT_EQ(small_seg->address, s0);
-  EXPECT_EQ(small_seg->pieces, (std::vector<PieceRun>{whole(1, 1)}));
-  for (const auto& seg : s.segments) {
-    if (!seg.is_small) {
-      EXPECT_EQ(seg.address, b);
-      EXPECT_EQ(seg.pieces, (std::vector<PieceRun>{whole(2, 1)}));
-    }
-  }
+  ASSERT_EQ(s.segments.size(), 1u);  // a's page is dead: no large segment
+  EXPECT_TRUE(s.segments[0].is_small);
+  EXPECT_EQ(s.segments[0].address, s0);
+  EXPECT_EQ(s.segments[0].pieces, (std::vector<PieceRun>{whole(1, 1)}));
   for (const auto& range : s.physical.at(0).ranges) {
+    EXPECT_EQ(range.frontier, 2 * kMiB);
     if (range.is_small) {
       EXPECT_TRUE(range.dead.empty());
-      EXPECT_EQ(range.frontier, 2 * kMiB);
     } else {
       EXPECT_EQ(range.dead, (std::vector<DeadPages>{{a, whole(1, 1)}}));
     }
   }
   EXPECT_EQ(f.reserved(kSmallPool), 2 * kMiB);
-  EXPECT_EQ(f.reserved(kLargePool), 2 * kMiB);
+  EXPECT_EQ(f.reserved(kLargePool), 0u);
   expect_accounts_for_reserved(f, s);
   expect_stats_recovered(f, s);
   // Back and forth: freed again, the page serves the large pool's next 2 MiB request.
   f.engine.free(s1);
   const DevicePtr c = f.engine.malloc(2 * kMiB, 0);
-  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  EXPECT_EQ(f.gpu.counters().physical_creates, 1u);
+  EXPECT_EQ(f.gpu.counters().maps, after.maps + 1);
+  EXPECT_EQ(c, a + 2 * kMiB);
   EXPECT_EQ(f.engine.allocation_size(c), 2 * kMiB);
   expect_accounts_for_reserved(f, f.engine.snapshot());
 }

@@ -248,7 +248,7 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
 
 // Frees lower the block statistics only: no peak debt to settle.
 void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
-  const bool small = b->space->small;
+  const bool small = b->small;
   for (StatType t : {kAggregate, pool_stat(small)}) {
     arena.stats.allocation[t].decrease(1);
     arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
@@ -414,6 +414,7 @@ StitchEngine::Block* StitchEngine::split_off_front(Arena& arena, Block* b, std::
   f->size = size;
   f->space = b->space;
   f->kind = b->kind;
+  f->small = b->small;
   f->prev = b->prev;
   f->next = b;
   if (f->prev != nullptr) {
@@ -432,7 +433,7 @@ StitchEngine::Block* StitchEngine::split_off_front(Arena& arena, Block* b, std::
 DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t size,
                                  std::size_t requested, const Origin& stack) {
   Block* block = *pos;
-  const bool small = block->space->small;
+  const bool small = block->small;
   Pool& pool = arena.pool(small);
   if (block->size - size >= kMinBlockSize) {
     Block* rest = block;
@@ -466,7 +467,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 void StitchEngine::free_block(Arena& arena, Block* b) {
-  for (StatType t : {kAggregate, pool_stat(b->space->small)}) {
+  for (StatType t : {kAggregate, pool_stat(b->small)}) {
     arena.stats.active[t].decrease(1);
     arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
     arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
@@ -477,14 +478,17 @@ void StitchEngine::free_block(Arena& arena, Block* b) {
   pool_free(arena, b);
 }
 
-StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b) {
+StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_island) {
   Space& s = *b->space;
-  Pool& pool = arena.pool(s.small);
-  Block* const prev = b->prev != nullptr && b->prev->kind == Block::Kind::kFree ? b->prev : nullptr;
-  Block* const next = b->next != nullptr && b->next->kind == Block::Kind::kFree ? b->next : nullptr;
+  Pool& pool = arena.pool(b->small);
+  const auto joins = [b](const Block* n) {
+    return n != nullptr && n->kind == Block::Kind::kFree && n->small == b->small;
+  };
+  Block* const prev = joins(b->prev) ? b->prev : nullptr;
+  Block* const next = joins(b->next) ? b->next : nullptr;
   if (prev == nullptr && next == nullptr) {
     pool.insert(b);
-    return b;
+    return keep_island ? b : end_island_if_free(arena, b);
   }
   // The survivor is a neighbour already in the pool; the others are absorbed into it. It
   // only grew, so it keeps its place unless it now sorts after its successor.
@@ -517,17 +521,25 @@ StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b) {
     pool.erase(pos);
     pool.insert(merged);
   }
-  return merged;
+  return keep_island ? merged : end_island_if_free(arena, merged);
+}
+
+StitchEngine::Block* StitchEngine::end_island_if_free(Arena& arena, Block* b) {
+  const auto same_pool = [b](const Block* n) { return n != nullptr && n->small == b->small; };
+  if (b->small == b->space->small || same_pool(b->prev) || same_pool(b->next)) return b;
+  arena.pool(b->small).erase(b);
+  b->small = b->space->small;
+  return pool_free(arena, b);  // merged with the large free blocks around it
 }
 
 // Turns the page-aligned [lo, hi), covered by free and void blocks starting with `from`
 // (which contains lo), into one void block; the free parts outside it stay in the pool.
 void StitchEngine::make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, DevicePtr hi) {
-  Pool& pool = arena.pool(s.small);
   Block* first_void = nullptr;
   for (Block* b = from; b != nullptr && b->ptr < hi;) {
     Block* next = b->next;
     if (b->kind == Block::Kind::kFree) {
+      Pool& pool = arena.pool(b->small);
       pool.erase(b);
       if (b->ptr < lo) pool.insert(split_off_front(arena, b, lo - b->ptr));
       if (b->end() > hi) {
@@ -536,6 +548,7 @@ void StitchEngine::make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, 
         b = mid;
       }
       b->kind = Block::Kind::kVoid;
+      b->small = s.small;
     }
     if (first_void == nullptr) first_void = b;
     b = next;
@@ -630,6 +643,31 @@ StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
   return nullptr;
 }
 
+// Islands: the small pool grows into a whole free page of the large pool's free blocks in
+// place, with no driver call (see grow()).
+StitchEngine::Block* StitchEngine::take_island(Arena& arena) {
+  // The smallest large free block first (as lending goes), never the frontier's free tail,
+  // which the next large growth extends; its first whole page.
+  for (Block* b : arena.pool(false)) {
+    if (b->next == nullptr) continue;  // the tail of its space
+    const DevicePtr lo = align_up(b->ptr, page_);
+    if (lo + page_ > b->end()) continue;
+    Pool& large = arena.pool(false);
+    large.erase(b);
+    Block* island = b;
+    if (lo > b->ptr) large.insert(split_off_front(arena, b, lo - b->ptr));
+    if (island->size > page_) {
+      Block* page = split_off_front(arena, island, page_);
+      large.insert(island);
+      island = page;
+    }
+    island->small = true;
+    // Merged with the free end of an island just below; handed out at once.
+    return pool_free(arena, island, /*keep_island=*/true);
+  }
+  return nullptr;
+}
+
 std::size_t StitchEngine::least_large_growth(const Arena& arena) const {
   std::size_t frontier = 0;  // bytes of the stream's large spaces below their frontiers
   for (const auto& space : arena.spaces[0])
@@ -653,6 +691,10 @@ StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
 StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size, bool gc_allowed,
                                       Block** out) {
   if (small) {
+    if (Block* island = take_island(arena)) {
+      *out = island;
+      return Grow::kDone;
+    }
     if (Block* revived = revive_small_piece(arena)) {
       *out = revived;
       return Grow::kDone;
@@ -660,8 +702,10 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   }
   auto& spaces = arena.spaces[small ? 1 : 0];
   Space* s = spaces.empty() ? nullptr : spaces.back().get();
-  Block* tail =
-      s != nullptr && s->last != nullptr && s->last->kind == Block::Kind::kFree ? s->last : nullptr;
+  Block* tail = s != nullptr && s->last != nullptr && s->last->kind == Block::Kind::kFree &&
+                        s->last->small == small
+                    ? s->last
+                    : nullptr;
   bool fresh = s == nullptr;
   std::size_t pages = 0;
 
@@ -700,7 +744,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     for (const Pool& pool : arena.pools) {
       const bool other = &pool != &arena.pool(small);
       for (Block* b : pool) {
-        if (b == tail) continue;
+        if (b == tail || b->small != b->space->small) continue;
         find_whole_handle(*b, [&](DevicePtr va, Handle* h) {
           if (!other || !small || (h->small && pieces_of(h) == 1)) {
             candidates.push_back(Lend{h, b, va});
@@ -863,6 +907,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     b->ptr = page_va(*s, start);
     b->size = mapped * page_;
     b->space = s;
+    b->small = small;
     b->prev = s->last;
     if (s->last != nullptr) {
       s->last->next = b;
@@ -1621,15 +1666,36 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
         const DevicePtr frontier = page_va(s, s.pages.size());
         DevicePtr at = s.base;
         const Block* prev = nullptr;
+        // Islands: runs of small blocks in a large space, whole pages, never wholly free.
+        DevicePtr island = 0;
+        bool island_used = false;
+        const auto end_island = [&](DevicePtr end) {
+          if (end % page_ != 0 || !island_used) {
+            violated("the island of the small pool at " + hex(island) + " ends at " + hex(end) +
+                     (island_used ? ", not on a page boundary" : " and is wholly free"));
+          }
+          island = 0;
+        };
         for (const Block* b = s.first; b != nullptr; prev = b, b = b->next) {
+          if (b->small != small && (s.small || b->kind == Kind::kVoid)) {
+            violated("block " + hex(b->ptr) + " is in the wrong pool for its space");
+          }
+          if (b->small != small && island == 0) {
+            if (b->ptr % page_ != 0) violated("an island begins inside a page at " + hex(b->ptr));
+            island = b->ptr;
+            island_used = false;
+          }
+          if (b->small == small && island != 0) end_island(b->ptr);
+          if (island != 0 && b->kind != Kind::kFree) island_used = true;
           if (b->ptr != at || b->size == 0 || b->prev != prev || b->space != &s) {
             violated("the blocks of the space at " + hex(s.base) + " do not tile it at " + hex(at));
           }
           at = b->end();
-          if (b->kind == Kind::kFree && prev != nullptr && prev->kind == Kind::kFree) {
+          if (b->kind == Kind::kFree && prev != nullptr && prev->kind == Kind::kFree &&
+              prev->small == b->small) {
             violated("free blocks at " + hex(prev->ptr) + " and " + hex(b->ptr) + " are adjacent");
           }
-          const bool in_pool = arena->pools[k].count(const_cast<Block*>(b)) != 0;
+          const bool in_pool = arena->pools[b->small ? 1 : 0].count(const_cast<Block*>(b)) != 0;
           if (in_pool != (b->kind == Kind::kFree)) {
             violated("block " + hex(b->ptr) + " is " + (in_pool ? "" : "not ") +
                      "in its pool but is " + (b->kind == Kind::kFree ? "free" : "not free"));
@@ -1674,7 +1740,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           }
           (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
           DeviceStats& rc = recount[arena->owner - 1];
-          for (StatType t : {kAggregate, pool_stat(small)}) {
+          for (StatType t : {kAggregate, pool_stat(b->small)}) {
             if (b->kind == Kind::kAllocated) {
               rc.allocation[t].current += 1;
               rc.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
@@ -1691,6 +1757,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
             used.emplace_back(pg.handle->id, pg.piece, lo, hi, b->ptr);
           }
         }
+        if (island != 0) end_island(at);
         if (at != frontier) {
           violated("the blocks of the space at " + hex(s.base) + " end at " + hex(at) +
                    ", not at its frontier " + hex(frontier));

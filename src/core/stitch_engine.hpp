@@ -207,6 +207,7 @@ class StitchEngine final : public Backend {
     Block* next = nullptr;
     Space* space = nullptr;
     Kind kind = Kind::kFree;
+    bool small = false;  // its pool: its space's, or small in an island of a large space
     int event_count = 0;
     std::vector<StreamId> stream_uses;
     Origin stack;  // of its allocation, while active
@@ -328,12 +329,23 @@ class StitchEngine final : public Backend {
   void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
   // Puts the free block `b` (in its space's list, not in the pool) into its pool, merged with
   // free neighbours; returns the block that holds it then.
-  Block* pool_free(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  // Small blocks may lie in an island of a large space (whole pages of the large pool lent
+  // in place to the small pool, see take_island): free blocks merge only within their pool,
+  // and an island left wholly free goes back to the large pool, merged with its free
+  // neighbours, unless `keep_island` (the island just taken, about to be handed out).
+  Block* pool_free(Arena& arena, Block* b, bool keep_island = false) REQUIRES(arena.mutex);
+  // `b` (free, pooled), or, where it is a whole island, the large free block it joins.
+  Block* end_island_if_free(Arena& arena, Block* b) REQUIRES(arena.mutex);
   // Small-pool growth without a driver call: a one-piece handle that the small pool created
   // and lent to the large pool, now wholly inside a large free block, goes back to the
   // small page that still maps it (dead there since the lend). Returns the free block that
   // holds the revived page, or nullptr where there is none.
   Block* revive_small_piece(Arena& arena) REQUIRES(arena.mutex, device_mutex_);
+  // Small-pool growth without a driver call or new memory: the first whole page of the
+  // smallest large free block of the stream (not the frontier's free tail) becomes an island
+  // of the small pool, in place. Returns the small free block holding it, or nullptr where
+  // no such page is free.
+  Block* take_island(Arena& arena) REQUIRES(arena.mutex);
   // The handles live wholly inside the whole pages of the free block `b`, in address order:
   // f(address, handle) for each, until f returns true (then returns true).
   template <typename F>
