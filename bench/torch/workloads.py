@@ -123,6 +123,67 @@ def llama_generate(steps=12, warmup=2, new_tokens=48):
                       lambda tokens: hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16])
 
 
+def llama_serve(steps=6, warmup=1, ticks=20, max_active=8):
+    """An inference server on the Llama-style decoder of llama_generate, batching continuously
+    without paging: requests (1, 2 or 4 sequences, prompts of 16-384 tokens, 8-64 new
+    tokens) arrive at random ticks, up to max_active at once; each is prefilled when it
+    arrives and then decodes one token per tick with its own growing key-value cache
+    (transformers' DynamicCache, which concatenates: each layer's cache is reallocated one
+    token longer every tick), which is dropped when the request finishes. A step is `ticks`
+    ticks; its output is a hash of the tokens of the requests that finished in it."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=2048)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(
+        "cuda", torch.bfloat16)
+    model.eval()
+    rng = random.Random(7)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    active = []
+
+    def forward(request, ids):
+        out = model(input_ids=ids, past_key_values=request["cache"], use_cache=True)
+        request["cache"] = out.past_key_values
+        token = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        request["tokens"].append(token)
+        request["left"] -= 1
+        return token
+
+    def tick(finished):
+        if len(active) < max_active and rng.random() < 0.35:
+            batch, prompt = rng.choice([1, 2, 4]), rng.randint(16, 384)
+            ids = torch.randint(3, config.vocab_size, (batch, prompt), device="cuda", generator=gen)
+            request = {"cache": DynamicCache(), "tokens": [], "left": rng.randint(8, 64)}
+            forward(request, ids)
+            active.append(request)
+            return
+        for request in list(active):
+            forward(request, request["tokens"][-1])
+            if request["left"] <= 0:
+                finished.append(torch.cat(request["tokens"], dim=1))
+                active.remove(request)
+
+    def make_step(step):
+        def serve():
+            finished = []
+            with torch.no_grad():
+                for _ in range(ticks):
+                    tick(finished)
+            return finished
+
+        return serve
+
+    def digest(finished):
+        h = hashlib.sha256()
+        for tokens in finished:
+            h.update(tokens.cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    return _run_steps(steps, warmup, make_step, digest)
+
+
 def finetune_bf16(steps=40, warmup=5):
     """Fine-tuning a BERT-base-sized encoder for classification under bf16 autocast: batch
     8-32 and sequence length 32-512 vary per step, rows padded to different lengths, AdamW
@@ -204,4 +265,5 @@ def compiled_mlp(steps=200, warmup=12):
 
 
 WORKLOADS = {"resnet50": resnet50, "gpt2_varlen": gpt2_varlen, "llama_generate": llama_generate,
+             "llama_serve": llama_serve,
              "finetune_bf16": finetune_bf16, "compiled_gpt2": compiled_gpt2, "compiled_mlp": compiled_mlp}
