@@ -87,7 +87,7 @@ def gib(n):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--workloads", default="resnet50,gpt2_varlen,llama_generate,finetune_bf16,compiled_gpt2,compiled_mlp")
+    parser.add_argument("--workloads", default="resnet50,gpt2_varlen,llama_generate,llama_serve,finetune_bf16,compiled_gpt2,compiled_mlp")
     parser.add_argument("--modes", default="native,expandable,ccalloc")
     parser.add_argument("--repeats", type=int, default=2,
                         help="processes per allocator, interleaved; step times are pooled")
