@@ -93,9 +93,9 @@ def gpt2_varlen(steps=30, warmup=3):
     return _run_steps(steps, warmup, make_step)
 
 
-def llama_generate(steps=12, warmup=2, new_tokens=48):
-    """A Llama-style decoder (8 layers, 1024 wide, bf16) generating greedily with batch and
-    prompt length varying per call."""
+def _llama_decoder():
+    """The Llama-style decoder of the inference workloads: 8 layers, 1024 wide, bf16, eager
+    attention, randomly initialised, in eval mode. Returns (config, model)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -104,6 +104,13 @@ def llama_generate(steps=12, warmup=2, new_tokens=48):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(
         "cuda", torch.bfloat16)
     model.eval()
+    return config, model
+
+
+def llama_generate(steps=12, warmup=2, new_tokens=48):
+    """A Llama-style decoder (8 layers, 1024 wide, bf16) generating greedily with batch and
+    prompt length varying per call."""
+    config, model = _llama_decoder()
     rng = random.Random(3)
     gen = torch.Generator(device="cuda").manual_seed(3)
 
@@ -131,14 +138,9 @@ def llama_serve(steps=6, warmup=1, ticks=20, max_active=8):
     (transformers' DynamicCache, which concatenates: each layer's cache is reallocated one
     token longer every tick), which is dropped when the request finishes. A step is `ticks`
     ticks; its output is a hash of the tokens of the requests that finished in it."""
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+    from transformers import DynamicCache
 
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=2048)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(
-        "cuda", torch.bfloat16)
-    model.eval()
+    config, model = _llama_decoder()
     rng = random.Random(7)
     gen = torch.Generator(device="cuda").manual_seed(7)
     active = []
