@@ -130,9 +130,14 @@ void expect_accounts_for_reserved(const Fixture& f, const Snapshot& s) {
 // Statistics recovered from the snapshot count the handles, per pool as the engine does.
 void expect_stats_recovered(const Fixture& f, const Snapshot& s) {
   const ccalloc::DeviceStats st = ccalloc::replay::stats_from_snapshot(s, 0);
+  const ccalloc::DeviceStats live = f.engine.stats();
   for (const ccalloc::StatType t : {kAggregate, kLargePool, kSmallPool}) {
-    EXPECT_EQ(st.reserved_bytes[t].current, f.engine.stats().reserved_bytes[t].current) << t;
-    EXPECT_EQ(st.segment[t].current, f.engine.stats().segment[t].current) << t;
+    EXPECT_EQ(st.reserved_bytes[t].current, live.reserved_bytes[t].current) << t;
+    EXPECT_EQ(st.segment[t].current, live.segment[t].current) << t;
+    EXPECT_EQ(st.allocation[t].current, live.allocation[t].current) << t;
+    EXPECT_EQ(st.allocated_bytes[t].current, live.allocated_bytes[t].current) << t;
+    EXPECT_EQ(st.active_bytes[t].current, live.active_bytes[t].current) << t;
+    EXPECT_EQ(st.requested_bytes[t].current, live.requested_bytes[t].current) << t;
   }
 }
 
@@ -305,8 +310,31 @@ TEST(StitchViews, TheSmallPoolTakesALargeFreePageInPlaceAndMapsNothing) {
     EXPECT_TRUE(range.dead.empty());
   ASSERT_EQ(s.segments.size(), 1u);  // the large range, the island's blocks inside it
   EXPECT_EQ(s.segments[0].total_size, 10 * kMiB);
+  EXPECT_FALSE(s.segments[0].is_small);
+  // 4 MiB, the island's 512 KiB block and its free rest, 4 MiB: the island's blocks say so.
+  std::vector<bool> islands;
+  for (const auto& block : s.segments[0].blocks)
+    islands.push_back(block.island);
+  EXPECT_EQ(islands, (std::vector<bool>{false, true, true, false}));
   expect_accounts_for_reserved(f, s);
   expect_stats_recovered(f, s);
+  // The files carry the mark (the key "island", on those blocks only), and the statistics
+  // recovered from them count the island's block in the small pool.
+  const ccalloc::io::Value v = ccalloc::io::to_value(s);
+  const auto& blocks = v.at("segments").as_list()[0].at("blocks").as_list();
+  EXPECT_EQ(blocks[0].find("island"), nullptr);
+  ASSERT_NE(blocks[1].find("island"), nullptr);
+  EXPECT_TRUE(blocks[1].at("island").as_bool());
+  ccalloc_test::TempDir dir;
+  for (const char* name : {"s.pickle", "s.json.gz"}) {
+    const std::string path = dir.file(name);
+    ccalloc::io::write_snapshot(path, s);
+    const Snapshot back = ccalloc::io::read_snapshot(path);
+    ASSERT_EQ(back.segments.size(), 1u) << name;
+    for (std::size_t i = 0; i < s.segments[0].blocks.size(); ++i)
+      EXPECT_EQ(back.segments[0].blocks[i].island, islands[i]) << name << " block " << i;
+    expect_stats_recovered(f, back);
+  }
 }
 
 // The small pool takes back a piece of its own creation that the large pool borrowed, once

@@ -1581,6 +1581,7 @@ Snapshot StitchEngine::snapshot() {
             block.address = b->ptr;
             block.size = b->size;
             block.requested_size = b->requested;
+            block.island = b->small != sp->small;
             block.state = count_block(*seg, *b);
             seg->blocks.push_back(block);
             segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});

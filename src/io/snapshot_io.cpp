@@ -133,13 +133,15 @@ class ToValue {
     List blocks;
     blocks.reserve(seg.blocks.size());
     for (const SnapshotBlock& b : seg.blocks) {
-      blocks.push_back(Value::dict({
+      Dict d{
           {"address", to_int(b.address, "block address")},
           {"size", to_int(b.size, "block size")},
           {"requested_size", to_int(b.requested_size, "block requested_size")},
           {"state", std::string(to_string(b.state))},
           {"frames", frames(b.frames)},
-      }));
+      };
+      if (b.island) d.emplace_back("island", true);  // the stitching policy's islands only
+      blocks.push_back(Value::dict(std::move(d)));
     }
     Dict d{
         {"device", seg.device},
@@ -437,6 +439,7 @@ class FromValue {
           block.requested_size =
               static_cast<std::size_t>(opt_uint(b, "requested_size", block.size));
           block.state = state_of(required(b, "state"));
+          block.island = opt_bool(b, "island", false);
           block.frames = stack(b, false);
           next = block.address + block.size;
           if (block.state != BlockState::kInactive) {
