@@ -31,12 +31,12 @@ struct SnapshotBlock {
   std::size_t size = 0;
   std::size_t requested_size = 0;
   BlockState state = BlockState::kInactive;
+  Frames frames;          // C++ stack of its allocation; null if none was recorded
+  ContextHandle context = nullptr;  // caller context of its allocation; null if none
   // A small-pool block in a large segment (the stitching policy's islands: whole pages of
   // the large pool lent in place to the small pool). Written as the key "island" only when
   // true (PyTorch's reader ignores it); statistics count the block in the small pool.
   bool island = false;
-  Frames frames;          // C++ stack of its allocation; null if none was recorded
-  ContextHandle context = nullptr;  // caller context of its allocation; null if none
 };
 
 struct SnapshotSegment {

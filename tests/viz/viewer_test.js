@@ -12,7 +12,7 @@
 // the trace implies after an event found by searching an address; the event list follows
 // the arrow keys. Then: the first frame of gpt2_train_varlen.pickle.gz within 3 s, an OOM
 // page (gpt2 replayed on 10.2 GiB) explained and verified, the stitching policy's pieces
-// tab (resnet50 replayed under it) against `ccalloc summary`, and a synthetic trace of 1.2
+// tab (moe replayed under it) against `ccalloc summary`, and a synthetic trace of 1.2
 // million entries (gpt2 seven times over) loading and panning. Screenshots and
 // results.json go to --out.
 'use strict';
@@ -321,11 +321,12 @@ function physicalRowsFromSummary(text) {
 
 async function testPieces(browser, traces) {
   const conf = 'ccalloc,stitch_segments:True';
-  const trace = path.join(traces, 'resnet50_train.csv.gz');
-  console.log('== pieces: resnet50_train.csv.gz replayed under ' + conf);
-  const html = path.join(args.work, 'resnet50_stitching.html');
+  // moe_train: its replay ends with pages lent (dead where they were) in both pools.
+  const trace = path.join(traces, 'moe_train.csv.gz');
+  console.log('== pieces: moe_train.csv.gz replayed under ' + conf);
+  const html = path.join(args.work, 'moe_stitching.html');
   ccalloc('viz', trace, '--conf', conf, '-o', html);
-  const snap = path.join(args.work, 'resnet50_stitching.pickle.gz');
+  const snap = path.join(args.work, 'moe_stitching.pickle.gz');
   ccalloc('replay', trace, '--conf', conf, '--address-oracle', '--snapshot-out', snap);
   const expected = physicalRowsFromSummary(ccalloc('summary', snap));
   const { context, page, problems } = await openPage(browser, html);
