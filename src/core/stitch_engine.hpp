@@ -8,14 +8,18 @@
 // A block is
 //   allocated  -> handed out (in live_)
 //   pending    -> freed, waiting for events recorded on the other streams that used it
-//   free       -> in its arena's pool for its kind (best fit by size, then address)
+//   free       -> in its arena's pool (best fit by size, then address)
 //   void       -> page-aligned pages that are dead or unmapped: in no pool, never merged
 //                 with free blocks, never handed out
 // A mapped page is live when its piece's live address is that page, else dead: its piece
 // was lent to a later page and the old mapping stays until empty_cache or the OOM ladder
 // unmaps it (unmapping needs the stream idle, which malloc and free never wait for).
 //
-// malloc takes the best-fitting free block of its stream and pool. When none fits, the
+// malloc takes the best-fitting free block of its stream and pool. When no small block
+// fits, the small pool first takes a whole free page of the stream's smallest large free
+// block (never the large frontier's free tail) in place: an island, whose blocks are the
+// small pool's (Block::small) and merge only with each other, and which goes back to the
+// large pool once wholly free; no driver call, no new memory. When none fits, the
 // space grows at its frontier by the pages the request lacks beyond a free tail block, and
 // those pages are backed by whole handles (CUDA maps a handle only whole, from its start),
 // in order of preference,
