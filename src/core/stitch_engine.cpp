@@ -526,7 +526,7 @@ StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_i
 
 StitchEngine::Block* StitchEngine::end_island_if_free(Arena& arena, Block* b) {
   const auto same_pool = [b](const Block* n) { return n != nullptr && n->small == b->small; };
-  if (b->small == b->space->small || same_pool(b->prev) || same_pool(b->next)) return b;
+  if (!b->in_island() || same_pool(b->prev) || same_pool(b->next)) return b;
   arena.pool(b->small).erase(b);
   b->small = b->space->small;
   return pool_free(arena, b);  // merged with the large free blocks around it
@@ -648,12 +648,12 @@ StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
 StitchEngine::Block* StitchEngine::take_island(Arena& arena) {
   // The smallest large free block first (as lending goes), never the frontier's free tail,
   // which the next large growth extends; its first whole page.
-  for (Block* b : arena.pool(false)) {
+  Pool& large = arena.pool(false);
+  for (Block* b : large) {
     if (b->next == nullptr) continue;  // the tail of its space
     const DevicePtr lo = align_up(b->ptr, page_);
     if (lo + page_ > b->end()) continue;
-    Pool& large = arena.pool(false);
-    large.erase(b);
+    large.erase(b);  // returns before the loop goes on
     Block* island = b;
     if (lo > b->ptr) large.insert(split_off_front(arena, b, lo - b->ptr));
     if (island->size > page_) {
@@ -744,7 +744,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     for (const Pool& pool : arena.pools) {
       const bool other = &pool != &arena.pool(small);
       for (Block* b : pool) {
-        if (b == tail || b->small != b->space->small) continue;
+        if (b == tail || b->in_island()) continue;
         find_whole_handle(*b, [&](DevicePtr va, Handle* h) {
           if (!other || !small || (h->small && pieces_of(h) == 1)) {
             candidates.push_back(Lend{h, b, va});
@@ -1581,7 +1581,7 @@ Snapshot StitchEngine::snapshot() {
             block.address = b->ptr;
             block.size = b->size;
             block.requested_size = b->requested;
-            block.island = b->small != sp->small;
+            block.island = b->in_island();
             block.state = count_block(*seg, *b);
             seg->blocks.push_back(block);
             segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});
@@ -1681,12 +1681,12 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           if (b->small != small && (s.small || b->kind == Kind::kVoid)) {
             violated("block " + hex(b->ptr) + " is in the wrong pool for its space");
           }
-          if (b->small != small && island == 0) {
+          if (b->in_island() && island == 0) {
             if (b->ptr % page_ != 0) violated("an island begins inside a page at " + hex(b->ptr));
             island = b->ptr;
             island_used = false;
           }
-          if (b->small == small && island != 0) end_island(b->ptr);
+          if (!b->in_island() && island != 0) end_island(b->ptr);
           if (island != 0 && b->kind != Kind::kFree) island_used = true;
           if (b->ptr != at || b->size == 0 || b->prev != prev || b->space != &s) {
             violated("the blocks of the space at " + hex(s.base) + " do not tile it at " + hex(at));

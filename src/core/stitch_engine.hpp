@@ -216,6 +216,8 @@ class StitchEngine final : public Backend {
     std::vector<StreamId> stream_uses;
     Origin stack;  // of its allocation, while active
     DevicePtr end() const { return ptr + size; }
+    // A small-pool block in a large space (see take_island).
+    bool in_island() const { return small != space->small; }
   };
   struct BySizeThenAddress {
     using is_transparent = void;
