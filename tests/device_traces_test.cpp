@@ -47,16 +47,12 @@ struct Gap {
 };
 const std::map<std::string, Gap>& known_gaps() {
   static const std::map<std::string, Gap> gaps = {
-      {"llama_generate14",
-       {true, false, true,
-        "1.0524 x the floor (expandable segments 1.0681) and a fit of as much: its last "
-        "prompts' 82 MiB requests find the free pages of the large range pinned by the small "
-        "pool's islands and by live blocks, where no whole handle can be lent"}},
       {"llama_serve",
        {true, false, true,
-        "1.0752 x the floor (expandable segments 1.0790; their fit 1.0410, the policy's "
-        "1.0486): prefills' logits of up to 92 MiB arrive while key-value caches, reallocated "
-        "one token longer every tick, are spread over the free pages of the large range"}},
+        "1.0486 x the floor (expandable segments 1.0790) and a fit of 1.0372 (theirs "
+        "1.0410): at the peak of live memory, key-value caches reallocated one token longer "
+        "every tick leave 26 MiB free in pieces of pages between live blocks, and the last "
+        "growths, each a new high, create up to 3 pages beyond their need"}},
   };
   return gaps;
 }

@@ -131,7 +131,7 @@ TEST(StitchPolicy, SmallGrowthTakesAWholeFreeLargePageInPlaceAndGivesItBackWhenF
   EXPECT_EQ(f.gpu.counters().maps, maps);
 }
 
-TEST(StitchPolicy, SmallGrowthNeverTakesTheFrontiersFreeTail) {
+TEST(StitchPolicy, SmallGrowthLeavesTheFreeTailOfAStreamThatHasNotSettled) {
   Fixture f;
   f.engine.free(f.engine.malloc(4 * kMiB, 0));  // the whole large range: its free tail
   const DevicePtr s = f.engine.malloc(512 * 1024, 0);
@@ -140,6 +140,60 @@ TEST(StitchPolicy, SmallGrowthNeverTakesTheFrontiersFreeTail) {
   EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current,
             static_cast<std::int64_t>(2 * kMiB));
   EXPECT_EQ(f.engine.malloc(4 * kMiB, 0), kVa);
+}
+
+TEST(StitchPolicy, SmallGrowthTakesASettledStreamsFreeTailThatStillHoldsItsLargestBlock) {
+  // Two 4 MiB growths, freed, then handed out again: 12 MiB served since the last
+  // creation, more than the 8 MiB range (settled); the free tail is 8 MiB, the largest
+  // block 4 MiB.
+  const auto build = [](Fixture& f) {
+    const DevicePtr x = f.engine.malloc(4 * kMiB, 0);
+    const DevicePtr y = f.engine.malloc(4 * kMiB, 0);
+    ASSERT_EQ(x, kVa);
+    ASSERT_EQ(y, kVa + 4 * kMiB);
+    f.engine.free(x);
+    f.engine.free(y);
+  };
+  {
+    Fixture f;
+    build(f);
+    f.engine.free(f.engine.malloc(4 * kMiB, 0));
+    f.engine.free(f.engine.malloc(4 * kMiB, 0));
+    const auto creates = f.gpu.counters().physical_creates;
+    const auto maps = f.gpu.counters().maps;
+    // The tail's first page becomes an island: no driver call, no new memory.
+    const DevicePtr s = f.engine.malloc(512 * 1024, 0);
+    EXPECT_EQ(s, kVa);
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(8 * kMiB));
+    EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current, 0);
+    // The 6 MiB left of the tail hold more than the largest block: in place.
+    const DevicePtr big = f.engine.malloc(6 * kMiB, 0);
+    EXPECT_EQ(big, kVa + 2 * kMiB);
+    EXPECT_EQ(f.gpu.counters().physical_creates, creates);
+    EXPECT_EQ(f.gpu.counters().maps, maps);
+    // Freed, the island is the large pool's again: the whole range serves 8 MiB in place.
+    f.engine.free(s);
+    f.engine.free(big);
+    EXPECT_EQ(f.engine.malloc(8 * kMiB, 0), kVa);
+    EXPECT_EQ(f.gpu.counters().physical_creates, creates);
+  }
+  {
+    // Not settled: 4 MiB served since the last creation, for an 8 MiB range.
+    Fixture f;
+    build(f);
+    EXPECT_GE(f.engine.malloc(512 * 1024, 0), kVa + 8 * kMiB);
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
+  }
+  {
+    // Settled, but a 7 MiB block was handed out: the 8 MiB tail less a page would not
+    // hold it.
+    Fixture f;
+    build(f);
+    f.engine.free(f.engine.malloc(7 * kMiB, 0));
+    EXPECT_GE(f.engine.malloc(512 * 1024, 0), kVa + 8 * kMiB);
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
+    EXPECT_EQ(f.engine.malloc(8 * kMiB, 0), kVa);
+  }
 }
 
 TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {

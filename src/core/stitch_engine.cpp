@@ -447,7 +447,10 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
   }
   block->kind = Block::Kind::kAllocated;
   block->requested = requested;
-  if (!small) arena.large_served += block->size;
+  if (!small) {
+    arena.large_served += block->size;
+    arena.largest_large = std::max(arena.largest_large, block->size);
+  }
   block->stack = stack;
   arena.live.insert(block->ptr, block);
   DeviceStats& st = arena.stats;
@@ -646,11 +649,14 @@ StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
 // Islands: the small pool grows into a whole free page of the large pool's free blocks in
 // place, with no driver call (see grow()).
 StitchEngine::Block* StitchEngine::take_island(Arena& arena) {
-  // The smallest large free block first (as lending goes), never the frontier's free tail,
-  // which the next large growth extends; its first whole page.
+  // The smallest large free block first (as lending goes); its first whole page. A space's
+  // free tail, which the next large growth extends, only once the stream has settled and
+  // the tail would still hold the largest block its large pool has handed out.
   Pool& large = arena.pool(false);
   for (Block* b : large) {
-    if (b->next == nullptr) continue;  // the tail of its space
+    if (b->next == nullptr && (b->size < arena.largest_large + page_ || !settled(arena))) {
+      continue;
+    }
     const DevicePtr lo = align_up(b->ptr, page_);
     if (lo + page_ > b->end()) continue;
     large.erase(b);  // returns before the loop goes on
@@ -668,11 +674,15 @@ StitchEngine::Block* StitchEngine::take_island(Arena& arena) {
   return nullptr;
 }
 
-std::size_t StitchEngine::least_large_growth(const Arena& arena) const {
+bool StitchEngine::settled(const Arena& arena) const {
   std::size_t frontier = 0;  // bytes of the stream's large spaces below their frontiers
   for (const auto& space : arena.spaces[0])
     frontier += space->pages.size() * page_;
-  if (arena.large_served <= frontier) return chunk_pieces_;
+  return arena.large_served > frontier;
+}
+
+std::size_t StitchEngine::least_large_growth(const Arena& arena) const {
+  if (!settled(arena)) return chunk_pieces_;
   const std::size_t reserved = reserved_;
   return std::clamp<std::size_t>(reserved / kSettledExtraDivisor / page_, 1, chunk_pieces_);
 }

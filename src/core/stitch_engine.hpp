@@ -292,6 +292,8 @@ class StitchEngine final : public Backend {
     // Bytes of large blocks handed out since the large pool last created memory for this
     // stream (see least_large_growth).
     std::size_t large_served GUARDED_BY(mutex) = 0;
+    // The largest block the large pool has handed out on this stream (see take_island).
+    std::size_t largest_large GUARDED_BY(mutex) = 0;
     std::atomic<std::int64_t> pending_events{0};  // pending.size(), read without the lock
   };
   enum class Grow { kDone, kOutOfMemory, kNeedsGc };
@@ -327,6 +329,9 @@ class StitchEngine final : public Backend {
   // The least pieces a growth of the stream's large pool creates: the chunk, or 1/64 of the
   // reserved bytes when less, once the stream has settled (see grow()).
   std::size_t least_large_growth(const Arena& arena) const REQUIRES(arena.mutex, device_mutex_);
+  // Whether the stream has handed out more large-block bytes since its large pool last
+  // created memory than its large spaces hold below their frontiers.
+  bool settled(const Arena& arena) const REQUIRES(arena.mutex);
   Space& new_space(Arena& arena, bool small) REQUIRES(arena.mutex, device_mutex_);
   DevicePtr page_va(const Space& s, std::size_t page) const { return s.base + page * page_; }
   // Hands out the pooled block at `pos` (split to `size` when the rest is worth a block).
