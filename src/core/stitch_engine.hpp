@@ -17,7 +17,8 @@
 //
 // malloc takes the best-fitting free block of its stream and pool. When no small block
 // fits, the small pool first takes a whole free page of the stream's smallest large free
-// block (never the large frontier's free tail) in place: an island, whose blocks are the
+// block in place (a frontier's free tail only once the stream has settled and only while
+// the rest of the tail holds the largest block handed out): an island, whose blocks are the
 // small pool's (Block::small) and merge only with each other, and which goes back to the
 // large pool once wholly free; no driver call, no new memory. When none fits, the
 // space grows at its frontier by the pages the request lacks beyond a free tail block, and
@@ -353,9 +354,10 @@ class StitchEngine final : public Backend {
   // holds the revived page, or nullptr where there is none.
   Block* revive_small_piece(Arena& arena) REQUIRES(arena.mutex, device_mutex_);
   // Small-pool growth without a driver call or new memory: the first whole page of the
-  // smallest large free block of the stream (not the frontier's free tail) becomes an island
-  // of the small pool, in place. Returns the small free block holding it, or nullptr where
-  // no such page is free.
+  // smallest large free block of the stream becomes an island of the small pool, in place;
+  // a space's free tail qualifies once the stream has settled and while the tail less the
+  // page holds the largest block the large pool has handed out. Returns the small free
+  // block holding it, or nullptr where no such page is free.
   Block* take_island(Arena& arena) REQUIRES(arena.mutex);
   // The handles live wholly inside the whole pages of the free block `b`, in address order:
   // f(address, handle) for each, until f returns true (then returns true).
