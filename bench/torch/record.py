@@ -32,9 +32,7 @@ def main():
     import torch
     import workloads
 
-    torch.manual_seed(0)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
+    workloads.deterministic()
     if args.record:
         torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python",
                                                  context=None)

@@ -35,10 +35,7 @@ def main():
     import torch
     import workloads
 
-    torch.manual_seed(0)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    workloads.deterministic()
 
     times, outputs = workloads.WORKLOADS[args.workload]()
     if args.allocator == "ccalloc":

@@ -7,10 +7,23 @@ synchronized) and the step's outputs (loss values, or a hash of generated tokens
 """
 
 import hashlib
+import os
 import random
 import time
 
 import torch
+
+
+def deterministic():
+    """The settings every bench/torch process runs its workload under (run_one.py, which
+    compare.py runs, and record.py, which makes the recordings): seeded, deterministic
+    kernels. Call it before the first CUDA operation: cuBLAS reads CUBLAS_WORKSPACE_CONFIG
+    when it creates its first handle."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _timed(fn):
