@@ -53,10 +53,17 @@ constexpr std::size_t kNumStreams = std::size(kStreams);
 // Every this many operations (and after every OOM / empty_cache) the shadow model is
 // compared block by block with segments(), and allocation_size() of every live pointer.
 constexpr std::uint64_t kDeepCheckEvery = 8;
+constexpr std::uint64_t kPhaseOps = 1000;
 
 struct RunSpec {
   const char* conf;
   bool vary_fraction;  // set_memory_fraction now and then
+  std::size_t capacity = kCapacity;
+  std::size_t max_request = kMaxRequest;  // sizes are log-uniform up to it
+  // Alternate phases of kPhaseOps operations: the full range of sizes, then requests of
+  // 64 KiB to 1 MiB only, with frees more likely than mallocs (live memory falls and the small
+  // pool grows beside the large ranges' free tails).
+  bool phases = false;
 };
 
 constexpr RunSpec kRuns[] = {
@@ -69,7 +76,12 @@ constexpr RunSpec kRuns[] = {
     {"ccalloc,stitch_segments:True", false},
     {"ccalloc,stitch_segments:True,roundup_power2_divisions:4", false},
     {"ccalloc,stitch_segments:True,garbage_collection_threshold:0.6", false},
-    {"ccalloc,stitch_segments:True,per_process_memory_fraction:0.8,garbage_collection_threshold:0.5", true},
+    {"ccalloc,stitch_segments:True,per_process_memory_fraction:0.8,garbage_collection_threshold:0."
+     "5",
+     true},
+    // Requests of at most 8 MiB on a 64 MiB device: the streams settle with free tails
+    // longer than their largest blocks, which small growth takes as islands (rule 2).
+    {"ccalloc,stitch_segments:True", false, 64 * kMiB, 8 * kMiB, true},
 };
 constexpr std::uint64_t kSeeds[] = {1, 2, 3};
 constexpr std::uint64_t kOpsPerRun = 70'000;
@@ -116,7 +128,10 @@ struct Counts {
 class Harness {
  public:
   Harness(const RunSpec& spec, std::uint64_t seed)
-      : spec_(spec), gpu_(sim_options()), alloc_(gpu_, Config::parse(spec.conf)), rng_(seed) {
+      : spec_(spec),
+        gpu_(sim_options(spec.capacity)),
+        alloc_(gpu_, Config::parse(spec.conf)),
+        rng_(seed) {
     alloc_.set_check_invariants(true);
   }
 
@@ -159,9 +174,9 @@ class Harness {
   }
 
  private:
-  static ccalloc::sim::Options sim_options() {
+  static ccalloc::sim::Options sim_options(std::size_t capacity) {
     ccalloc::sim::Options o;
-    o.capacity = kCapacity;
+    o.capacity = capacity;
     o.events_complete_immediately = false;
     return o;
   }
@@ -174,11 +189,15 @@ class Harness {
     return std::uniform_int_distribution<std::uint64_t>(0, n - 1)(rng_);
   }
 
+  bool small_phase() const { return spec_.phases && (counts_.ops / kPhaseOps) % 2 == 1; }
+
   std::size_t log_uniform_size() {
+    const bool small = small_phase();
+    const std::size_t max = small ? kMiB : spec_.max_request;
     const double x = std::uniform_real_distribution<double>(
-        0.0, std::log(static_cast<double>(kMaxRequest)))(rng_);
+        small ? std::log(64.0 * 1024) : 0.0, std::log(static_cast<double>(max)))(rng_);
     const auto s = static_cast<std::size_t>(std::exp(x));
-    return std::clamp<std::size_t>(s, 1, kMaxRequest);
+    return std::clamp<std::size_t>(s, 1, max);
   }
 
   StreamId random_stream() { return kStreams[uniform(kNumStreams)]; }
@@ -186,7 +205,7 @@ class Harness {
   void step() {
     ++counts_.ops;
     const std::uint64_t r = uniform(1000);
-    if (r < 420) {
+    if (r < (small_phase() ? 320 : 420)) {
       if (live_.size() >= kMaxLive) {
         free_at(uniform(live_.size()));
       } else {
@@ -405,11 +424,11 @@ class Harness {
                                     : ccalloc::core::segment_size_for(rounded, c);
     const double fraction = alloc_.memory_fraction();
     const std::size_t limit =
-        fraction < 1.0 ? static_cast<std::size_t>(fraction * static_cast<double>(kCapacity))
-                       : kCapacity;
+        fraction < 1.0 ? static_cast<std::size_t>(fraction * static_cast<double>(spec_.capacity))
+                       : spec_.capacity;
     const auto reserved =
         static_cast<std::size_t>(alloc_.stats().reserved_bytes[kAggregate].current);
-    ASSERT_GT(reserved + segment, std::min(limit, kCapacity))
+    ASSERT_GT(reserved + segment, std::min(limit, spec_.capacity))
         << where() << ": OOM for " << size << " bytes although a " << segment
         << "-byte segment fits (reserved " << reserved << ", limit " << limit << ")";
     // The ladder released every wholly free segment before giving up. (The stitching
@@ -440,7 +459,7 @@ class Harness {
         << where();
     ASSERT_EQ(s.reserved_bytes[kAggregate].current, static_cast<std::int64_t>(gpu_.used_bytes()))
         << where();
-    ASSERT_LE(s.reserved_bytes[kAggregate].current, static_cast<std::int64_t>(kCapacity))
+    ASSERT_LE(s.reserved_bytes[kAggregate].current, static_cast<std::int64_t>(spec_.capacity))
         << where();
     ASSERT_GE(s.reserved_bytes[kAggregate].current, s.active_bytes[kAggregate].current) << where();
     for (const auto* arr : {&s.allocation, &s.allocated_bytes, &s.active, &s.active_bytes,
@@ -544,15 +563,23 @@ std::vector<Param> all_params() {
   return out;
 }
 
+// The device and request sizes when they are not the defaults, e.g. "_64MiB_max8MiB".
+std::string shape(const RunSpec& spec) {
+  if (spec.capacity == kCapacity && spec.max_request == kMaxRequest && !spec.phases) return "";
+  return "_" + std::to_string(spec.capacity / kMiB) + "MiB_max" +
+         std::to_string(spec.max_request / kMiB) + "MiB" + (spec.phases ? "_phases" : "");
+}
+
 void PrintTo(const Param& p, std::ostream* os) {
-  *os << p.spec.conf << " seed " << p.seed;
+  *os << p.spec.conf << shape(p.spec) << " seed " << p.seed;
 }
 
 class Randomized : public ::testing::TestWithParam<Param> {};
 
 TEST_P(Randomized, ShadowModelAndInvariantsHoldAfterEveryOperation) {
   const Param& p = GetParam();
-  SCOPED_TRACE(std::string("conf=") + p.spec.conf + " seed=" + std::to_string(p.seed));
+  SCOPED_TRACE(std::string("conf=") + p.spec.conf + shape(p.spec) +
+               " seed=" + std::to_string(p.seed));
   const auto start = std::chrono::steady_clock::now();
   Harness h(p.spec, p.seed);
   const std::uint64_t ops = ops_per_run();
@@ -567,12 +594,13 @@ TEST_P(Randomized, ShadowModelAndInvariantsHoldAfterEveryOperation) {
   EXPECT_GT(c.ooms, ops / 1000);
   EXPECT_GT(c.pending_frees, ops / 100);
   std::printf(
-      "[ conf=%s seed=%llu ] %llu ops in %.2f s: %llu mallocs (%llu OOM), %llu frees (%llu "
+      "[ conf=%s%s seed=%llu ] %llu ops in %.2f s: %llu mallocs (%llu OOM), %llu frees (%llu "
       "cross-stream), %llu record_stream, %llu completions, %llu empty_cache, %llu fraction, "
       "%llu bad pointers, %llu deep checks\n",
-      p.spec.conf, static_cast<unsigned long long>(p.seed), static_cast<unsigned long long>(c.ops),
-      secs, static_cast<unsigned long long>(c.mallocs), static_cast<unsigned long long>(c.ooms),
-      static_cast<unsigned long long>(c.frees), static_cast<unsigned long long>(c.pending_frees),
+      p.spec.conf, shape(p.spec).c_str(), static_cast<unsigned long long>(p.seed),
+      static_cast<unsigned long long>(c.ops), secs, static_cast<unsigned long long>(c.mallocs),
+      static_cast<unsigned long long>(c.ooms), static_cast<unsigned long long>(c.frees),
+      static_cast<unsigned long long>(c.pending_frees),
       static_cast<unsigned long long>(c.record_streams),
       static_cast<unsigned long long>(c.completions),
       static_cast<unsigned long long>(c.empty_caches),
@@ -586,7 +614,7 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
   for (const char* c = info.param.spec.conf; *c != '\0'; ++c) {
     name += std::isalnum(static_cast<unsigned char>(*c)) ? *c : '_';
   }
-  return name + "_seed" + std::to_string(info.param.seed);
+  return name + shape(info.param.spec) + "_seed" + std::to_string(info.param.seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(ConfigsAndSeeds, Randomized, ::testing::ValuesIn(all_params()),
