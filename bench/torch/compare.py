@@ -127,15 +127,16 @@ def main():
             print(f"{mode:10s} {workload:15s} step {pt['median_step_s']*1e3:8.2f} ms -> "
                   f"{cc['median_step_s']*1e3:8.2f} ms ({delta:+.1%}; paired {paired:+.1%}, "
                   f"total {total:+.1%})  peak reserved "
-                  f"{gib(pt['peak_reserved_bytes'])} -> {gib(cc['peak_reserved_bytes'])}  "
+                  f"{pt['peak_reserved_bytes']:,} -> {cc['peak_reserved_bytes']:,} B  "
                   f"device allocs {pt['num_device_alloc']} -> {cc['num_device_alloc']}  "
                   f"outputs {'identical' if identical else 'DIFFER'}  [{cc['installed']}]",
                   flush=True)
             print("    per process (ms): " + "; ".join(f"{a} {v}" for a, v in per_process.items()),
                   flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            # After every row, so that a run stopped by a time limit keeps what it measured.
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     print("\n== real models: PyTorch's allocator vs ccalloc (median step time; peak reserved)")
     print(f"{'mode':10s} {'workload':15s} {'step PyTorch':>13s} {'step ccalloc':>13s} {'delta':>7s} {'paired':>7s} "
           f"{'reserved PyTorch':>17s} {'reserved ccalloc':>17s} {'allocs':>11s} outputs")
