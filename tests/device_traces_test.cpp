@@ -1,7 +1,9 @@
 // The `ccalloc` preset on the workloads recorded on an H100 with bench/torch's models
 // (data/traces/device/: ResNet-50 at batch 64 and 128, ViT-B/16, a BERT-sized fine-tune,
-// GPT-2 with varying lengths, Llama-style generation, and bench/torch's own default runs of
-// the last two and of a Llama-style inference server), replayed on the simulated GPU, against
+// GPT-2 with varying lengths, Llama-style generation, bench/torch's own default runs of the
+// last two and of a Llama-style inference server, and two runs recorded after the policy's
+// last change to test it: the server with 16 requests at once and generation of 96 tokens),
+// replayed on the simulated GPU, against
 // PyTorch's peaks measured on the device for the same runs (measured.json: native,
 // expandable segments, cudaMallocAsync) and against PyTorch's policies replayed:
 //  - every trace: peak reserved no higher than any of those;
@@ -53,6 +55,11 @@ const std::map<std::string, Gap>& known_gaps() {
         "1.0410): at the peak of live memory, key-value caches reallocated one token longer "
         "every tick leave 26 MiB free in pieces of pages between live blocks, and the last "
         "growths, each a new high, create up to 3 pages beyond their need"}},
+      {"llama_serve16",
+       {true, false, true,
+        "1.0636 x the floor (expandable segments 1.0923) and a fit of 1.0565 (theirs "
+        "1.0493): the same server with up to 16 requests at once, whose key-value caches "
+        "leave more of the range in pieces of pages between live blocks"}},
   };
   return gaps;
 }
@@ -84,12 +91,13 @@ using ccalloc_test::replay_trace;
 class DeviceTrace : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    // Sanitizer builds leave out bench/torch's own default runs: the same workloads as
-    // gpt2_varlen20 and llama_generate, longer (llama_generate14 alone is 4.5 MB), and the
-    // serving run (1 M entries).
+    // Sanitizer builds leave out bench/torch's own default runs (the same workloads as
+    // gpt2_varlen20 and llama_generate, longer: llama_generate14 alone is 4.5 MB) and the
+    // runs of about a million entries each (the serving runs, llama_generate96).
     if (ccalloc_test::test_scale() < 1.0 &&
         (GetParam() == "gpt2_varlen33" || GetParam() == "llama_generate14" ||
-         GetParam() == "llama_serve")) {
+         GetParam() == "llama_serve" || GetParam() == "llama_serve16" ||
+         GetParam() == "llama_generate96")) {
       GTEST_SKIP() << "CCALLOC_TEST_SCALE=" << ccalloc_test::test_scale();
     }
     trace_ = ccalloc::io::read_any_trace((kDir / (GetParam() + ".pickle.gz")).string());
@@ -108,7 +116,7 @@ class DeviceTrace : public ::testing::TestWithParam<std::string> {
 
 TEST(DeviceTraceFiles, EveryTraceHasPytorchsMeasuredPeaks) {
   const auto stems = device_traces();
-  EXPECT_GE(stems.size(), 8u);
+  EXPECT_GE(stems.size(), 11u);
   for (const auto& stem : stems) {
     ASSERT_TRUE(measured().contains(stem)) << stem;
     EXPECT_TRUE(measured()[stem].at("expandable_segments").is_number_integer()) << stem;
