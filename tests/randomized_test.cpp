@@ -76,9 +76,7 @@ constexpr RunSpec kRuns[] = {
     {"ccalloc,stitch_segments:True", false},
     {"ccalloc,stitch_segments:True,roundup_power2_divisions:4", false},
     {"ccalloc,stitch_segments:True,garbage_collection_threshold:0.6", false},
-    {"ccalloc,stitch_segments:True,per_process_memory_fraction:0.8,garbage_collection_threshold:0."
-     "5",
-     true},
+    {"ccalloc,stitch_segments:True,per_process_memory_fraction:0.8,garbage_collection_threshold:0.5", true},
     // Requests of at most 8 MiB on a 64 MiB device: the streams settle with free tails
     // longer than their largest blocks, which small growth takes as islands (rule 2).
     {"ccalloc,stitch_segments:True", false, 64 * kMiB, 8 * kMiB, true},
