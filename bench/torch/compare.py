@@ -10,7 +10,14 @@ Where step shapes vary, a step's time depends mostly on its shape, so the pooled
 little about the allocator; the paired figure compares step i with step i (the same shapes
 in every process, the workloads being seeded): for each step the median over an
 allocator's processes, then the median over steps of ccalloc's / PyTorch's. The verdict
-(exit status) uses the paired figure. Outputs must match bit for bit."""
+(exit status) uses the paired figure. Outputs must match bit for bit.
+
+With --interleave the allocators' processes run side by side instead of one after the
+other, taking turns step by step (run_one.py --gated): step i runs on one allocator right
+after it ran on the other, the order alternating, so that the machine's drift (clocks,
+other load), which moves a CPU-bound step by tens of per cent from one second to the next,
+reaches both sides of each pair alike. The paired figure is then the median, over every
+pair of neighbouring steps of every repeat, of ccalloc's time / PyTorch's."""
 
 import argparse
 import json
@@ -18,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = {
@@ -32,7 +40,7 @@ MODES = {
 }
 
 
-def run(workload, allocator, mode, cpus=None):
+def environment(allocator, mode):
     torch_conf, ccalloc_conf = MODES[mode]
     env = dict(os.environ)
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS
@@ -42,17 +50,87 @@ def run(workload, allocator, mode, cpus=None):
         env["PYTORCH_CUDA_ALLOC_CONF"] = torch_conf
     if allocator == "ccalloc":
         env["CCALLOC_CONF"] = ccalloc_conf
+    return env
+
+
+def pinning(cpus):
     # The same CPUs for every process: where the scheduler places a process (and how far its
     # cores are from the GPU) otherwise moves a CPU-bound step time by several per cent.
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
+def run(workload, allocator, mode, cpus=None):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "run_one.py"), workload,
-                           "--allocator", allocator], env=env, capture_output=True, text=True,
-                          preexec_fn=pin)
+                           "--allocator", allocator], env=environment(allocator, mode),
+                          capture_output=True, text=True, preexec_fn=pinning(cpus))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
     raise RuntimeError(f"{workload} on {allocator} ({mode}) failed with exit {proc.returncode}")
+
+
+def run_interleaved(workload, allocators, mode, cpus=None, flip=False):
+    """One process per allocator, all up at once, taking turns step by step: step i runs on
+    one allocator right after (or right before) it ran on the other, the order alternating
+    from step to step (and reversed by `flip`), and no process works while another's step
+    is timed. Machine drift slower than a step reaches both sides of a pair alike.
+    Returns {allocator: run_one.py's result}."""
+    workers = {}
+    try:
+        for a in allocators:
+            err = tempfile.TemporaryFile(mode="w+")
+            proc = subprocess.Popen([sys.executable, os.path.join(HERE, "run_one.py"), workload,
+                                     "--allocator", a, "--gated"], env=environment(a, mode),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                    text=True, bufsize=1, preexec_fn=pinning(cpus))
+            workers[a] = (proc, err)
+
+        def fail(a, why):
+            proc, err = workers[a]
+            try:
+                proc.wait(timeout=5)  # its exit status, where it is ending
+            except subprocess.TimeoutExpired:
+                pass
+            err.seek(0)
+            sys.stderr.write(err.read()[-6000:])
+            raise RuntimeError(f"{workload} on {a} ({mode}): {why} (exit {proc.poll()})")
+
+        def advance(a):
+            """Reads a's output up to its next turn ('WAIT', step) or its end ('RESULT', dict)."""
+            proc = workers[a][0]
+            for line in proc.stdout:
+                if line.startswith("WAIT "):
+                    return "WAIT", int(line.split()[1])
+                if line.startswith("RESULT "):
+                    return "RESULT", json.loads(line[len("RESULT "):])
+            fail(a, "ended without a result")
+
+        state = {a: advance(a) for a in allocators}
+        order = list(reversed(allocators)) if flip else list(allocators)
+        while any(kind == "WAIT" for kind, _ in state.values()):
+            if any(turn != state[order[0]] for turn in state.values()):
+                fail(order[0], f"processes out of step: {state}")
+            for a in order:
+                proc = workers[a][0]
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+                if not line.startswith("DONE "):
+                    fail(a, f"expected DONE, read {line[:200]!r}")
+                state[a] = advance(a)  # a idles at its next turn before the next one runs
+            order.reverse()
+        results = {a: value for a, (kind, value) in state.items()}
+        for proc, _ in workers.values():
+            proc.stdin.close()
+            proc.wait()
+        return results
+    finally:
+        for proc, err in workers.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            err.close()
 
 
 def pool(results):
@@ -80,6 +158,17 @@ def paired_delta(pt_runs, cc_runs):
     return statistics.median(ratios) - 1.0, sum(cc[:n]) / sum(pt[:n]) - 1.0
 
 
+def interleaved_delta(pt_runs, cc_runs):
+    """For runs made by run_interleaved (pt_runs[k] beside cc_runs[k]): the median over
+    every pair (k, step) of ccalloc's step time / PyTorch's, - 1; and the same for the sums."""
+    ratios, pt_sum, cc_sum = [], 0.0, 0.0
+    for pt, cc in zip(pt_runs, cc_runs):
+        for a, b in zip(pt["step_times_s"], cc["step_times_s"]):
+            ratios.append(b / a)
+            pt_sum, cc_sum = pt_sum + a, cc_sum + b
+    return statistics.median(ratios) - 1.0, cc_sum / pt_sum - 1.0
+
+
 def gib(n):
     return f"{n / 2**30:.2f} GiB"
 
@@ -92,6 +181,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=2,
                         help="processes per allocator, interleaved; step times are pooled")
     parser.add_argument("--cpus", help="run every process on these CPUs, e.g. 0-7 or 0,2,4")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the allocators' processes side by side, taking turns step by "
+                             "step, and pair each step with its neighbour in time")
     parser.add_argument("--control", action="store_true",
                         help="also run PyTorch's allocator with ccalloc's libraries loaded")
     args = parser.parse_args()
@@ -108,14 +200,20 @@ def main():
         for workload in args.workloads.split(","):
             # Interleaved processes per allocator: a slow phase of the machine hits both.
             runs = {a: [] for a in allocators}
-            for _ in range(args.repeats):
+            for k in range(args.repeats):
+                if args.interleave:
+                    pair = run_interleaved(workload, allocators, mode, cpus, flip=k % 2 == 1)
+                    for allocator in allocators:
+                        runs[allocator].append(pair[allocator])
+                    continue
                 for allocator in allocators:
                     runs[allocator].append(run(workload, allocator, mode, cpus))
             pt, cc = (pool(runs["pytorch"]), pool(runs["ccalloc"]))
             per_process = {a: [round(r["median_step_s"] * 1e3, 3) for r in rs] for a, rs in runs.items()}
             identical = pt["outputs"] == cc["outputs"]
             delta = cc["median_step_s"] / pt["median_step_s"] - 1.0
-            paired, total = paired_delta(runs["pytorch"], runs["ccalloc"])
+            paired, total = (interleaved_delta if args.interleave else paired_delta)(
+                runs["pytorch"], runs["ccalloc"])
             rows.append({"mode": mode, "workload": workload, "pytorch": pt, "ccalloc": cc,
                          "outputs_identical": identical, "step_time_delta": delta,
                          "paired_step_delta": paired, "total_time_delta": total,

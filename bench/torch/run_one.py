@@ -4,6 +4,8 @@ step times, outputs, peak reserved memory and device allocations.
 
     python3 bench/torch/run_one.py gpt2_varlen --allocator ccalloc
 
+With --gated, each step waits for a line on stdin (compare.py --interleave).
+
 The allocator's config comes from the environment: PYTORCH_CUDA_ALLOC_CONF for PyTorch's,
 CCALLOC_CONF for ccalloc (compare.py sets both)."""
 
@@ -18,12 +20,28 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "torch"))
 sys.path.insert(0, HERE)
 
 
+class StdinGate:
+    """Runs each step when the parent says so: the parent alternates the steps of processes
+    on different allocators, so that step i runs on one right after it ran on the other."""
+
+    def before(self, step):
+        print(f"WAIT {step}", flush=True)
+        if not sys.stdin.readline():
+            sys.exit("run_one.py: the parent closed stdin before step %d" % step)
+
+    def after(self, step, seconds):
+        print(f"DONE {step} {seconds!r}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("workload")
     # "pytorch-loaded": PyTorch's allocator, with ccalloc's libraries loaded but not
     # installed; a control that separates what loading them costs from what ccalloc does.
     parser.add_argument("--allocator", choices=["pytorch", "ccalloc", "pytorch-loaded"], required=True)
+    parser.add_argument("--gated", action="store_true",
+                        help="before each step print 'WAIT <step>' and wait for a line on stdin; "
+                             "after it print 'DONE <step> <seconds>' (compare.py --interleave)")
     args = parser.parse_args()
 
     if args.allocator == "ccalloc":
@@ -36,6 +54,8 @@ def main():
     import workloads
 
     workloads.deterministic()
+    if args.gated:
+        workloads.step_gate = StdinGate()
 
     times, outputs = workloads.WORKLOADS[args.workload]()
     if args.allocator == "ccalloc":

@@ -38,6 +38,11 @@ def _timed(fn):
 # profiler starts here so that it sees steady steps only (not compilation or recording).
 on_timed_start = None
 
+# When set, an object whose before(step) is called once a step's inputs are ready, just
+# before it runs, and whose after(step, seconds) is called once it has run, both outside the
+# timed region: compare.py's --interleave makes each worker wait there for its turn.
+step_gate = None
+
 
 def _run_steps(steps, warmup, make_step, output=float):
     """Runs warmup + steps steps. make_step(step) prepares a step's inputs (untimed) and
@@ -47,7 +52,12 @@ def _run_steps(steps, warmup, make_step, output=float):
     for step in range(warmup + steps):
         if step == warmup and on_timed_start is not None:
             on_timed_start()
-        t, out = _timed(make_step(step))
+        fn = make_step(step)
+        if step_gate is not None:
+            step_gate.before(step)
+        t, out = _timed(fn)
+        if step_gate is not None:
+            step_gate.after(step, t)
         if step >= warmup:
             times.append(t)
         outputs.append(output(out))
