@@ -108,6 +108,13 @@ class InterleaveTest(unittest.TestCase):
         # Ratios 1.1, 0.95, 1.1, 1.05, 1.0, 0.9: the median of six is (1.0 + 1.05) / 2.
         self.assertAlmostEqual(median, 0.025)
         self.assertAlmostEqual(total, (11 + 19 + 44 + 10.5 + 10 + 9) / 100.0 - 1.0)
+        # The CPU times pair the same way, under their own key.
+        for run in pt + cc:
+            run["step_cpu_s"] = [t / 2 for t in run["step_times_s"]]
+        pt[0]["step_cpu_s"][0] = 10.0  # 5.5 / 10: now the smallest ratio, the median moves down
+        median, total = compare.interleaved_delta(pt, cc, key="step_cpu_s")
+        self.assertAlmostEqual(median, -0.025)  # (0.95 + 1.0) / 2
+        self.assertAlmostEqual(total, 51.75 / 55.0 - 1.0)
 
     def test_a_worker_that_fails_is_named_with_its_exit_status(self):
         os.environ["FAKE_CRASH"] = "ccalloc-2"

@@ -59,9 +59,14 @@ def pinning(cpus):
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
-def run(workload, allocator, mode, cpus=None):
+def step_args(steps):
+    return ["--steps", str(steps)] if steps else []
+
+
+def run(workload, allocator, mode, cpus=None, steps=None):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "run_one.py"), workload,
-                           "--allocator", allocator], env=environment(allocator, mode),
+                           "--allocator", allocator, *step_args(steps)],
+                          env=environment(allocator, mode),
                           capture_output=True, text=True, preexec_fn=pinning(cpus))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -70,7 +75,7 @@ def run(workload, allocator, mode, cpus=None):
     raise RuntimeError(f"{workload} on {allocator} ({mode}) failed with exit {proc.returncode}")
 
 
-def run_interleaved(workload, allocators, mode, cpus=None, flip=False):
+def run_interleaved(workload, allocators, mode, cpus=None, flip=False, steps=None):
     """One process per allocator, all up at once, taking turns step by step: step i runs on
     one allocator right after (or right before) it ran on the other, the order alternating
     from step to step (and reversed by `flip`), and no process works while another's step
@@ -81,7 +86,8 @@ def run_interleaved(workload, allocators, mode, cpus=None, flip=False):
         for a in allocators:
             err = tempfile.TemporaryFile(mode="w+")
             proc = subprocess.Popen([sys.executable, os.path.join(HERE, "run_one.py"), workload,
-                                     "--allocator", a, "--gated"], env=environment(a, mode),
+                                     "--allocator", a, "--gated", *step_args(steps)],
+                                    env=environment(a, mode),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                     text=True, bufsize=1, preexec_fn=pinning(cpus))
             workers[a] = (proc, err)
@@ -139,6 +145,7 @@ def pool(results):
     first = dict(results[0])
     times = [t for r in results for t in r["step_times_s"]]
     first["step_times_s"] = times
+    first["step_cpu_s"] = [t for r in results for t in r.get("step_cpu_s", [])]
     first["median_step_s"] = statistics.median(times)
     first["repeats_agree"] = all(r["outputs"] == first["outputs"] and
                                  r["peak_reserved_bytes"] == first["peak_reserved_bytes"]
@@ -158,12 +165,13 @@ def paired_delta(pt_runs, cc_runs):
     return statistics.median(ratios) - 1.0, sum(cc[:n]) / sum(pt[:n]) - 1.0
 
 
-def interleaved_delta(pt_runs, cc_runs):
+def interleaved_delta(pt_runs, cc_runs, key="step_times_s"):
     """For runs made by run_interleaved (pt_runs[k] beside cc_runs[k]): the median over
-    every pair (k, step) of ccalloc's step time / PyTorch's, - 1; and the same for the sums."""
+    every pair (k, step) of ccalloc's step time / PyTorch's, - 1; and the same for the sums.
+    key="step_cpu_s" gives the same for the steps' CPU times."""
     ratios, pt_sum, cc_sum = [], 0.0, 0.0
     for pt, cc in zip(pt_runs, cc_runs):
-        for a, b in zip(pt["step_times_s"], cc["step_times_s"]):
+        for a, b in zip(pt[key], cc[key]):
             ratios.append(b / a)
             pt_sum, cc_sum = pt_sum + a, cc_sum + b
     return statistics.median(ratios) - 1.0, cc_sum / pt_sum - 1.0
@@ -184,6 +192,8 @@ def main():
     parser.add_argument("--interleave", action="store_true",
                         help="run the allocators' processes side by side, taking turns step by "
                              "step, and pair each step with its neighbour in time")
+    parser.add_argument("--steps", type=int,
+                        help="timed steps per process (default: each workload's own)")
     parser.add_argument("--control", action="store_true",
                         help="also run PyTorch's allocator with ccalloc's libraries loaded")
     args = parser.parse_args()
@@ -202,12 +212,13 @@ def main():
             runs = {a: [] for a in allocators}
             for k in range(args.repeats):
                 if args.interleave:
-                    pair = run_interleaved(workload, allocators, mode, cpus, flip=k % 2 == 1)
+                    pair = run_interleaved(workload, allocators, mode, cpus, flip=k % 2 == 1,
+                                           steps=args.steps)
                     for allocator in allocators:
                         runs[allocator].append(pair[allocator])
                     continue
                 for allocator in allocators:
-                    runs[allocator].append(run(workload, allocator, mode, cpus))
+                    runs[allocator].append(run(workload, allocator, mode, cpus, args.steps))
             pt, cc = (pool(runs["pytorch"]), pool(runs["ccalloc"]))
             per_process = {a: [round(r["median_step_s"] * 1e3, 3) for r in rs] for a, rs in runs.items()}
             identical = pt["outputs"] == cc["outputs"]
@@ -217,14 +228,22 @@ def main():
             rows.append({"mode": mode, "workload": workload, "pytorch": pt, "ccalloc": cc,
                          "outputs_identical": identical, "step_time_delta": delta,
                          "paired_step_delta": paired, "total_time_delta": total,
-                         "per_process_median_ms": per_process})
+                         "per_process_median_ms": per_process,
+                         "per_process_step_s": {a: [r["step_times_s"] for r in rs]
+                                                for a, rs in runs.items()}})
+            cpu_note = ""
+            if args.interleave:
+                cpu_paired, cpu_total = interleaved_delta(runs["pytorch"], runs["ccalloc"],
+                                                          key="step_cpu_s")
+                rows[-1].update(paired_cpu_delta=cpu_paired, total_cpu_delta=cpu_total)
+                cpu_note = f"; CPU time paired {cpu_paired:+.1%}, total {cpu_total:+.1%}"
             if args.control:
                 rows[-1]["pytorch-loaded"] = pool(runs["pytorch-loaded"])
             ok = identical and paired <= 0.03 and cc["peak_reserved_bytes"] <= pt["peak_reserved_bytes"]
             failures += 0 if ok else 1
             print(f"{mode:10s} {workload:15s} step {pt['median_step_s']*1e3:8.2f} ms -> "
                   f"{cc['median_step_s']*1e3:8.2f} ms ({delta:+.1%}; paired {paired:+.1%}, "
-                  f"total {total:+.1%})  peak reserved "
+                  f"total {total:+.1%}{cpu_note})  peak reserved "
                   f"{pt['peak_reserved_bytes']:,} -> {cc['peak_reserved_bytes']:,} B  "
                   f"device allocs {pt['num_device_alloc']} -> {cc['num_device_alloc']}  "
                   f"outputs {'identical' if identical else 'DIFFER'}  [{cc['installed']}]",

@@ -42,6 +42,7 @@ def main():
     parser.add_argument("--gated", action="store_true",
                         help="before each step print 'WAIT <step>' and wait for a line on stdin; "
                              "after it print 'DONE <step> <seconds>' (compare.py --interleave)")
+    parser.add_argument("--steps", type=int, help="timed steps (default: the workload's own)")
     args = parser.parse_args()
 
     if args.allocator == "ccalloc":
@@ -57,7 +58,8 @@ def main():
     if args.gated:
         workloads.step_gate = StdinGate()
 
-    times, outputs = workloads.WORKLOADS[args.workload]()
+    kwargs = {"steps": args.steps} if args.steps else {}
+    times, outputs = workloads.WORKLOADS[args.workload](**kwargs)
     if args.allocator == "ccalloc":
         stats = ccalloc_torch.stats()
     else:
@@ -70,11 +72,13 @@ def main():
                                else "PYTORCH_CUDA_ALLOC_CONF", ""),
         "median_step_s": statistics.median(times),
         "step_times_s": times,
+        "step_cpu_s": list(workloads.step_cpu_s),
         "outputs": outputs,
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
         "num_device_alloc": stats["num_device_alloc"],
         "num_alloc_retries": stats["num_alloc_retries"],
+        "num_allocations": stats.get("allocation.all.allocated"),
     }
     print("RESULT " + json.dumps(result), flush=True)
 

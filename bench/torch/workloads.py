@@ -44,22 +44,33 @@ on_timed_start = None
 step_gate = None
 
 
+# The CPU time of the process (all its threads) in each timed step of the last run, beside
+# the wall times _run_steps returns: a step that waited for the CPU (other load on the
+# machine, a virtual CPU descheduled) takes longer in wall time but not in CPU time. The
+# final synchronize may spin, so a step that waits for the GPU counts that wait in both.
+step_cpu_s = []
+
+
 def _run_steps(steps, warmup, make_step, output=float):
     """Runs warmup + steps steps. make_step(step) prepares a step's inputs (untimed) and
     returns the step as a function; its result goes through `output` into the outputs.
     Returns (times of the steps after the warm-up, outputs of every step)."""
     times, outputs = [], []
+    step_cpu_s.clear()
     for step in range(warmup + steps):
         if step == warmup and on_timed_start is not None:
             on_timed_start()
         fn = make_step(step)
         if step_gate is not None:
             step_gate.before(step)
+        cpu = time.process_time()
         t, out = _timed(fn)
+        cpu = time.process_time() - cpu
         if step_gate is not None:
             step_gate.after(step, t)
         if step >= warmup:
             times.append(t)
+            step_cpu_s.append(cpu)
         outputs.append(output(out))
     return times, outputs
 
