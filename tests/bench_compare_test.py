@@ -116,6 +116,16 @@ class InterleaveTest(unittest.TestCase):
         self.assertAlmostEqual(median, -0.025)  # (0.95 + 1.0) / 2
         self.assertAlmostEqual(total, 51.75 / 55.0 - 1.0)
 
+    def test_median_interval_brackets_the_median_and_is_seeded(self):
+        values = [1.0 + 0.01 * ((i * 37) % 41 - 20) for i in range(41)]  # 0.80 .. 1.20
+        lo, hi = compare.median_interval(values)
+        self.assertLess(lo, 1.0)
+        self.assertGreater(hi, 1.0)
+        self.assertGreater(lo, 0.85)
+        self.assertLess(hi, 1.15)
+        self.assertEqual((lo, hi), compare.median_interval(values))
+        self.assertEqual(compare.median_interval([1.25] * 9), (1.25, 1.25))
+
     def test_a_worker_that_fails_is_named_with_its_exit_status(self):
         os.environ["FAKE_CRASH"] = "ccalloc-2"
         with self.assertRaisesRegex(RuntimeError, r"w on ccalloc \(native\): .*exit 5"):

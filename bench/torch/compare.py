@@ -22,6 +22,7 @@ pair of neighbouring steps of every repeat, of ccalloc's time / PyTorch's."""
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -165,16 +166,30 @@ def paired_delta(pt_runs, cc_runs):
     return statistics.median(ratios) - 1.0, sum(cc[:n]) / sum(pt[:n]) - 1.0
 
 
+def pair_ratios(pt_runs, cc_runs, key="step_times_s"):
+    """For runs made by run_interleaved (pt_runs[k] beside cc_runs[k]): ccalloc's step time /
+    PyTorch's for every pair (k, step) of neighbouring steps."""
+    return [b / a for pt, cc in zip(pt_runs, cc_runs) for a, b in zip(pt[key], cc[key])]
+
+
 def interleaved_delta(pt_runs, cc_runs, key="step_times_s"):
-    """For runs made by run_interleaved (pt_runs[k] beside cc_runs[k]): the median over
-    every pair (k, step) of ccalloc's step time / PyTorch's, - 1; and the same for the sums.
-    key="step_cpu_s" gives the same for the steps' CPU times."""
-    ratios, pt_sum, cc_sum = [], 0.0, 0.0
+    """The median over every pair (k, step) of pair_ratios, - 1; and the ratio of the sums,
+    - 1. key="step_cpu_s" gives the same for the steps' CPU times."""
+    ratios = pair_ratios(pt_runs, cc_runs, key)
+    pt_sum = cc_sum = 0.0
     for pt, cc in zip(pt_runs, cc_runs):
-        for a, b in zip(pt[key], cc[key]):
-            ratios.append(b / a)
-            pt_sum, cc_sum = pt_sum + a, cc_sum + b
+        n = min(len(pt[key]), len(cc[key]))
+        pt_sum, cc_sum = pt_sum + sum(pt[key][:n]), cc_sum + sum(cc[key][:n])
     return statistics.median(ratios) - 1.0, cc_sum / pt_sum - 1.0
+
+
+def median_interval(values, resamples=2000, seed=0):
+    """A 95 % bootstrap interval of the median of `values` (percentiles 2.5 and 97.5 of the
+    medians of `resamples` resamples, seeded: the same values give the same interval)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def gib(n):
@@ -236,7 +251,10 @@ def main():
                 cpu_paired, cpu_total = interleaved_delta(runs["pytorch"], runs["ccalloc"],
                                                           key="step_cpu_s")
                 rows[-1].update(paired_cpu_delta=cpu_paired, total_cpu_delta=cpu_total)
-                cpu_note = f"; CPU time paired {cpu_paired:+.1%}, total {cpu_total:+.1%}"
+                lo, hi = median_interval(pair_ratios(runs["pytorch"], runs["ccalloc"]))
+                rows[-1]["paired_interval"] = [lo - 1.0, hi - 1.0]
+                cpu_note = (f"; 95% interval {lo - 1.0:+.1%}..{hi - 1.0:+.1%}; CPU time paired "
+                            f"{cpu_paired:+.1%}, total {cpu_total:+.1%}")
             if args.control:
                 rows[-1]["pytorch-loaded"] = pool(runs["pytorch-loaded"])
             ok = identical and paired <= 0.03 and cc["peak_reserved_bytes"] <= pt["peak_reserved_bytes"]
