@@ -206,7 +206,8 @@ def main():
     parser.add_argument("--cpus", help="run every process on these CPUs, e.g. 0-7 or 0,2,4")
     parser.add_argument("--interleave", action="store_true",
                         help="run the allocators' processes side by side, taking turns step by "
-                             "step, and pair each step with its neighbour in time")
+                             "step, and pair each step with its neighbour in time (their memory "
+                             "is on the GPU at once: the workloads must fit together)")
     parser.add_argument("--steps", type=int,
                         help="timed steps per process (default: each workload's own)")
     parser.add_argument("--control", action="store_true",
