@@ -4,6 +4,8 @@ workers stand in for run_one.py --gated and log when each step runs, so the test
 order of the turns, that no worker runs while another's step is timed, the pairing of the
 figures, and the errors a broken worker gets."""
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -16,7 +18,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "bench", "torch"))
 import compare  # noqa: E402
 
 # A worker of run_one.py's protocol: steps 0..STEPS-1, the first WARMUP untimed; each
-# step's "time" is fixed by the allocator (pytorch 10, ccalloc 11, others 12), and the worker
+# step's "time" is fixed by the allocator (pytorch 10, ccalloc 11 or FAKE_CC, others 12), and the worker
 # logs (start, end) of every stretch where it works: between its turns it must idle.
 FAKE = textwrap.dedent("""
     import json, os, sys, time
@@ -26,7 +28,7 @@ FAKE = textwrap.dedent("""
     steps, warmup = int(os.environ["FAKE_STEPS"]), 1
     crash = os.environ.get("FAKE_CRASH", "")
     log = os.environ["FAKE_LOG"]
-    cost = {"pytorch": 10.0, "ccalloc": 11.0}.get(alloc, 12.0)
+    cost = {"pytorch": 10.0, "ccalloc": float(os.environ.get("FAKE_CC", "11"))}.get(alloc, 12.0)
     times = []
     def note(what, step):
         with open(log, "a") as f:
@@ -46,8 +48,10 @@ FAKE = textwrap.dedent("""
         print(f"DONE {step} {t!r}", flush=True)
         if step >= warmup:
             times.append(t)
-    print("RESULT " + json.dumps({"step_times_s": times, "outputs": ["x"],
-                                  "peak_reserved_bytes": 1}), flush=True)
+    print("RESULT " + json.dumps({"step_times_s": times, "step_cpu_s": [t / 2 for t in times],
+                                  "median_step_s": sorted(times)[len(times) // 2],
+                                  "outputs": ["x"], "peak_reserved_bytes": 1,
+                                  "num_device_alloc": 1, "installed": "fake"}), flush=True)
 """)
 
 
@@ -125,6 +129,43 @@ class InterleaveTest(unittest.TestCase):
         self.assertLess(hi, 1.15)
         self.assertEqual((lo, hi), compare.median_interval(values))
         self.assertEqual(compare.median_interval([1.25] * 9), (1.25, 1.25))
+
+    def test_step_verdict_reads_the_interval_against_the_bound(self):
+        self.assertEqual(compare.step_verdict(-0.07, -0.03), "within")
+        self.assertEqual(compare.step_verdict(-0.01, 0.02), "within")
+        self.assertEqual(compare.step_verdict(-0.12, 0.043), "undecided")
+        self.assertEqual(compare.step_verdict(0.02, 0.05), "undecided")
+        self.assertEqual(compare.step_verdict(0.021, 0.05), "slower")
+
+    def run_main(self, *args):
+        out = os.path.join(self.dir.name, "rows.json")
+        saved = sys.argv
+        sys.argv = ["compare.py", "--interleave", "--workloads", "w", "--modes", "native",
+                    "--json", out, *args]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()) as text:
+                with self.assertRaises(SystemExit) as end:
+                    compare.main()
+        finally:
+            sys.argv = saved
+        with open(out) as f:
+            return end.exception.code, json.load(f), text.getvalue()
+
+    def test_main_fails_a_run_whose_interval_is_above_two_percent(self):
+        code, rows, text = self.run_main("--repeats", "2")  # ccalloc 10 % slower, every step
+        self.assertEqual(code, 1)
+        self.assertEqual(rows[0]["step_verdict"], "slower")
+        self.assertAlmostEqual(rows[0]["paired_step_delta"], 0.1)
+        self.assertAlmostEqual(rows[0]["paired_cpu_delta"], 0.1)
+        self.assertEqual(len(rows[0]["per_process_step_s"]["ccalloc"]), 2)
+        self.assertIn("slower", text)
+
+    def test_main_passes_a_run_within_two_percent(self):
+        os.environ["FAKE_CC"] = "10.1"
+        code, rows, text = self.run_main("--repeats", "1")
+        self.assertEqual(code, 0)
+        self.assertEqual(rows[0]["step_verdict"], "within")
+        self.assertAlmostEqual(rows[0]["paired_interval"][1], 0.01)
 
     def test_a_worker_that_fails_is_named_with_its_exit_status(self):
         os.environ["FAKE_CRASH"] = "ccalloc-2"
