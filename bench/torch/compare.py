@@ -264,17 +264,14 @@ def main():
                                                           key="step_cpu_s")
                 rows[-1].update(paired_cpu_delta=cpu_paired, total_cpu_delta=cpu_total)
                 lo, hi = median_interval(pair_ratios(runs["pytorch"], runs["ccalloc"]))
-                rows[-1]["paired_interval"] = [lo - 1.0, hi - 1.0]
+                verdict = step_verdict(lo - 1.0, hi - 1.0)
+                rows[-1].update(paired_interval=[lo - 1.0, hi - 1.0], step_verdict=verdict)
                 cpu_note = (f"; 95% interval {lo - 1.0:+.1%}..{hi - 1.0:+.1%}; CPU time paired "
-                            f"{cpu_paired:+.1%}, total {cpu_total:+.1%}")
+                            f"{cpu_paired:+.1%}, total {cpu_total:+.1%}; {verdict}")
             if args.control:
                 rows[-1]["pytorch-loaded"] = pool(runs["pytorch-loaded"])
             # Interleaved, the interval decides: slower only where all of it is above +2 %.
-            fast_enough = (step_verdict(*rows[-1]["paired_interval"]) != "slower" if args.interleave
-                           else paired <= 0.03)
-            if args.interleave:
-                rows[-1]["step_verdict"] = step_verdict(*rows[-1]["paired_interval"])
-                cpu_note += f"; {rows[-1]['step_verdict']}"
+            fast_enough = rows[-1]["step_verdict"] != "slower" if args.interleave else paired <= 0.03
             ok = identical and fast_enough and cc["peak_reserved_bytes"] <= pt["peak_reserved_bytes"]
             failures += 0 if ok else 1
             print(f"{mode:10s} {workload:15s} step {pt['median_step_s']*1e3:8.2f} ms -> "
