@@ -78,7 +78,6 @@ def main():
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],
         "num_device_alloc": stats["num_device_alloc"],
         "num_alloc_retries": stats["num_alloc_retries"],
-        "num_allocations": stats.get("allocation.all.allocated"),
     }
     print("RESULT " + json.dumps(result), flush=True)
 
