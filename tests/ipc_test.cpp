@@ -34,9 +34,9 @@ using ccalloc::sim::SimDriver;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
-ccalloc::sim::Options gpu_options(int device = 0) {
+ccalloc::sim::Options gpu_options(int device = 0, std::size_t capacity = 8 * kGiB) {
   ccalloc::sim::Options o;
-  o.capacity = 8 * kGiB;
+  o.capacity = capacity;
   o.device = device;
   return o;
 }
@@ -67,8 +67,8 @@ std::string message_of(Fn&& fn) {
 }
 
 struct Processes {
-  explicit Processes(const char* conf)
-      : exporter_gpu(gpu_options()), importer_gpu(gpu_options()),
+  explicit Processes(const char* conf, std::size_t capacity = 8 * kGiB)
+      : exporter_gpu(gpu_options(0, capacity)), importer_gpu(gpu_options(0, capacity)),
         exporter(exporter_gpu, Config::parse(conf)) {
     exporter.set_check_invariants(true);
   }
@@ -195,7 +195,7 @@ TEST(Ipc, FabricHandlesAreSixtyFourBytesEach) {
 // The stitching policy (the ccalloc preset): the handles mapped over the allocation, whole,
 // each of its own size; a lent handle is shared where it is live now.
 TEST(Ipc, StitchedAllocationIsSharedAsTheWholeHandlesMappedOverIt) {
-  Processes p("ccalloc");
+  Processes p("ccalloc", 32 * kGiB);  // handles of up to 64 MiB (1/512 of the device)
   const DevicePtr a = p.exporter.malloc(30 * kMiB);  // a handle of 30 MiB
   const DevicePtr b = p.exporter.malloc(12 * kMiB);  // a 20 MiB chunk: 8 MiB left at its end
   const DevicePtr c = p.exporter.malloc(40 * kMiB);  // those 8 MiB and a new 32 MiB handle

@@ -197,7 +197,7 @@ TEST(StitchPolicy, SmallGrowthTakesASettledStreamsFreeTailThatStillHoldsItsLarge
 }
 
 TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {
-  Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
+  Fixture f(32 * kGiB, "ccalloc,stitch_segments:True");  // handles of up to 64 MiB
   const DevicePtr a = f.engine.malloc(5 * kMiB, 0);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one 20 MiB handle
   EXPECT_EQ(f.engine.piece_counts().total, 10u);
@@ -216,7 +216,7 @@ TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {
 }
 
 TEST(StitchPolicy, LargeGrowthIsCreatedInHandlesOfAtMost64MiB) {
-  Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
+  Fixture f(32 * kGiB, "ccalloc,stitch_segments:True");  // 1/512 of it is 64 MiB
   f.engine.malloc(100 * kMiB, 0);  // 50 pieces: 32 + 18
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(100 * kMiB));
   EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
@@ -225,6 +225,46 @@ TEST(StitchPolicy, LargeGrowthIsCreatedInHandlesOfAtMost64MiB) {
   ASSERT_EQ(m.size(), 2u);
   EXPECT_EQ(m[0].bytes, 64 * kMiB);
   EXPECT_EQ(m[1].bytes, 36 * kMiB);
+}
+
+// The handles' sizes as the mappings show them, in address order, in MiB.
+std::vector<std::size_t> mapped_mib(Fixture& f) {
+  std::vector<std::size_t> out;
+  for (const auto& m : f.gpu.mappings_in(kVa, 64 * kGiB))
+    out.push_back(m.bytes / kMiB);
+  return out;
+}
+
+TEST(StitchPolicy, HandlesAreAtMostA512thOfTheLimitAndAtLeastTwoPieces) {
+  using V = std::vector<std::size_t>;
+  {
+    Fixture f(8 * kGiB, "ccalloc,stitch_segments:True");  // 16 MiB handles
+    f.engine.malloc(40 * kMiB, 0);
+    EXPECT_EQ(mapped_mib(f), (V{16, 16, 8}));
+    EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
+    EXPECT_EQ(f.gpu.counters().maps, 3u);
+  }
+  {
+    Fixture f(64 * kGiB, "ccalloc,stitch_segments:True");  // at most 64 MiB, however large
+    f.engine.malloc(150 * kMiB, 0);
+    EXPECT_EQ(mapped_mib(f), (V{64, 64, 22}));
+  }
+  {
+    // The limit, not the device: a quarter of 32 GiB gives 16 MiB handles.
+    Fixture f(32 * kGiB, "ccalloc,stitch_segments:True,per_process_memory_fraction:0.25");
+    f.engine.malloc(40 * kMiB, 0);
+    EXPECT_EQ(mapped_mib(f), (V{16, 16, 8}));
+  }
+  {
+    // 1 GiB / 512 is one piece: two pieces at least; a growth of an odd number of pieces
+    // ends with a one-piece handle.
+    Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
+    f.engine.malloc(5 * kMiB, 0);  // a 20 MiB chunk
+    EXPECT_EQ(mapped_mib(f), (V{4, 4, 4, 4, 4}));
+    f.engine.malloc(15 * kMiB + 6 * kMiB, 0);  // 6 MiB beyond the free 15: a chunk again
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(40 * kMiB));
+    EXPECT_EQ(f.gpu.counters().physical_creates, 10u);
+  }
 }
 
 // Grows a stream's large range to `mib` MiB, then frees and allocates it whole again: the
@@ -357,8 +397,10 @@ TEST(StitchPolicy, OomLadderReleasesOtherStreamsCacheAndRetries) {
   EXPECT_NE(p, 0u);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
   EXPECT_EQ(f.engine.stats().num_alloc_retries, 1);
-  EXPECT_EQ(f.gpu.counters().physical_releases, 1u);  // stream 1's handle of four pieces
-  EXPECT_EQ(f.gpu.counters().unmaps, 1u);
+  // Stream 1's 8 MiB: two handles of two pieces (the most a 16 MiB device allows), each
+  // mapped on its own.
+  EXPECT_EQ(f.gpu.counters().physical_releases, 2u);
+  EXPECT_EQ(f.gpu.counters().unmaps, 2u);
   // The device's capacity refuses the creation without a driver call.
   EXPECT_EQ(f.gpu.counters().physical_create_ooms, 0u);
 }
@@ -394,7 +436,7 @@ TEST(StitchPolicy, GcThresholdReleasesTheCacheBeforeCreatingPastIt) {
   f.engine.free(f.engine.malloc(20 * kMiB, 1));
   f.engine.malloc(16 * kMiB, 0);  // 20 + 16 > 32 MiB: stream 1's cache goes first
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one new 20 MiB chunk
-  EXPECT_EQ(f.gpu.counters().physical_releases, 1u);              // stream 1's 20 MiB handle
+  EXPECT_EQ(f.gpu.counters().physical_releases, 5u);  // stream 1's chunk: 5 handles of 4 MiB
   EXPECT_EQ(f.engine.stats().num_alloc_retries, 0);
 }
 

@@ -228,7 +228,7 @@ TEST(StitchPools, BlockPeaksAreTheDevicesNotTheSumOfTheEngines) {
 
 // Segment counts likewise (private pools on native segments, which count one each).
 TEST(StitchPools, SegmentPeaksAreTheDevicesNotTheSumOfTheEngines) {
-  Fixture f(kGiB, "ccalloc,expandable_segments:False");
+  Fixture f(32 * kGiB, "ccalloc,expandable_segments:False");  // handles of up to 64 MiB
   const auto segments = [&f] { return f.alloc.stats().segment; };
   f.alloc.free(f.alloc.malloc(100 * kMiB, 0));  // two handles: 64 + 36 MiB
   EXPECT_EQ(segments()[kAggregate].current, 2);

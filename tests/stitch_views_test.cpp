@@ -199,9 +199,10 @@ TEST(StitchViews, ASegmentNamesThePiecesBehindItsPages) {
 }
 
 TEST(StitchViews, WholeChunksLentAndTheirDeadPagesAddUpToTheReservedBytes) {
-  // A 1 GiB device: large growth creates a chunk of ten pieces (20 MiB) in one handle,
-  // mapped whole; what the request does not take extends the free block.
-  Fixture f(1 * kGiB);
+  // A 32 GiB device (handles of up to 64 MiB): large growth creates a chunk of ten pieces
+  // (20 MiB) in one handle, mapped whole; what the request does not take extends the free
+  // block.
+  Fixture f(32 * kGiB);
   const DevicePtr x = f.engine.malloc(20 * kMiB, 0);  // handle 1, pages 0-9
   f.engine.malloc(20 * kMiB, 0);                      // y: handle 2, pages 10-19
   const DevicePtr z = f.engine.malloc(4 * kMiB, 0);   // handle 3, pages 20-29: z + 16 MiB free
@@ -540,7 +541,7 @@ TEST(StitchViews, OtherPoliciesHaveNoPhysicalMemory) {
 }
 
 TEST(StitchViews, PickleAndJsonCarryThePiecesBothWays) {
-  Fixture f(1 * kGiB);
+  Fixture f(32 * kGiB);  // handles of up to 64 MiB
   const DevicePtr x = f.engine.malloc(20 * kMiB, 0);  // handle 1 (10 pieces)
   f.engine.malloc(4 * kMiB, 0);                       // handle 2 (10): 16 MiB free tail
   f.engine.free(x);

@@ -44,8 +44,12 @@ std::size_t align_down(std::size_t v, std::size_t a) {
   return v / a * a;
 }
 
-// See grow(): new memory is created in handles of at most this many pieces (64 MiB of 2 MiB).
+// See grow(): new memory is created in handles of at most this many pieces (64 MiB of 2 MiB),
+// and of at most 1/kHandleLimitDivisor of the memory limit, but never capped below
+// kMinHandleCap pieces.
 constexpr std::size_t kMaxHandlePieces = 32;
+constexpr std::size_t kHandleLimitDivisor = 512;
+constexpr std::size_t kMinHandleCap = 2;
 
 // See grow(): once a stream has handed out its large range's bytes again since the large
 // pool last created memory, a growth creates beyond what it lacks at most this fraction of
@@ -681,6 +685,16 @@ bool StitchEngine::settled(const Arena& arena) const {
   return arena.large_served > frontier;
 }
 
+// A handle moves and is released only whole: a live block anywhere in it keeps all its
+// pieces where they are, neither lendable nor releasable. 64 MiB handles keep creations and
+// mappings few on a large device; where the limit is small the pieces they strand are what
+// runs it out of memory, so a handle is also at most 1/512 of the limit (a 16 GiB limit
+// gets 32 MiB handles, 2 GiB and less two pieces).
+std::size_t StitchEngine::handle_cap() const {
+  return std::clamp<std::size_t>(limit() / kHandleLimitDivisor / page_, kMinHandleCap,
+                                 kMaxHandlePieces);
+}
+
 std::size_t StitchEngine::least_large_growth(const Arena& arena) const {
   if (!settled(arena)) return chunk_pieces_;
   const std::size_t reserved = reserved_;
@@ -829,16 +843,17 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   if (have + created > (fresh ? space_pages_ : s->reserved_pages - s->pages.size())) {
     return Grow::kOutOfMemory;
   }
-  // New memory in handles of at most kMaxHandlePieces: large enough that creating and
+  // New memory in handles of at most handle_cap() pieces: large enough that creating and
   // mapping stay cheap, small enough that the free pages of a large freed block hold whole
-  // handles that can be lent.
+  // handles that can be lent, and that a handle partly in use strands little of the limit.
+  const std::size_t cap = handle_cap();
   std::vector<std::size_t> sizes;
   std::vector<PhysicalHandle> ids;
   const auto create_all = [&](std::size_t n) {
     sizes.clear();
     ids.clear();
     for (std::size_t left = n; left > 0;) {
-      const std::size_t k = std::min(left, kMaxHandlePieces);
+      const std::size_t k = std::min(left, cap);
       const PhysicalHandle id = driver_.create_physical(k * page_);
       if (id == 0) {
         for (std::size_t j = 0; j < ids.size(); ++j)

@@ -382,6 +382,8 @@ class StitchEngine final : public Backend {
   void release_cache(const AllArenasLock& all) REQUIRES(device_mutex_);
   void release_spare_handles() REQUIRES(device_mutex_);
   std::size_t limit() const REQUIRES(device_mutex_) { return limit_ ? *limit_ : capacity_; }
+  // The most pieces a handle that growth creates may hold (see grow()).
+  std::size_t handle_cap() const REQUIRES(device_mutex_);
   // Reserved bytes on this device that count against limit(): this engine's and its peer's.
   std::size_t held() const REQUIRES(device_mutex_) { return reserved_ + peer_reserved_.bytes(); }
   void add_reserved(bool small, std::int64_t bytes) REQUIRES(device_mutex_);
