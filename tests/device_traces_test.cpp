@@ -1,8 +1,11 @@
 // The `ccalloc` preset on the workloads recorded on an H100 with bench/torch's models
 // (data/traces/device/: ResNet-50 at batch 64 and 128, ViT-B/16, a BERT-sized fine-tune,
 // GPT-2 with varying lengths, Llama-style generation, bench/torch's own default runs of the
-// last two and of a Llama-style inference server, and two runs recorded after the policy's
-// last change to test it: the server with 16 requests at once and generation of 96 tokens),
+// last two and of a Llama-style inference server, two runs recorded after the policy's
+// settled tail to test it: the server with 16 requests at once and generation of 96 tokens,
+// and three held-out runs recorded later, none of which played a part in choosing a rule:
+// T5 beam search, Llama-style training with activation checkpointing, EfficientNet-B0 at
+// changing resolutions),
 // replayed on the simulated GPU, against
 // PyTorch's peaks measured on the device for the same runs (measured.json: native,
 // expandable segments, cudaMallocAsync) and against PyTorch's policies replayed:
@@ -60,6 +63,19 @@ const std::map<std::string, Gap>& known_gaps() {
         "1.0636 x the floor (expandable segments 1.0923) and a fit of 1.0565 (theirs "
         "1.0493): the same server with up to 16 requests at once, whose key-value caches "
         "leave more of the range in pieces of pages between live blocks"}},
+      {"llama_train_ckpt",
+       {true, false, false,
+        "1.0686 x the floor (expandable segments 1.1576, cudaMallocAsync 1.1288): when the "
+        "800 MiB fp32 logits come back, 284 MiB of the range are free but inside 64 MiB "
+        "handles that live activations also occupy, so they can be neither lent nor "
+        "released and the growth creates 392 MiB (its fit, 1.0200, is within: on a device "
+        "that small handles are 8 MiB)"}},
+      {"t5_beam",
+       {true, true, true,
+        "1.0565 x the floor (expandable segments 1.0700) and a fit of 1.0565; 2.34 ms of "
+        "driver time against expandable segments' 1.82: its small pool grows one page at a "
+        "time as theirs does, and the large pool makes 11 one-piece lends and 3 more "
+        "creations than their 42"}},
   };
   return gaps;
 }
@@ -92,12 +108,13 @@ class DeviceTrace : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     // Sanitizer builds leave out bench/torch's own default runs (the same workloads as
-    // gpt2_varlen20 and llama_generate, longer: llama_generate14 alone is 4.5 MB) and the
-    // runs of about a million entries each (the serving runs, llama_generate96).
+    // gpt2_varlen20 and llama_generate, longer: llama_generate14 alone is 4.5 MB), the
+    // runs of about a million entries each (the serving runs, llama_generate96) and
+    // t5_beam (455,000).
     if (ccalloc_test::test_scale() < 1.0 &&
         (GetParam() == "gpt2_varlen33" || GetParam() == "llama_generate14" ||
          GetParam() == "llama_serve" || GetParam() == "llama_serve16" ||
-         GetParam() == "llama_generate96")) {
+         GetParam() == "llama_generate96" || GetParam() == "t5_beam")) {
       GTEST_SKIP() << "CCALLOC_TEST_SCALE=" << ccalloc_test::test_scale();
     }
     trace_ = ccalloc::io::read_any_trace((kDir / (GetParam() + ".pickle.gz")).string());

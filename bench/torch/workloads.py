@@ -300,6 +300,102 @@ def compiled_mlp(steps=200, warmup=12):
     return _reduce_overhead(model, lambda step: inputs[step % 3], steps, warmup, None)
 
 
+def t5_beam(steps=8, warmup=1, beams=4, new_tokens=32):
+    """An encoder-decoder (transformers T5, 6 + 6 layers, 512 wide, bf16, randomly initialised)
+    translating with beam search: batch 1-8 and input length 32-384 vary per call, 4 beams
+    whose key-value caches are reordered every token."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6,
+                      num_heads=8, vocab_size=32128, decoder_start_token_id=0, pad_token_id=0,
+                      eos_token_id=1)
+    model = T5ForConditionalGeneration(config).to("cuda", torch.bfloat16).eval()
+    rng = random.Random(8)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+
+    def make_step(step):
+        batch, length = rng.choice([1, 2, 4, 8]), rng.randint(32, 384)
+        ids = torch.randint(3, config.vocab_size, (batch, length), device="cuda", generator=gen)
+
+        def translate():
+            with torch.no_grad():
+                return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      num_beams=beams, max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False)
+
+        return translate
+
+    return _run_steps(steps, warmup, make_step,
+                      lambda tokens: hashlib.sha256(tokens.cpu().numpy().tobytes()).hexdigest()[:16])
+
+
+def llama_train_ckpt(steps=12, warmup=2):
+    """Training the Llama-style decoder of the inference workloads (fp32 weights, bf16
+    autocast, AdamW) with activation checkpointing: batch 2-8 and sequence length 128-1024
+    vary per step, so the recomputed activations change size every step."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=2048)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(9)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+
+    def make_step(step):
+        batch, seq = rng.randint(2, 8), rng.randint(128, 1024)
+        ids = torch.randint(3, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+
+        def train_step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return train_step
+
+    return _run_steps(steps, warmup, make_step)
+
+
+def efficientnet_varres(steps=16, warmup=2, batch=48):
+    """torchvision EfficientNet-B0 training, bf16 autocast, channels-last, SGD with momentum,
+    the image resolution changing every step (160-320 in steps of 32), as multi-scale
+    training does."""
+    import torchvision
+
+    torch.manual_seed(10)
+    model = torchvision.models.efficientnet_b0(num_classes=1000).cuda()
+    model = model.to(memory_format=torch.channels_last).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rng = random.Random(10)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+
+    def make_step(step):
+        res = rng.choice(range(160, 321, 32))
+        x = torch.randn(batch, 3, res, res, device="cuda", generator=gen)
+        x = x.contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (batch,), device="cuda", generator=gen)
+
+        def train_step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return train_step
+
+    return _run_steps(steps, warmup, make_step)
+
+
 WORKLOADS = {"resnet50": resnet50, "gpt2_varlen": gpt2_varlen, "llama_generate": llama_generate,
              "llama_serve": llama_serve,
-             "finetune_bf16": finetune_bf16, "compiled_gpt2": compiled_gpt2, "compiled_mlp": compiled_mlp}
+             "finetune_bf16": finetune_bf16, "t5_beam": t5_beam,
+             "llama_train_ckpt": llama_train_ckpt, "efficientnet_varres": efficientnet_varres,
+             "compiled_gpt2": compiled_gpt2, "compiled_mlp": compiled_mlp}
