@@ -32,7 +32,8 @@
 //      of the reserved bytes when less once the stream has handed out its large range's
 //      bytes again since the pool last created memory; the small pool creates just what it
 //      lacks), or exactly the lacking pieces when the chunk does not fit the device or the
-//      memory fraction, in handles of at most 32 pieces (64 MiB).
+//      memory fraction, in handles of at most 32 pieces (64 MiB) and at most 1/512 of the
+//      limit (two pieces at least).
 // Each handle is mapped with one call; whole handles may pass what the request lacks, and
 // the rest extends the new free block. Free memory is thus stitched into the range that
 // needs it instead of new memory being created, at one mapping per handle.
