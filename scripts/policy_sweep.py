@@ -3,7 +3,8 @@
 generated ones, each replayed on the simulated GPU under PyTorch's native policy, PyTorch's
 expandable segments and every configuration under test.
 
-    python3 scripts/policy_sweep.py [--conf C]... [--synthetic N] [--no-recordings]
+    python3 scripts/policy_sweep.py [--conf C]... [--synthetic N] [--first-seed S]
+                                    [--scales 0.25,0.5,1,2] [--no-recordings] [--fit]
                                     [--ccalloc BINARY] [--json FILE] [--keep DIR]
     python3 scripts/policy_sweep.py --self-test [--ccalloc BINARY]
 
@@ -28,6 +29,15 @@ Generated workloads (--synthetic N: N seeds of each kind, each at four scales, 0
          follows the number of cached blocks.
 They are models of those workloads' allocation patterns, not recordings; a configuration
 that does well on them has not been shown to do well on real ones, and the reverse.
+--first-seed S starts the seeds at S (seeds S to S+N-1), to judge on workloads that played
+no part in choosing a rule; --scales keeps only the given scales.
+
+--fit judges memory under a device limit instead: each cell is `ccalloc fit`'s smallest
+capacity / floor (verified) and the driver time of the replay at it, flagged
+  *  above expandable segments' fit,
+  >  above 1.03 x the floor
+(no `!`: under a limit both spend more driver time, and the figures are not comparable at
+different capacities). It takes some ten times as long as a replay.
 
 The binary defaults to build/release/bin/ccalloc, built as scripts/run-main builds it.
 --self-test checks the generators (deterministic, well formed) and the flags and summary on
@@ -137,12 +147,12 @@ def serve(seed, scale):
 KINDS = {"train": train, "serve": serve}
 
 
-def synthetic(n):
-    """(name, generator) for n seeds of each kind at each scale."""
+def synthetic(n, first_seed=1, scales=SCALES):
+    """(name, generator) for n seeds of each kind (from first_seed) at each scale."""
     out = []
     for kind, gen in KINDS.items():
-        for seed in range(1, n + 1):
-            for scale in SCALES:
+        for seed in range(first_seed, first_seed + n):
+            for scale in scales:
                 out.append(("%s-%d-%g" % (kind, seed, scale), lambda g=gen, s=seed, c=scale: g(s, c)))
     return out
 
@@ -166,6 +176,22 @@ def replay(binary, path, confs):
     rows = json.loads(r.stdout)
     floor = rows[0]["peak_requested_bytes"]
     return floor, [(x["peak_reserved_bytes"] / floor, x["simulated_driver_us"] / 1000.0) for x in rows]
+
+
+def fit(binary, path, confs):
+    """`ccalloc fit` of each config: (floor, [(capacity / floor, driver ms at it)])."""
+    cmd = [binary, "fit", path, "--json"]
+    for c in confs:
+        cmd += ["--conf", c]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError("%s failed on %s: %s" % (binary, path, r.stderr.strip()[:500]))
+    rows = json.loads(r.stdout)
+    for x in rows:
+        if not x["verified"]:
+            raise RuntimeError("fit of %s under %s is not verified" % (path, x["conf"]))
+    return rows[0]["floor_bytes"], [(x["ratio_to_floor"], x["simulated_driver_us"] / 1000.0)
+                                    for x in rows]
 
 
 def judge(native, expandable, cell):
@@ -220,6 +246,16 @@ def self_test(binary=None):
     assert s["x"]["above_pytorch"] == 1 and s["x"]["slower_than_expandable"] == 1, s
     assert s["x"]["above_1.03"] == 1 and s["x"]["worse_by_1pct"] == 1, s
     assert s["x"]["better_by_1pct"] == 1 and abs(s["x"]["median_delta"] - 0.0) < 1e-12, s
+    f = judge_fit((1.02, 9.0), (1.025, 1.0))
+    assert f["above_expandable"] and not f["above_bound"] and abs(f["delta"] - 0.005) < 1e-12, f
+    f = judge_fit((1.05, 9.0), (1.04, 1.0))
+    assert not f["above_expandable"] and f["above_bound"], f
+    s = summarize_fits([{"expandable": (1.02, 9.0), "confs": [(1.031, 2.0)]},
+                        {"expandable": (1.02, 9.0), "confs": [(1.01, 4.0)]}], ["x"])
+    assert s["x"]["above_expandable"] == 1 and s["x"]["above_1.03"] == 1, s
+    assert abs(s["x"]["median_ms"] - 3.0) < 1e-12 and abs(s["x"]["worst_delta"] - 0.011) < 1e-12, s
+    names = [n for n, _ in synthetic(2, 11, (1.0,))]
+    assert names == ["train-11-1", "train-12-1", "serve-11-1", "serve-12-1"], names
     if binary is not None:
         # End to end: the replay's floor is the workload's own peak of live requested bytes,
         # and a configuration equal to expandable segments gets expandable segments' cells.
@@ -238,16 +274,80 @@ def self_test(binary=None):
             with gzip.open(path, "wt") as f:
                 f.write(w.csv())
             floor, cells = replay(binary, path, [NATIVE, EXPANDABLE, EXPANDABLE])
+            fit_floor, fits = fit(binary, path, [EXPANDABLE, EXPANDABLE])
         assert floor == peak, (floor, peak)
         assert cells[1] == cells[2], cells
         assert not judge(cells[0], cells[1], cells[2])["slower"], cells
+        # The fit sees the same floor, needs at least it and at most the unlimited peak.
+        assert fit_floor == peak, (fit_floor, peak)
+        assert fits[0] == fits[1], fits
+        assert 1.0 <= fits[0][0] <= cells[1][0] + 1e-9, (fits, cells)
     print("policy_sweep self-test passed")
+
+
+def judge_fit(expandable, cell):
+    """The flags of one configuration's fit (ratio, ms) against expandable segments'."""
+    return {"above_expandable": cell[0] > expandable[0] + 1e-9,
+            "above_bound": cell[0] > 1.03 + 1e-9, "delta": cell[0] - expandable[0]}
+
+
+def summarize_fits(results, confs):
+    out = {}
+    for i, conf in enumerate(confs):
+        flags = [judge_fit(r["expandable"], r["confs"][i]) for r in results]
+        deltas = [f["delta"] for f in flags]
+        out[conf] = {
+            "workloads": len(flags),
+            "above_expandable": sum(f["above_expandable"] for f in flags),
+            "above_1.03": sum(f["above_bound"] for f in flags),
+            "median_delta": statistics.median(deltas) if deltas else 0.0,
+            "worst_delta": max(deltas) if deltas else 0.0,
+            "median_ms": statistics.median(r["confs"][i][1] for r in results) if results else 0.0,
+        }
+    return out
+
+
+def sweep_fits(args, traces, confs):
+    all_confs = [EXPANDABLE] + confs
+    print("%-20s %9s %16s" % ("workload", "floor MiB", "expand fit, ms") +
+          "".join(" | %-17s" % c[:17] for c in confs))
+    results = []
+    for name, path in traces:
+        floor, cells = fit(args.ccalloc, path, all_confs)
+        results.append({"workload": name, "floor_bytes": floor, "expandable": cells[0],
+                        "confs": cells[1:]})
+        line = "%-20s %9.0f %8.4f %7.1f" % (name[:20], floor / MiB, cells[0][0], cells[0][1])
+        for cell in cells[1:]:
+            f = judge_fit(cells[0], cell)
+            mark = ("*" if f["above_expandable"] else " ") + (">" if f["above_bound"] else " ")
+            line += " | %.4f%s %7.1f" % (cell[0], mark, cell[1])
+        print(line, flush=True)
+    summary = summarize_fits(results, confs)
+    expandable_ms = statistics.median(r["expandable"][1] for r in results) if results else 0.0
+    print("\n%-16s %9s %10s %7s %9s %9s %10s" % (
+        "config", "workloads", "*above exp", ">1.03", "median d", "worst d", "median ms"))
+    for conf, s in summary.items():
+        print("%-16s %9d %10d %7d %+9.4f %+9.4f %10.1f" % (
+            conf[:16], s["workloads"], s["above_expandable"], s["above_1.03"],
+            s["median_delta"], s["worst_delta"], s["median_ms"]))
+    print("(d: fit minus expandable segments' fit; their median driver time at their fits: "
+          "%.1f ms)" % expandable_ms)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"confs": confs, "fit": True, "results": results, "summary": summary}, f,
+                      indent=1)
+    return 0
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conf", action="append", help="configuration under test (repeatable; default ccalloc)")
     ap.add_argument("--synthetic", type=int, default=10, help="seeds per kind (each at four scales)")
+    ap.add_argument("--first-seed", type=int, default=1, help="the first generated seed")
+    ap.add_argument("--scales", default=",".join("%g" % c for c in SCALES),
+                    help="generated scales, e.g. 1 or 0.5,2")
+    ap.add_argument("--fit", action="store_true",
+                    help="judge `ccalloc fit` against expandable segments' instead of the peak")
     ap.add_argument("--no-recordings", action="store_true")
     ap.add_argument("--ccalloc", default=os.path.join(ROOT, "build", "release", "bin", "ccalloc"))
     ap.add_argument("--json")
@@ -268,11 +368,14 @@ def main():
     work = args.keep or tempfile.mkdtemp(prefix="policy-sweep-")
     os.makedirs(work, exist_ok=True)
     traces = [] if args.no_recordings else recordings()
-    for name, gen in synthetic(args.synthetic):
+    scales = tuple(float(x) for x in args.scales.split(","))
+    for name, gen in synthetic(args.synthetic, args.first_seed, scales):
         path = os.path.join(work, name + ".csv.gz")
         with gzip.open(path, "wt") as f:
             f.write(gen().csv())
         traces.append((name, path))
+    if args.fit:
+        return sweep_fits(args, traces, confs)
     all_confs = [NATIVE, EXPANDABLE] + confs
     header = "%-20s %9s %8s %8s" % ("workload", "floor MiB", "native", "expand")
     header += "".join(" | %-16s" % c[:16] for c in confs)
