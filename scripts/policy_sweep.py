@@ -166,27 +166,26 @@ def recordings():
     return [(os.path.basename(f).split(".")[0], f) for f in files if os.path.exists(f)]
 
 
-def replay(binary, path, confs):
-    cmd = [binary, "replay", path, "--json"]
+def run_ccalloc(binary, command, path, confs):
+    """The JSON rows of `ccalloc COMMAND PATH --json --conf C...`, one per config."""
+    cmd = [binary, command, path, "--json"]
     for c in confs:
         cmd += ["--conf", c]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError("%s failed on %s: %s" % (binary, path, r.stderr.strip()[:500]))
-    rows = json.loads(r.stdout)
+    return json.loads(r.stdout)
+
+
+def replay(binary, path, confs):
+    rows = run_ccalloc(binary, "replay", path, confs)
     floor = rows[0]["peak_requested_bytes"]
     return floor, [(x["peak_reserved_bytes"] / floor, x["simulated_driver_us"] / 1000.0) for x in rows]
 
 
 def fit(binary, path, confs):
     """`ccalloc fit` of each config: (floor, [(capacity / floor, driver ms at it)])."""
-    cmd = [binary, "fit", path, "--json"]
-    for c in confs:
-        cmd += ["--conf", c]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError("%s failed on %s: %s" % (binary, path, r.stderr.strip()[:500]))
-    rows = json.loads(r.stdout)
+    rows = run_ccalloc(binary, "fit", path, confs)
     for x in rows:
         if not x["verified"]:
             raise RuntimeError("fit of %s under %s is not verified" % (path, x["conf"]))
