@@ -2,7 +2,6 @@
 #include "core/async_backend.hpp"
 
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -10,15 +9,10 @@
 #include <utility>
 
 #include "core/common.hpp"
+#include "core/format.hpp"
 
 namespace ccalloc::core {
 namespace {
-
-std::string hex(DevicePtr p) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
-  return buf;
-}
 
 // PyTorch's layout (CUDAMallocAsyncAllocator.cpp), with ccalloc's name for the limit and
 // "unlimited" where PyTorch would print UINT64_MAX.
@@ -380,7 +374,7 @@ void AsyncBackend::check_invariants() const {
     const auto& rs = usage.recorded_streams;
     for (auto s = rs.begin(); s != rs.end(); ++s) {
       if (*s == usage.creation_stream || std::find(s + 1, rs.end(), *s) != rs.end()) {
-        violated("pointer " + hex(ptr) + " records stream " + std::to_string(*s) +
+        violated("pointer " + hex_address(ptr) + " records stream " + std::to_string(*s) +
                  " twice or as its own creation stream");
       }
     }
@@ -396,7 +390,7 @@ void AsyncBackend::check_invariants() const {
   std::sort(ranges.begin(), ranges.end());
   for (std::size_t i = 1; i < ranges.size(); ++i) {
     if (ranges[i - 1].first + ranges[i - 1].second > ranges[i].first) {
-      violated("live allocations at " + hex(ranges[i - 1].first) + " and " + hex(ranges[i].first) +
+      violated("live allocations at " + hex_address(ranges[i - 1].first) + " and " + hex_address(ranges[i].first) +
                " overlap");
     }
   }

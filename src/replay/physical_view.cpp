@@ -1,4 +1,5 @@
 #include "replay/physical_view.hpp"
+#include "core/format.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -13,12 +14,6 @@ constexpr std::size_t kMaxProblems = 20;  // a broken file names its first probl
 
 void problem(PhysicalView& v, const std::string& text) {
   if (v.problems.size() < kMaxProblems) v.problems.push_back(text);
-}
-
-std::string hex(std::uint64_t p) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
-  return buf;
 }
 
 std::string piece_name(PhysicalHandle h, std::uint64_t piece) {
@@ -102,7 +97,7 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
       rv.dead_pages += d.pieces.count;
       if (d.address < r.address ||
           d.address + std::size_t{d.pieces.count} * g > r.address + r.frontier) {
-        problem(v, "dead pages at " + hex(d.address) + " lie outside their range's pages");
+        problem(v, "dead pages at " + hex_address(d.address) + " lie outside their range's pages");
       }
     }
   }
@@ -119,7 +114,7 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
       if (seg.address + seg.total_size <= r.address + r.frontier) rv = &r;
     }
     if (rv == nullptr) {
-      problem(v, "the segment at " + hex(seg.address) + " lies in no range's pages");
+      problem(v, "the segment at " + hex_address(seg.address) + " lies in no range's pages");
     }
     std::uint64_t backed = 0;
     DevicePtr page = seg.address;
@@ -129,7 +124,7 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
       page += std::size_t{r.count} * g;
     }
     if (backed * g != seg.total_size) {
-      problem(v, "the segment at " + hex(seg.address) + " has " + std::to_string(backed) +
+      problem(v, "the segment at " + hex_address(seg.address) + " has " + std::to_string(backed) +
                      " pieces for " + std::to_string(seg.total_size) + " bytes");
     }
     if (rv == nullptr) continue;
@@ -147,7 +142,7 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
   for (RangeView& r : v.ranges) {
     const std::size_t pages = r.frontier / g;
     if (r.live_pages + r.dead_pages > pages) {
-      problem(v, "the range at " + hex(r.address) + " has more live and dead pages than pages");
+      problem(v, "the range at " + hex_address(r.address) + " has more live and dead pages than pages");
     } else {
       r.unmapped_pages = pages - r.live_pages - r.dead_pages;
     }
@@ -169,7 +164,7 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
   });
   const auto where = [&](const Claim& c, std::uint64_t piece) {
     return c.spare ? std::string("spare")
-                   : "behind the page at " + hex(c.page + (piece - c.first) * g);
+                   : "behind the page at " + hex_address(c.page + (piece - c.first) * g);
   };
   const Claim* reach = nullptr;  // of the runs so far of this handle, the one ending last
   for (const Claim& c : claims) {

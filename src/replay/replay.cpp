@@ -9,6 +9,7 @@
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "core/format.hpp"
 
 namespace ccalloc::replay {
 namespace {
@@ -18,12 +19,6 @@ constexpr StreamId kSideStreamBase = StreamId{1} << 62;
 
 [[noreturn]] void bad_row(const io::TraceRecord& r, const std::string& what) {
   throw FormatError("line " + std::to_string(r.line) + ": " + what);
-}
-
-std::string hex(DevicePtr p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(p));
-  return buf;
 }
 
 }  // namespace
@@ -135,7 +130,7 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
     gpu.set_time_us(e.time_us);
     switch (e.action) {
       case TraceAction::kAlloc: {
-        if (live.count(e.addr) != 0) bad_row(rec, "alloc at " + hex(e.addr) + ", which is live");
+        if (live.count(e.addr) != 0) bad_row(rec, "alloc at " + hex_address(e.addr) + ", which is live");
         try {
           live.emplace(e.addr, allocator.malloc(e.size, e.stream));
           failed.erase(e.addr);
@@ -151,7 +146,7 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
         const auto it = live.find(e.addr);
         if (it == live.end()) {
           if (failed.count(e.addr) != 0) break;
-          bad_row(rec, "free_requested of " + hex(e.addr) + ", which is not live");
+          bad_row(rec, "free_requested of " + hex_address(e.addr) + ", which is not live");
         }
         const DevicePtr ours = it->second;
         live.erase(it);
@@ -178,7 +173,7 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
         const auto it = pending.find(e.addr);
         if (it == pending.end()) {
           if (failed.erase(e.addr) != 0) break;
-          bad_row(rec, "free_completed of " + hex(e.addr) + " without a pending free_requested");
+          bad_row(rec, "free_completed of " + hex_address(e.addr) + " without a pending free_requested");
         }
         gpu.complete_stream(it->second);
         pending.erase(it);

@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <cinttypes>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +16,7 @@
 #include "ccalloc/cuda.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/stats.hpp"
+#include "core/format.hpp"
 
 #if CCALLOC_HAVE_CUDA
 // <cuda.h> and <cudaTypedefs.h> are headers only: the driver API's types, enums and
@@ -149,14 +149,8 @@ void cu_check(const DriverApi& api, CUresult r, const std::string& call, int dev
   if (r != CUDA_SUCCESS) cu_fail(api, r, call, device);
 }
 
-std::string hex(std::uintptr_t p) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
-  return buf;
-}
-
 std::string range_args(DevicePtr va, std::size_t bytes) {
-  return hex(va) + ", " + std::to_string(bytes) + " bytes";
+  return hex_address(va) + ", " + std::to_string(bytes) + " bytes";
 }
 
 // Pinned device memory on `device`: what expandable segments map.
@@ -702,7 +696,7 @@ void CudaDriver::copy_to_host(void* dst, DevicePtr src, std::size_t bytes) {
   DeviceGuard guard(device_);
   check(
       cudaMemcpy(dst, reinterpret_cast<const void*>(src), bytes, cudaMemcpyDeviceToHost),
-      ("cudaMemcpy(device " + hex(src) + " to host, " + std::to_string(bytes) + " bytes)").c_str(),
+      ("cudaMemcpy(device " + hex_address(src) + " to host, " + std::to_string(bytes) + " bytes)").c_str(),
       device_);
 }
 
@@ -710,7 +704,7 @@ void CudaDriver::copy_to_device(DevicePtr dst, const void* src, std::size_t byte
   DeviceGuard guard(device_);
   check(
       cudaMemcpy(reinterpret_cast<void*>(dst), src, bytes, cudaMemcpyHostToDevice),
-      ("cudaMemcpy(host to device " + hex(dst) + ", " + std::to_string(bytes) + " bytes)").c_str(),
+      ("cudaMemcpy(host to device " + hex_address(dst) + ", " + std::to_string(bytes) + " bytes)").c_str(),
       device_);
 }
 

@@ -34,11 +34,11 @@ void SimDriver::free_host(void* ptr, std::size_t bytes) {
     std::lock_guard lock(mutex_);
     const auto it = host_.find(ptr);
     if (it == host_.end()) {
-      fail("free_host of " + hex(reinterpret_cast<DevicePtr>(ptr)) +
+      fail("free_host of " + hex_address(reinterpret_cast<DevicePtr>(ptr)) +
            ": not host memory from allocate_host");
     }
     if (it->second != bytes) {
-      fail("free_host of " + hex(reinterpret_cast<DevicePtr>(ptr)) + " with " + bytes_str(bytes) +
+      fail("free_host of " + hex_address(reinterpret_cast<DevicePtr>(ptr)) + " with " + bytes_str(bytes) +
            ": it has " + bytes_str(it->second));
     }
     host_bytes_ -= bytes;

@@ -274,7 +274,7 @@ DevicePtr SimDriver::allocate_async(std::size_t bytes, StreamId stream) {
 void SimDriver::free_async(DevicePtr ptr, std::size_t bytes, StreamId stream) {
   std::lock_guard lock(mutex_);
   const auto it = pool_live_.find(ptr);
-  const std::string what = "free_async of pointer " + hex(ptr) + " (" + bytes_str(bytes) +
+  const std::string what = "free_async of pointer " + hex_address(ptr) + " (" + bytes_str(bytes) +
                            ") on stream " + std::to_string(stream);
   if (it == pool_live_.end()) {
     fail(what + ": it is not a live stream-ordered allocation");

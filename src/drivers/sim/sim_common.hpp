@@ -12,6 +12,7 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
+#include "core/format.hpp"
 
 namespace ccalloc::sim {
 
@@ -25,19 +26,13 @@ inline std::string device_label(int device) {
   return "simulated GPU " + std::to_string(device);
 }
 
-inline std::string hex(DevicePtr p) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
-  return buf;
-}
-
 inline std::string bytes_str(std::size_t n) {
   return std::to_string(n) + " bytes";
 }
 
 // [addr, addr + bytes) as text.
 inline std::string range_str(DevicePtr addr, std::size_t bytes) {
-  return "[" + hex(addr) + ", " + hex(addr + bytes) + ") (" + bytes_str(bytes) + ")";
+  return "[" + hex_address(addr) + ", " + hex_address(addr + bytes) + ") (" + bytes_str(bytes) + ")";
 }
 
 // Both helpers throw rather than wrap: a wrapped address would alias a low range and make
