@@ -6,6 +6,7 @@ Each workload returns (step_times_s, outputs): one wall time per timed step (CUD
 synchronized) and the step's outputs (loss values, or a hash of generated tokens).
 """
 
+import contextlib
 import hashlib
 import os
 import random
@@ -75,6 +76,25 @@ def _run_steps(steps, warmup, make_step, output=float):
     return times, outputs
 
 
+def _train_step(opt, loss_fn, dtype=torch.bfloat16, clip=None):
+    """One training step as every training workload takes it: the loss from loss_fn() under
+    autocast to dtype (none when dtype is None), backward, gradient norms clipped to 1 over
+    clip.parameters() when clip is a model, the optimizer's step, gradients set to None.
+    Returns the step as a function that returns the detached loss."""
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            loss = loss_fn()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(clip.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def resnet50(steps=25, warmup=3, batch=64):
     """torchvision ResNet-50 training, bf16 autocast, SGD; fixed shapes."""
     import torchvision
@@ -87,15 +107,7 @@ def resnet50(steps=25, warmup=3, batch=64):
         x = torch.randn(batch, 3, 224, 224, device="cuda", generator=gen)
         y = torch.randint(0, 1000, (batch,), device="cuda", generator=gen)
 
-        def train_step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return train_step
+        return _train_step(opt, lambda: torch.nn.functional.cross_entropy(model(x), y))
 
     return _run_steps(steps, warmup, make_step)
 
@@ -115,26 +127,27 @@ def gpt2_varlen(steps=30, warmup=3):
         batch, seq = rng.randint(4, 8), rng.randint(128, 1024)
         ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
 
-        def train_step():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return train_step
+        return _train_step(opt, lambda: model(input_ids=ids, labels=ids).loss, dtype=None)
 
     return _run_steps(steps, warmup, make_step)
 
 
-def _llama_decoder():
-    """The Llama-style decoder of the inference workloads: 8 layers, 1024 wide, bf16, eager
-    attention, randomly initialised, in eval mode. Returns (config, model)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _llama_config():
+    """The Llama-style decoder's shape, shared by the inference workloads and
+    llama_train_ckpt: 8 layers, 1024 wide, 32000 tokens."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=2048)
+    return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                       max_position_embeddings=2048)
+
+
+def _llama_decoder():
+    """The Llama-style decoder of the inference workloads: bf16, eager attention, randomly
+    initialised, in eval mode. Returns (config, model)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _llama_config()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(
         "cuda", torch.bfloat16)
     model.eval()
@@ -240,16 +253,8 @@ def finetune_bf16(steps=40, warmup=5):
         mask = (torch.arange(seq, device="cuda")[None, :] < lengths).long()
         labels = torch.randint(0, 4, (batch,), device="cuda", generator=gen)
 
-        def train_step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return train_step
+        return _train_step(
+            opt, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss, clip=model)
 
     return _run_steps(steps, warmup, make_step)
 
@@ -333,11 +338,9 @@ def llama_train_ckpt(steps=12, warmup=2):
     """Training the Llama-style decoder of the inference workloads (fp32 weights, bf16
     autocast, AdamW) with activation checkpointing: batch 2-8 and sequence length 128-1024
     vary per step, so the recomputed activations change size every step."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=2048)
+    config = _llama_config()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -349,15 +352,7 @@ def llama_train_ckpt(steps=12, warmup=2):
         batch, seq = rng.randint(2, 8), rng.randint(128, 1024)
         ids = torch.randint(3, config.vocab_size, (batch, seq), device="cuda", generator=gen)
 
-        def train_step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return train_step
+        return _train_step(opt, lambda: model(input_ids=ids, labels=ids).loss)
 
     return _run_steps(steps, warmup, make_step)
 
@@ -381,15 +376,7 @@ def efficientnet_varres(steps=16, warmup=2, batch=48):
         x = x.contiguous(memory_format=torch.channels_last)
         y = torch.randint(0, 1000, (batch,), device="cuda", generator=gen)
 
-        def train_step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return train_step
+        return _train_step(opt, lambda: torch.nn.functional.cross_entropy(model(x), y))
 
     return _run_steps(steps, warmup, make_step)
 
