@@ -1,7 +1,6 @@
 // The C API: ProcessAllocator behind status codes. Every entry point catches everything;
 // the message of the last failure is kept per thread.
 #include <algorithm>
-#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -10,11 +9,12 @@
 #include <string>
 #include <typeinfo>
 
+#include "api/c_context.hpp"
 #include "ccalloc/ccalloc.h"
 #include "ccalloc/ipc.hpp"
 #include "ccalloc/process.hpp"
-#include "api/c_context.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "core/format.hpp"
 #include "io/snapshot_io.hpp"
 
 namespace {
@@ -104,9 +104,7 @@ OpenedTable& opened() {
 }
 
 std::string pointer_text(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, reinterpret_cast<std::uintptr_t>(p));
-  return buf;
+  return ccalloc::hex_address(reinterpret_cast<std::uintptr_t>(p));
 }
 
 }  // namespace

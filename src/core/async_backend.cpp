@@ -390,8 +390,8 @@ void AsyncBackend::check_invariants() const {
   std::sort(ranges.begin(), ranges.end());
   for (std::size_t i = 1; i < ranges.size(); ++i) {
     if (ranges[i - 1].first + ranges[i - 1].second > ranges[i].first) {
-      violated("live allocations at " + hex_address(ranges[i - 1].first) + " and " + hex_address(ranges[i].first) +
-               " overlap");
+      violated("live allocations at " + hex_address(ranges[i - 1].first) + " and " +
+               hex_address(ranges[i].first) + " overlap");
     }
   }
   // The pool rounds sizes up and may serve other users of the device's pool too, so its

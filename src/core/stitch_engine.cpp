@@ -323,8 +323,9 @@ ipc::SharedRegion StitchEngine::shared_region(DevicePtr ptr) const {
     const Mapping& m = it->second;
     if (m.first_piece != 0 || m.pages != m.handle->live_at.size() ||
         m.handle->live_at[0] != page_va(s, it->first)) {
-      throw InvariantError("ccalloc: the live allocation " + hex_address(ptr) + " lies on the mapping at " +
-                           hex_address(page_va(s, it->first)) + ", which is not its handle's live one");
+      throw InvariantError("ccalloc: the live allocation " + hex_address(ptr) +
+                           " lies on the mapping at " + hex_address(page_va(s, it->first)) +
+                           ", which is not its handle's live one");
     }
     r.pages.push_back(m.handle->id);
     r.page_sizes.push_back(m.pages * page_);
@@ -1681,7 +1682,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
         const Space& s = *sp;
         if (s.small != small || s.arena != arena) violated("a space is in the wrong list");
         if (arena_of(s.base) != arena || arena_of(page_va(s, s.reserved_pages) - 1) != arena) {
-          violated("the space at " + hex_address(s.base) + " is not its stream's in the segment map");
+          violated("the space at " + hex_address(s.base) +
+                   " is not its stream's in the segment map");
         }
         const DevicePtr frontier = page_va(s, s.pages.size());
         DevicePtr at = s.base;
@@ -1691,7 +1693,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
         bool island_used = false;
         const auto end_island = [&](DevicePtr end) {
           if (end % page_ != 0 || !island_used) {
-            violated("the island of the small pool at " + hex_address(island) + " ends at " + hex_address(end) +
+            violated("the island of the small pool at " + hex_address(island) + " ends at " +
+                     hex_address(end) +
                      (island_used ? ", not on a page boundary" : " and is wholly free"));
           }
           island = 0;
@@ -1701,19 +1704,22 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
             violated("block " + hex_address(b->ptr) + " is in the wrong pool for its space");
           }
           if (b->in_island() && island == 0) {
-            if (b->ptr % page_ != 0) violated("an island begins inside a page at " + hex_address(b->ptr));
+            if (b->ptr % page_ != 0)
+              violated("an island begins inside a page at " + hex_address(b->ptr));
             island = b->ptr;
             island_used = false;
           }
           if (!b->in_island() && island != 0) end_island(b->ptr);
           if (island != 0 && b->kind != Kind::kFree) island_used = true;
           if (b->ptr != at || b->size == 0 || b->prev != prev || b->space != &s) {
-            violated("the blocks of the space at " + hex_address(s.base) + " do not tile it at " + hex_address(at));
+            violated("the blocks of the space at " + hex_address(s.base) + " do not tile it at " +
+                     hex_address(at));
           }
           at = b->end();
           if (b->kind == Kind::kFree && prev != nullptr && prev->kind == Kind::kFree &&
               prev->small == b->small) {
-            violated("free blocks at " + hex_address(prev->ptr) + " and " + hex_address(b->ptr) + " are adjacent");
+            violated("free blocks at " + hex_address(prev->ptr) + " and " + hex_address(b->ptr) +
+                     " are adjacent");
           }
           const bool in_pool = arena->pools[b->small ? 1 : 0].count(const_cast<Block*>(b)) != 0;
           if (in_pool != (b->kind == Kind::kFree)) {
@@ -1727,10 +1733,12 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           const bool deferred = std::count(arena->deferred.begin(), arena->deferred.end(), b) != 0;
           if (deferred && (b->kind != Kind::kPending || b->event_count != 0 ||
                            b->stream_uses.empty())) {
-            violated("deferred free " + hex_address(b->ptr) + " is not pending with stream uses and no events");
+            violated("deferred free " + hex_address(b->ptr) +
+                     " is not pending with stream uses and no events");
           }
           if ((b->kind == Kind::kPending) != (b->event_count > 0 || deferred)) {
-            violated("block " + hex_address(b->ptr) + " is pending iff it waits for events or a capture");
+            violated("block " + hex_address(b->ptr) +
+                     " is pending iff it waits for events or a capture");
           }
           const std::size_t p0 = (b->ptr - s.base) / page_;
           const std::size_t p1 = (b->end() - s.base + page_ - 1) / page_;
@@ -1750,8 +1758,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           for (std::size_t p = p0; p < p1; ++p) {
             const Page& pg = s.pages[p];
             if (pg.handle == nullptr || pg.handle->live_at[pg.piece] != page_va(s, p)) {
-              violated("block " + hex_address(b->ptr) + " covers the page " + hex_address(page_va(s, p)) +
-                       ", which is not live");
+              violated("block " + hex_address(b->ptr) + " covers the page " +
+                       hex_address(page_va(s, p)) + ", which is not live");
             }
           }
           if (b->kind == Kind::kFree) {
@@ -1779,8 +1787,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
         }
         if (island != 0) end_island(at);
         if (at != frontier) {
-          violated("the blocks of the space at " + hex_address(s.base) + " end at " + hex_address(at) +
-                   ", not at its frontier " + hex_address(frontier));
+          violated("the blocks of the space at " + hex_address(s.base) + " end at " +
+                   hex_address(at) + ", not at its frontier " + hex_address(frontier));
         }
         if ((s.first == nullptr) != (s.last == nullptr) || (prev != s.last)) {
           violated("the space at " + hex_address(s.base) + " has a wrong last block");
@@ -1793,7 +1801,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           for (std::size_t i = 0; i < m.pages; ++i) {
             const Page& pg = s.pages.at(first + i);
             if (pg.handle != m.handle || pg.piece != m.first_piece + i) {
-              violated("page " + hex_address(page_va(s, first + i)) + " disagrees with its mapping");
+              violated("page " + hex_address(page_va(s, first + i)) +
+                       " disagrees with its mapping");
             }
             page_maps[{pg.handle->id, pg.piece}] += 1;
           }
@@ -1812,7 +1821,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           violated("the space at " + hex_address(s.base) + " has pages outside its mappings");
         }
         if (sim != nullptr && sim->mappings_in(s.base, s.reserved_pages * page_) != model) {
-          violated("the device's mappings in the space at " + hex_address(s.base) + " are not the model's");
+          violated("the device's mappings in the space at " + hex_address(s.base) +
+                   " are not the model's");
         }
       }
     }
@@ -1886,9 +1896,10 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
     const auto& b = used[i];
     if (std::get<0>(a) == std::get<0>(b) && std::get<1>(a) == std::get<1>(b) &&
         std::get<3>(a) > std::get<2>(b)) {
-      violated("live blocks " + hex_address(std::get<4>(a)) + " and " + hex_address(std::get<4>(b)) +
-               " share physical memory (piece " + std::to_string(std::get<1>(a)) + " of handle " +
-               std::to_string(std::get<0>(a)) + ")");
+      violated("live blocks " + hex_address(std::get<4>(a)) + " and " +
+               hex_address(std::get<4>(b)) + " share physical memory (piece " +
+               std::to_string(std::get<1>(a)) + " of handle " + std::to_string(std::get<0>(a)) +
+               ")");
     }
   }
   // Statistics: each arena's block statistics equal a recount of its blocks (so the

@@ -1,11 +1,12 @@
 #include "replay/physical_view.hpp"
-#include "core/format.hpp"
 
 #include <algorithm>
 #include <cstdio>
 #include <iterator>
 #include <map>
 #include <tuple>
+
+#include "core/format.hpp"
 
 namespace ccalloc::replay {
 namespace {
@@ -142,7 +143,8 @@ std::optional<PhysicalView> physical_view(const Snapshot& s, int device) {
   for (RangeView& r : v.ranges) {
     const std::size_t pages = r.frontier / g;
     if (r.live_pages + r.dead_pages > pages) {
-      problem(v, "the range at " + hex_address(r.address) + " has more live and dead pages than pages");
+      problem(
+          v, "the range at " + hex_address(r.address) + " has more live and dead pages than pages");
     } else {
       r.unmapped_pages = pages - r.live_pages - r.dead_pages;
     }

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <limits>
 #include <cstdlib>
+#include <limits>
 #include <unordered_map>
 
 #include "ccalloc/allocator.hpp"
@@ -130,7 +130,8 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
     gpu.set_time_us(e.time_us);
     switch (e.action) {
       case TraceAction::kAlloc: {
-        if (live.count(e.addr) != 0) bad_row(rec, "alloc at " + hex_address(e.addr) + ", which is live");
+        if (live.count(e.addr) != 0)
+          bad_row(rec, "alloc at " + hex_address(e.addr) + ", which is live");
         try {
           live.emplace(e.addr, allocator.malloc(e.size, e.stream));
           failed.erase(e.addr);
@@ -173,7 +174,8 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
         const auto it = pending.find(e.addr);
         if (it == pending.end()) {
           if (failed.erase(e.addr) != 0) break;
-          bad_row(rec, "free_completed of " + hex_address(e.addr) + " without a pending free_requested");
+          bad_row(rec,
+                  "free_completed of " + hex_address(e.addr) + " without a pending free_requested");
         }
         gpu.complete_stream(it->second);
         pending.erase(it);

@@ -694,18 +694,18 @@ void CudaDriver::free_host(void* ptr, std::size_t /*bytes*/) {
 
 void CudaDriver::copy_to_host(void* dst, DevicePtr src, std::size_t bytes) {
   DeviceGuard guard(device_);
-  check(
-      cudaMemcpy(dst, reinterpret_cast<const void*>(src), bytes, cudaMemcpyDeviceToHost),
-      ("cudaMemcpy(device " + hex_address(src) + " to host, " + std::to_string(bytes) + " bytes)").c_str(),
-      device_);
+  check(cudaMemcpy(dst, reinterpret_cast<const void*>(src), bytes, cudaMemcpyDeviceToHost),
+        ("cudaMemcpy(device " + hex_address(src) + " to host, " + std::to_string(bytes) + " bytes)")
+            .c_str(),
+        device_);
 }
 
 void CudaDriver::copy_to_device(DevicePtr dst, const void* src, std::size_t bytes) {
   DeviceGuard guard(device_);
-  check(
-      cudaMemcpy(reinterpret_cast<void*>(dst), src, bytes, cudaMemcpyHostToDevice),
-      ("cudaMemcpy(host to device " + hex_address(dst) + ", " + std::to_string(bytes) + " bytes)").c_str(),
-      device_);
+  check(cudaMemcpy(reinterpret_cast<void*>(dst), src, bytes, cudaMemcpyHostToDevice),
+        ("cudaMemcpy(host to device " + hex_address(dst) + ", " + std::to_string(bytes) + " bytes)")
+            .c_str(),
+        device_);
 }
 
 #else  // built without the CUDA toolkit

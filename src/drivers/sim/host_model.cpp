@@ -38,8 +38,8 @@ void SimDriver::free_host(void* ptr, std::size_t bytes) {
            ": not host memory from allocate_host");
     }
     if (it->second != bytes) {
-      fail("free_host of " + hex_address(reinterpret_cast<DevicePtr>(ptr)) + " with " + bytes_str(bytes) +
-           ": it has " + bytes_str(it->second));
+      fail("free_host of " + hex_address(reinterpret_cast<DevicePtr>(ptr)) + " with " +
+           bytes_str(bytes) + ": it has " + bytes_str(it->second));
     }
     host_bytes_ -= bytes;
     host_.erase(it);

@@ -182,7 +182,8 @@ std::string SimDriver::export_allocation(DevicePtr base) {
   std::lock_guard lock(mutex_);
   const auto it = live_.find(base);
   if (it == live_.end()) {
-    fail("export_allocation of " + hex_address(base) + ": it is not the start of a live device allocation");
+    fail("export_allocation of " + hex_address(base) +
+         ": it is not the start of a live device allocation");
   }
   const auto known = allocation_exports_.find(base);
   if (known != allocation_exports_.end()) return tagged(kAllocationTag, known->second);
@@ -223,7 +224,8 @@ DevicePtr SimDriver::open_allocation(std::string_view exported) {
 void SimDriver::close_allocation(DevicePtr ptr) {
   std::lock_guard lock(mutex_);
   if (opened_.erase(ptr) == 0) {
-    fail("close_allocation of " + hex_address(ptr) + ": no allocation of another process is open there");
+    fail("close_allocation of " + hex_address(ptr) +
+         ": no allocation of another process is open there");
   }
 }
 
@@ -288,7 +290,8 @@ void SimDriver::write(DevicePtr ptr, const void* data, std::size_t bytes) {
   while (bytes > 0) {
     std::size_t offset = 0;
     const auto [c, room] = contents_at(ptr, offset);
-    if (c == nullptr) fail("write of " + bytes_str(bytes) + " at " + hex_address(ptr) + ": not device memory");
+    if (c == nullptr)
+      fail("write of " + bytes_str(bytes) + " at " + hex_address(ptr) + ": not device memory");
     const std::size_t n = std::min(bytes, room);
     std::lock_guard clock(c->mutex);
     std::memcpy(c->bytes.data() + offset, from, n);
@@ -306,7 +309,8 @@ void SimDriver::read(DevicePtr ptr, void* data, std::size_t bytes) const {
   while (bytes > 0) {
     std::size_t offset = 0;
     const auto [c, room] = self.contents_at(ptr, offset);
-    if (c == nullptr) fail("read of " + bytes_str(bytes) + " at " + hex_address(ptr) + ": not device memory");
+    if (c == nullptr)
+      fail("read of " + bytes_str(bytes) + " at " + hex_address(ptr) + ": not device memory");
     const std::size_t n = std::min(bytes, room);
     std::lock_guard clock(c->mutex);
     std::memcpy(to, c->bytes.data() + offset, n);

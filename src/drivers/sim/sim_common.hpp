@@ -32,7 +32,8 @@ inline std::string bytes_str(std::size_t n) {
 
 // [addr, addr + bytes) as text.
 inline std::string range_str(DevicePtr addr, std::size_t bytes) {
-  return "[" + hex_address(addr) + ", " + hex_address(addr + bytes) + ") (" + bytes_str(bytes) + ")";
+  return "[" + hex_address(addr) + ", " + hex_address(addr + bytes) + ") (" + bytes_str(bytes) +
+         ")";
 }
 
 // Both helpers throw rather than wrap: a wrapped address would alias a low range and make

@@ -48,8 +48,8 @@ void SimDriver::free_address_range(DevicePtr base, std::size_t bytes) {
          hex_address(base));
   }
   if (it->second != bytes) {
-    fail("free_address_range of " + range_str(base, bytes) + ": the reservation at " + hex_address(base) +
-         " has " + bytes_str(it->second));
+    fail("free_address_range of " + range_str(base, bytes) + ": the reservation at " +
+         hex_address(base) + " has " + bytes_str(it->second));
   }
   const auto m = mappings_.lower_bound(base);
   if (m != mappings_.end() && m->first < base + bytes) {
@@ -98,7 +98,8 @@ void SimDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
   // CUDA would defer the release until the mapping goes; the engine always unmaps first,
   // so a release of a mapped handle is treated as the bug it would be there.
   if (it->second.mapped_at != 0) {
-    fail(what + ": it is still mapped at " + hex_address(it->second.mapped_at) + "; unmap it first");
+    fail(what + ": it is still mapped at " + hex_address(it->second.mapped_at) +
+         "; unmap it first");
   }
   if (it->second.range_mappings != 0) {
     fail(what + ": it is still mapped at " + std::to_string(it->second.range_mappings) +
@@ -145,7 +146,8 @@ void SimDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
   const std::string what =
       "map of handle " + std::to_string(handle) + " at " + range_str(va, bytes);
   Physical& p = mapping_target(what, va, bytes, handle);
-  if (p.mapped_at != 0) fail(what + ": the handle is already mapped at " + hex_address(p.mapped_at));
+  if (p.mapped_at != 0)
+    fail(what + ": the handle is already mapped at " + hex_address(p.mapped_at));
   if (p.range_mappings != 0) fail(what + ": the handle is already mapped by map_range");
   p.mapped_at = va;
   mappings_.emplace(va, Mapping{bytes, handle});
@@ -207,7 +209,8 @@ void SimDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle
   // CUDA 13, bench/gpu/vmm_cost.cpp): a mapping always covers a whole handle from its start.
   if (offset != 0) fail(what + ": CUDA maps a handle from its start only (offset must be 0)");
   Physical& p = mapping_target(what, va, bytes, handle);
-  if (p.mapped_at != 0) fail(what + ": the handle is mapped by map() at " + hex_address(p.mapped_at));
+  if (p.mapped_at != 0)
+    fail(what + ": the handle is mapped by map() at " + hex_address(p.mapped_at));
   ++p.range_mappings;
   mappings_.emplace(va, Mapping{bytes, handle, offset, true});
   ++counters_.maps;
