@@ -1721,7 +1721,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
             violated("free blocks at " + hex_address(prev->ptr) + " and " + hex_address(b->ptr) +
                      " are adjacent");
           }
-          const bool in_pool = arena->pools[b->small ? 1 : 0].count(const_cast<Block*>(b)) != 0;
+          const bool in_pool = arena->pools[b->small ? 1 : 0].holds(b);
           if (in_pool != (b->kind == Kind::kFree)) {
             violated("block " + hex_address(b->ptr) + " is " + (in_pool ? "" : "not ") +
                      "in its pool but is " + (b->kind == Kind::kFree ? "free" : "not free"));
@@ -1827,9 +1827,13 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
       }
     }
     for (const Pool& pool : arena->pools) {
-      for (const Block* b : pool) {
+      for (auto it = pool.begin(); it != pool.end(); ++it) {
+        const Block* b = *it;
         if (b->kind != Kind::kFree || b->space->arena != arena) {
           violated("pool holds block " + hex_address(b->ptr) + ", which is not a free block of it");
+        }
+        if (b->pool_pos != it) {
+          violated("the free block " + hex_address(b->ptr) + " has lost its place in its pool");
         }
       }
     }
