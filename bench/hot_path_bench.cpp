@@ -1,13 +1,19 @@
 // Cache-hit malloc+free pairs on the simulated GPU: the allocator's own CPU cost, with no
 // device call on the measured path (the first malloc creates the memory outside the loop).
+// And bench_gpu's random workload (random_ops.hpp), whose mallocs split and whose frees
+// merge blocks among up to 256 live ones: the free pools' cost, again with the memory
+// created before the timed passes.
 // Each policy is measured in the same run: the native engine (`pytorch` preset) and the
 // `ccalloc` preset (the stitching policy with its private pools beside it).
 //
 //   build/bin/bench_hot_path --benchmark_repetitions=5 --benchmark_report_aggregates_only
 #include <benchmark/benchmark.h>
 
+#include <vector>
+
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/sim.hpp"
+#include "random_ops.hpp"
 
 namespace {
 
@@ -36,6 +42,46 @@ void BM_CacheHitPair(benchmark::State& state) {
                          benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
+// One pass over the random sequence per iteration (the frees of what it leaves live untimed),
+// on an allocator of its own; the first pass (untimed) creates the memory the later ones reuse.
+template <const char* kPreset>
+void BM_RandomMix(benchmark::State& state) {
+  static const std::vector<ccalloc_bench::Op> ops = ccalloc_bench::make_random_ops(200'000);
+  ccalloc::sim::SimDriver gpu;
+  ccalloc::Allocator allocator(gpu, ccalloc::Config::parse(kPreset));
+  std::vector<ccalloc::DevicePtr> live;
+  live.reserve(ccalloc_bench::kRandomMaxLive);
+  const auto pass = [&] {
+    for (const ccalloc_bench::Op& op : ops) {
+      if (op.is_alloc) {
+        live.push_back(allocator.malloc(op.value, 7));
+      } else {
+        const ccalloc::DevicePtr p = live[op.value];
+        live[op.value] = live.back();
+        live.pop_back();
+        allocator.free(p);
+      }
+    }
+  };
+  const auto free_rest = [&] {
+    for (const ccalloc::DevicePtr p : live)
+      allocator.free(p);
+    live.clear();
+  };
+  pass();
+  free_rest();
+  for (auto _ : state) {
+    pass();
+    state.PauseTiming();
+    free_rest();
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(ops.size()));
+  state.counters["ns_per_op"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * static_cast<double>(ops.size()),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 constexpr char kNative[] = "pytorch";
 constexpr char kStitch[] = "ccalloc";
 
@@ -45,6 +91,8 @@ constexpr char kStitch[] = "ccalloc";
 // threads, each on its own stream: per-stream arenas should let throughput scale.
 BENCHMARK(BM_CacheHitPair<kNative>)->Name("native")->Arg(512)->Arg(1 << 20)->UseRealTime();
 BENCHMARK(BM_CacheHitPair<kStitch>)->Name("stitch")->Arg(512)->Arg(1 << 20)->UseRealTime();
+BENCHMARK(BM_RandomMix<kNative>)->Name("native_random")->UseRealTime();
+BENCHMARK(BM_RandomMix<kStitch>)->Name("stitch_random")->UseRealTime();
 BENCHMARK(BM_CacheHitPair<kNative>)
     ->Name("native")
     ->Arg(512)

@@ -40,7 +40,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -50,6 +49,7 @@
 #include "ccalloc/cuda.hpp"
 #include "ccalloc/process.hpp"
 #include "ccalloc/stats.hpp"
+#include "random_ops.hpp"
 #if CCALLOC_BENCH_WITH_TORCH
 #include "torch_backend.hpp"
 #endif
@@ -273,35 +273,9 @@ struct Malloc {
   void release() {}
 };
 
-// One step of the random workload: allocate `value` bytes, or free live[value].
-struct Op {
-  std::uint64_t value;
-  bool is_alloc;
-};
-
-constexpr std::size_t kRandomMaxLive = 256;
-
-std::vector<Op> make_random_ops(std::size_t steps, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> log_size(std::log(512.0),
-                                                  std::log(static_cast<double>(64 * kMiB)));
-  std::bernoulli_distribution coin(0.5);
-  std::vector<Op> ops;
-  ops.reserve(steps);
-  std::size_t live = 0;
-  for (std::size_t i = 0; i < steps; ++i) {
-    if (live < kRandomMaxLive && (live == 0 || coin(rng))) {
-      const auto size = static_cast<std::uint64_t>(std::exp(log_size(rng)));
-      ops.push_back({std::clamp<std::uint64_t>(size, 512, 64 * kMiB), true});
-      ++live;
-    } else {
-      std::uniform_int_distribution<std::uint64_t> pick(0, live - 1);
-      ops.push_back({pick(rng), false});
-      --live;
-    }
-  }
-  return ops;
-}
+using ccalloc_bench::kRandomMaxLive;
+using ccalloc_bench::make_random_ops;
+using ccalloc_bench::Op;
 
 // The workloads over any allocator; virtual only per repetition, never per operation.
 class Runner {
@@ -506,7 +480,7 @@ class Bench {
       : opt_(std::move(options)),
         streams_(std::move(streams)),
         pinning_(std::move(pinning)),
-        ops_(make_random_ops(opt_.random_steps, 0xCCA110C)) {}
+        ops_(make_random_ops(opt_.random_steps)) {}
 
   void add(Column column) { columns_.push_back(std::move(column)); }
 
