@@ -256,6 +256,7 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
 void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
   const bool small = b->small;
   for_block_stats(small, [&](StatType t) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     arena.stats.allocation[t].decrease(1);
     arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
   });
@@ -464,6 +465,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
   PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
   const auto bytes = static_cast<std::int64_t>(block->size);
   for_block_stats(small, [&](StatType t) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     ledger_increase(st.allocation[t], debt.allocation[t], arena.in_debt, 1);
     ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], arena.in_debt, bytes);
     ledger_increase(st.active[t], debt.active[t], arena.in_debt, 1);
@@ -478,6 +480,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 void StitchEngine::free_block(Arena& arena, Block* b) {
   for_block_stats(b->small, [&](StatType t) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     arena.stats.active[t].decrease(1);
     arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
     arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
