@@ -6,13 +6,16 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <iterator>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "ccalloc/config.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
 #include "core/engine.hpp"
+#include "core/stitch_engine.hpp"
 
 namespace ccalloc::core {
 
@@ -22,6 +25,20 @@ struct EngineTestAccess {
   static std::size_t& capacity(Engine& e) { return e.capacity_; }
   static PrivatePool& pool(Engine& e, ccalloc::PoolId id) NO_THREAD_SAFETY_ANALYSIS {
     return *e.pools_.at(id);
+  }
+};
+
+// The test hook stitch_engine.hpp befriends.
+struct StitchEngineTestAccess {
+  // Swaps the places in the pool of the two smallest free blocks of `stream`'s small pool;
+  // returns the address of the smallest.
+  static DevicePtr swap_small_pool_places(StitchEngine& e,
+                                          StreamId stream) NO_THREAD_SAFETY_ANALYSIS {
+    StitchEngine::Pool& pool = e.arena_for(stream).pool(/*small=*/true);
+    StitchEngine::Block* first = *pool.begin();
+    StitchEngine::Block* second = *std::next(pool.begin());
+    std::swap(first->pool_pos, second->pool_pos);
+    return first->ptr;
   }
 };
 
@@ -239,6 +256,38 @@ TEST(Invariants, ReservedBeyondCapacityBreaksTheCapacityCheck) {
       << message;
   capacity = real;
   EXPECT_EQ(rig.failure(), "");
+}
+
+// The stitching engine's free blocks keep their places in their pools (the set's iterator):
+// one that points at another block's node breaks the check that finds blocks by it.
+TEST(Invariants, StitchedFreeBlockWithAnotherBlocksPlaceBreaksPoolPlaces) {
+  ccalloc::sim::SimDriver gpu(Rig::options());
+  ccalloc::core::StitchEngine engine(gpu, Config::parse("ccalloc"));
+  const auto failure = [&engine]() -> std::string {
+    try {
+      engine.check_invariants();
+      return "";
+    } catch (const InvariantError& e) {
+      return e.what();
+    }
+  };
+  const DevicePtr a = engine.malloc(512, 0);
+  const DevicePtr b = engine.malloc(512, 0);
+  engine.free(a);  // the small pool: a's 512 B and the rest of the page after b
+  ASSERT_EQ(failure(), "");
+  const DevicePtr smallest =
+      ccalloc::core::StitchEngineTestAccess::swap_small_pool_places(engine, 0);
+  EXPECT_EQ(smallest, a);
+  const std::string message = failure();
+  EXPECT_NE(message.find("the free block " + hex(a) + " has lost its place in its pool"),
+            std::string::npos)
+      << message;
+  ccalloc::core::StitchEngineTestAccess::swap_small_pool_places(engine, 0);
+  EXPECT_EQ(failure(), "");
+  // And with the places right, freeing and reusing the blocks works as before.
+  engine.free(b);
+  EXPECT_EQ(engine.malloc(512, 0), a);
+  EXPECT_EQ(failure(), "");
 }
 
 }  // namespace

@@ -189,6 +189,7 @@ class StitchEngine final : public Backend {
   PieceCounts piece_counts() const EXCLUDES(registry_mutex_, device_mutex_);
 
  private:
+  friend struct StitchEngineTestAccess;  // tests/invariants_test.cpp
   struct Space;
   struct Arena;
   // Guarded by device_mutex_: a piece may be live in one stream's space and mapped dead in
