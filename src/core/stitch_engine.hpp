@@ -71,8 +71,8 @@
 //
 // Invariants (check_invariants()): blocks tile each space from base to frontier with no two
 // free neighbours; void blocks are page-aligned and cover only dead or unmapped pages,
-// other blocks only live pages; pools hold exactly the free blocks, live_ exactly the
-// allocated ones; each piece is live at most at one page, which maps it, and the spare set
+// other blocks only live pages; pools hold exactly the free blocks, each at the place it
+// keeps (Block::pool_pos), live_ exactly the allocated ones; each piece is live at most at one page, which maps it, and the spare set
 // holds exactly the pieces live nowhere; each piece's mapping count equals the pages that
 // map it; the driver's mappings in each space are exactly the model's (simulated GPU);
 // reserved == pieces x G; no two live blocks share a physical byte; the stats
