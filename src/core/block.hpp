@@ -91,22 +91,25 @@ struct RecyclingAllocator {
 
 // Best-fit order: by size, then address. The stream is implicit: each arena (one stream)
 // has its own pools, which is PyTorch's (stream, size, address) order split by stream.
-struct BySizeThenAddress {
+// For any block type with `size` and `ptr` (the stitching engine's blocks too).
+template <typename B>
+struct SizeThenAddress {
   using is_transparent = void;
   struct Key {
     std::size_t size;
     DevicePtr ptr;
   };
-  bool operator()(const Block* a, const Block* b) const {
+  bool operator()(const B* a, const B* b) const {
     return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
   }
-  bool operator()(const Block* a, const Key& k) const {
+  bool operator()(const B* a, const Key& k) const {
     return a->size != k.size ? a->size < k.size : a->ptr < k.ptr;
   }
-  bool operator()(const Key& k, const Block* b) const {
+  bool operator()(const Key& k, const B* b) const {
     return k.size != b->size ? k.size < b->size : k.ptr < b->ptr;
   }
 };
+using BySizeThenAddress = SizeThenAddress<Block>;
 
 // The free blocks of one kind (small or large) of one stream.
 struct FreePool {

@@ -205,22 +205,7 @@ class StitchEngine final : public Backend {
     std::uint32_t index = 0;
   };
   struct Block;
-  struct BySizeThenAddress {
-    using is_transparent = void;
-    struct Key {
-      std::size_t size;
-      DevicePtr ptr;
-    };
-    bool operator()(const Block* a, const Block* b) const {
-      return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
-    }
-    bool operator()(const Block* a, const Key& k) const {
-      return a->size != k.size ? a->size < k.size : a->ptr < k.ptr;
-    }
-    bool operator()(const Key& k, const Block* b) const {
-      return k.size != b->size ? k.size < b->size : k.ptr < b->ptr;
-    }
-  };
+  using BySizeThenAddress = SizeThenAddress<Block>;  // best fit (core/block.hpp)
   using PoolSet = std::set<Block*, BySizeThenAddress, RecyclingAllocator<Block*>>;
   // Blocks, spaces and their pages are guarded by their arena's lock.
   struct Block {
