@@ -4,8 +4,6 @@
 // whole checker passes again, so the corruption was the only fault.
 #include <gtest/gtest.h>
 
-#include <cinttypes>
-#include <cstdio>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -15,6 +13,7 @@
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
 #include "core/engine.hpp"
+#include "core/format.hpp"
 #include "core/stitch_engine.hpp"
 
 namespace ccalloc::core {
@@ -48,6 +47,7 @@ namespace {
 
 using ccalloc::Config;
 using ccalloc::DevicePtr;
+using ccalloc::hex_address;
 using ccalloc::InvariantError;
 using ccalloc::core::Arena;
 using ccalloc::core::Block;
@@ -78,12 +78,6 @@ struct Rig {
   ccalloc::sim::SimDriver gpu;
   Engine engine;
 };
-
-std::string hex(DevicePtr p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, p);
-  return buf;
-}
 
 bool names(const std::string& message, const std::string& check) {
   return message.rfind("ccalloc invariant " + check + " violated: ", 0) == 0;
@@ -157,7 +151,7 @@ TEST(Invariants, BlockThatOverrunsItsNeighbourBreaksTiling) {
   block->size += 512;
   const std::string message = rig.failure();
   EXPECT_TRUE(names(message, "blocks_tile_segments")) << message;
-  EXPECT_NE(message.find(hex(b)), std::string::npos) << message;
+  EXPECT_NE(message.find(hex_address(b)), std::string::npos) << message;
   block->size -= 512;
   EXPECT_EQ(rig.failure(), "");
 }
@@ -174,7 +168,7 @@ TEST(Invariants, AdjacentFreeBlocksBreakMerging) {
   arena.small_pool.blocks.insert(block);
   const std::string message = rig.failure();
   EXPECT_TRUE(names(message, "free_blocks_merged")) << message;
-  EXPECT_NE(message.find(hex(a)), std::string::npos) << message;
+  EXPECT_NE(message.find(hex_address(a)), std::string::npos) << message;
   arena.small_pool.blocks.erase(block);
   block->allocated = true;
   arena.live.insert(b, block);
@@ -189,7 +183,7 @@ TEST(Invariants, AllocatedBlockInAPoolBreaksPoolMembership) {
   arena.small_pool.blocks.insert(block);
   const std::string message = rig.failure();
   EXPECT_TRUE(names(message, "pool_membership")) << message;
-  EXPECT_NE(message.find(hex(a)), std::string::npos) << message;
+  EXPECT_NE(message.find(hex_address(a)), std::string::npos) << message;
   arena.small_pool.blocks.erase(block);
   EXPECT_EQ(rig.failure(), "");
 }
@@ -204,7 +198,7 @@ TEST(Invariants, UnmappedListEntryOutsideASegmentBreaksExpandableSegments) {
   tail->segment = nullptr;
   const std::string message = rig.failure();
   EXPECT_TRUE(names(message, "expandable_segments")) << message;
-  EXPECT_NE(message.find(hex(tail->ptr)), std::string::npos) << message;
+  EXPECT_NE(message.find(hex_address(tail->ptr)), std::string::npos) << message;
   tail->segment = segment;
   EXPECT_EQ(rig.failure(), "");
 }
@@ -279,7 +273,7 @@ TEST(Invariants, StitchedFreeBlockWithAnotherBlocksPlaceBreaksPoolPlaces) {
       ccalloc::core::StitchEngineTestAccess::swap_small_pool_places(engine, 0);
   EXPECT_EQ(smallest, a);
   const std::string message = failure();
-  EXPECT_NE(message.find("the free block " + hex(a) + " has lost its place in its pool"),
+  EXPECT_NE(message.find("the free block " + hex_address(a) + " has lost its place in its pool"),
             std::string::npos)
       << message;
   ccalloc::core::StitchEngineTestAccess::swap_small_pool_places(engine, 0);
