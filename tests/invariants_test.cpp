@@ -56,6 +56,16 @@ using ccalloc::core::EngineTestAccess;
 
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
+// The message of the first invariant check of `engine` that fails, "" if all pass.
+std::string failure_of(const ccalloc::core::Backend& engine) {
+  try {
+    engine.check_invariants();
+    return "";
+  } catch (const InvariantError& e) {
+    return e.what();
+  }
+}
+
 struct Rig {
   explicit Rig(const char* conf = "pytorch") : gpu(options()), engine(gpu, Config::parse(conf)) {}
   static ccalloc::sim::Options options() {
@@ -65,15 +75,7 @@ struct Rig {
   }
   Arena& arena() { return EngineTestAccess::arena(engine, 0); }
   Block* block(DevicePtr p) { return arena().live.find(p); }
-  // The message of the first check that fails, "" if all pass.
-  std::string failure() {
-    try {
-      engine.check_invariants();
-      return "";
-    } catch (const InvariantError& e) {
-      return e.what();
-    }
-  }
+  std::string failure() { return failure_of(engine); }
 
   ccalloc::sim::SimDriver gpu;
   Engine engine;
@@ -257,14 +259,7 @@ TEST(Invariants, ReservedBeyondCapacityBreaksTheCapacityCheck) {
 TEST(Invariants, StitchedFreeBlockWithAnotherBlocksPlaceBreaksPoolPlaces) {
   ccalloc::sim::SimDriver gpu(Rig::options());
   ccalloc::core::StitchEngine engine(gpu, Config::parse("ccalloc"));
-  const auto failure = [&engine]() -> std::string {
-    try {
-      engine.check_invariants();
-      return "";
-    } catch (const InvariantError& e) {
-      return e.what();
-    }
-  };
+  const auto failure = [&engine] { return failure_of(engine); };
   const DevicePtr a = engine.malloc(512, 0);
   const DevicePtr b = engine.malloc(512, 0);
   engine.free(a);  // the small pool: a's 512 B and the rest of the page after b

@@ -72,12 +72,13 @@
 // Invariants (check_invariants()): blocks tile each space from base to frontier with no two
 // free neighbours; void blocks are page-aligned and cover only dead or unmapped pages,
 // other blocks only live pages; pools hold exactly the free blocks, each at the place it
-// keeps (Block::pool_pos), live_ exactly the allocated ones; each piece is live at most at one page, which maps it, and the spare set
-// holds exactly the pieces live nowhere; each piece's mapping count equals the pages that
-// map it; the driver's mappings in each space are exactly the model's (simulated GPU);
-// reserved == pieces x G; no two live blocks share a physical byte; the stats
-// equal a recount; each arena's block statistics not in peak debt are within its baselines
-// and the device's peaks cover its currents (peaks_cover_current, as the native engine's).
+// keeps (Block::pool_pos), live_ exactly the allocated ones; each piece is live at most at
+// one page, which maps it, and the spare set holds exactly the pieces live nowhere; each
+// piece's mapping count equals the pages that map it; the driver's mappings in each space
+// are exactly the model's (simulated GPU); reserved == pieces x G; no two live blocks share
+// a physical byte; the stats equal a recount; each arena's block statistics not in peak
+// debt are within its baselines and the device's peaks cover its currents
+// (peaks_cover_current, as the native engine's).
 #pragma once
 
 #include <atomic>
