@@ -52,16 +52,9 @@ void BM_RandomMix(benchmark::State& state) {
   std::vector<ccalloc::DevicePtr> live;
   live.reserve(ccalloc_bench::kRandomMaxLive);
   const auto pass = [&] {
-    for (const ccalloc_bench::Op& op : ops) {
-      if (op.is_alloc) {
-        live.push_back(allocator.malloc(op.value, 7));
-      } else {
-        const ccalloc::DevicePtr p = live[op.value];
-        live[op.value] = live.back();
-        live.pop_back();
-        allocator.free(p);
-      }
-    }
+    ccalloc_bench::run_random_ops(
+        ops, ops.size(), live, [&](std::size_t bytes) { return allocator.malloc(bytes, 7); },
+        [&](ccalloc::DevicePtr p) { allocator.free(p); });
   };
   const auto free_rest = [&] {
     for (const ccalloc::DevicePtr p : live)

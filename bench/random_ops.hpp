@@ -45,4 +45,22 @@ inline std::vector<Op> make_random_ops(std::size_t steps, std::uint64_t seed = k
   return ops;
 }
 
+// Runs ops[0, n): alloc(bytes) for a malloc, release(ptr) for a free, the live blocks in
+// `live` (what is left live stays there for the caller).
+template <typename Ptr, typename Alloc, typename Release>
+void run_random_ops(const std::vector<Op>& ops, std::size_t n, std::vector<Ptr>& live,
+                    Alloc&& alloc, Release&& release) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const Op op = ops[i];
+    if (op.is_alloc) {
+      live.push_back(alloc(op.value));
+    } else {
+      const Ptr p = live[op.value];
+      live[op.value] = live.back();
+      live.pop_back();
+      release(p);
+    }
+  }
+}
+
 }  // namespace ccalloc_bench

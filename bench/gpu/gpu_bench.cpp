@@ -314,17 +314,9 @@ class RunnerOf final : public Runner {
     std::vector<void*> live;
     live.reserve(kRandomMaxLive);
     const auto t0 = Clock::now();
-    for (std::size_t i = 0; i < n; ++i) {
-      const Op op = ops[i];
-      if (op.is_alloc) {
-        live.push_back(a_.alloc(op.value, s));
-      } else {
-        void* p = live[op.value];
-        live[op.value] = live.back();
-        live.pop_back();
-        a_.free(p, s);
-      }
-    }
+    ccalloc_bench::run_random_ops(
+        ops, n, live, [&](std::size_t bytes) { return a_.alloc(bytes, s); },
+        [&](void* p) { a_.free(p, s); });
     a_.finish(s);
     const double ns = ns_since(t0);
     for (void* p : live)
