@@ -190,6 +190,34 @@ TEST(Invariants, AllocatedBlockInAPoolBreaksPoolMembership) {
   EXPECT_EQ(rig.failure(), "");
 }
 
+// Free blocks keep their places in their pools (the set's iterator), and the engine finds
+// and removes known blocks by them: a block that points at another block's node is named.
+TEST(Invariants, FreeBlockWithAnotherBlocksPlaceBreaksPoolMembership) {
+  Rig rig;
+  const DevicePtr a = rig.engine.malloc(512, 0);
+  const DevicePtr b = rig.engine.malloc(512, 0);
+  rig.engine.free(a);  // the small pool: a's 512 B and the rest of the segment after b
+  ASSERT_EQ(rig.failure(), "");
+  auto& pool = rig.arena().small_pool.blocks;
+  ASSERT_EQ(pool.size(), 2U);
+  Block* first = *pool.begin();
+  Block* second = *std::next(pool.begin());
+  ASSERT_EQ(first->ptr, a);
+  std::swap(first->pool_pos, second->pool_pos);
+  const std::string message = rig.failure();
+  EXPECT_TRUE(names(message, "pool_membership")) << message;
+  EXPECT_NE(message.find("free block " + hex_address(a) + " has lost its place in its pool"),
+            std::string::npos)
+      << message;
+  std::swap(first->pool_pos, second->pool_pos);
+  EXPECT_EQ(rig.failure(), "");
+  // With the places right, freeing b merges all three into one block, which is reused.
+  rig.engine.free(b);
+  EXPECT_EQ(pool.size(), 1U);
+  EXPECT_EQ(rig.engine.malloc(512, 0), a);
+  EXPECT_EQ(rig.failure(), "");
+}
+
 TEST(Invariants, UnmappedListEntryOutsideASegmentBreaksExpandableSegments) {
   Rig rig("pytorch,expandable_segments:True");
   rig.engine.malloc(512, 0);

@@ -24,26 +24,6 @@ struct Arena;
 struct FreePool;
 class ExpandableSegment;
 
-struct Block {
-  DevicePtr ptr = 0;
-  std::size_t size = 0;            // rounded bytes this block spans
-  std::size_t requested_size = 0;  // what the program asked for (stale once freed)
-  Block* prev = nullptr;           // neighbours within the segment, address order
-  Block* next = nullptr;
-  FreePool* pool = nullptr;         // the pool the block returns to (its arena's small or large)
-  std::uint64_t gc_count_base = 0;  // pool's search count when the block became free
-  int event_count = 0;              // outstanding events before it may be reused
-  bool allocated = false;
-  std::vector<StreamId> stream_uses;     // streams other than its own that used it
-  ExpandableSegment* segment = nullptr;  // the expandable segment it lies in, if any
-  bool mapped = true;               // false only for an unmapped range of an expandable segment
-  Origin stack;          // history: context of its allocation (while active)
-  Origin segment_stack;  // history: context of the device allocation (head only)
-
-  bool is_split() const { return prev != nullptr || next != nullptr; }
-  DevicePtr end() const { return ptr + size; }
-};
-
 // A fixed-size node recycler for the standard containers on the hot path: nodes freed by a
 // container are kept and handed back to it, so steady-state insert/erase never reach the
 // system allocator. Requests for more than one object (hash bucket arrays) pass through.
@@ -109,19 +89,77 @@ struct SizeThenAddress {
     return k.size != b->size ? k.size < b->size : k.ptr < b->ptr;
   }
 };
+// The ordered set a best-fit pool keeps its free blocks in (BestFitPool below).
+template <typename B>
+using BestFitSet = std::set<B*, SizeThenAddress<B>, RecyclingAllocator<B*>>;
+
+struct Block {
+  DevicePtr ptr = 0;
+  std::size_t size = 0;            // rounded bytes this block spans
+  std::size_t requested_size = 0;  // what the program asked for (stale once freed)
+  Block* prev = nullptr;           // neighbours within the segment, address order
+  Block* next = nullptr;
+  FreePool* pool = nullptr;         // the pool the block returns to (its arena's small or large)
+  std::uint64_t gc_count_base = 0;  // pool's search count when the block became free
+  int event_count = 0;              // outstanding events before it may be reused
+  bool allocated = false;
+  std::vector<StreamId> stream_uses;     // streams other than its own that used it
+  ExpandableSegment* segment = nullptr;  // the expandable segment it lies in, if any
+  bool mapped = true;    // false only for an unmapped range of an expandable segment
+  Origin stack;          // history: context of its allocation (while active)
+  Origin segment_stack;  // history: context of the device allocation (head only)
+  BestFitSet<Block>::iterator pool_pos{};  // its place in its pool while pooled (BestFitPool)
+
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+  DevicePtr end() const { return ptr + size; }
+};
+
 using BySizeThenAddress = SizeThenAddress<Block>;
+
+// A free pool's blocks by size, then address (best fit: lower_bound). Each block keeps its
+// place in the set (`B::pool_pos`, set by insert), so finding or removing a known block
+// needs no search; only inserting one does. Both engines' pools are one of these.
+template <typename B>
+class BestFitPool {
+ public:
+  using Set = BestFitSet<B>;
+  using iterator = typename Set::iterator;
+  using Key = typename SizeThenAddress<B>::Key;
+  explicit BestFitPool(NodeRecycler* nodes)
+      : set_(SizeThenAddress<B>{}, RecyclingAllocator<B*>(nodes)) {}
+
+  iterator insert(B* b) {
+    const iterator it = set_.insert(b).first;
+    b->pool_pos = it;
+    return it;
+  }
+  void erase(iterator it) { set_.erase(it); }
+  // b must be in this pool.
+  void erase(B* b) { set_.erase(b->pool_pos); }
+  // b must be in this pool.
+  iterator find(B* b) const { return b->pool_pos; }
+  // Where b is in this pool, or end(), by search (for checks of what a caller passes in).
+  iterator search(const B* b) const { return set_.find(const_cast<B*>(b)); }
+  bool holds(const B* b) const { return search(b) != end(); }
+  iterator lower_bound(Key k) const { return set_.lower_bound(k); }
+  iterator begin() const { return set_.begin(); }
+  iterator end() const { return set_.end(); }
+  auto rbegin() const { return set_.rbegin(); }
+  bool empty() const { return set_.empty(); }
+  std::size_t size() const { return set_.size(); }
+
+ private:
+  Set set_;
+};
 
 // The free blocks of one kind (small or large) of one stream.
 struct FreePool {
-  using Set = std::set<Block*, BySizeThenAddress, RecyclingAllocator<Block*>>;
+  using Blocks = BestFitPool<Block>;
 
-  FreePool(bool small, Arena* owner)
-      : is_small(small),
-        arena(owner),
-        blocks(BySizeThenAddress{}, RecyclingAllocator<Block*>(&recycler_)) {}
+  FreePool(bool small, Arena* owner) : is_small(small), arena(owner), blocks(&recycler_) {}
 
   // The smallest free block of at least `size` bytes (lowest address among equals).
-  Set::iterator lower_bound(std::size_t size) {
+  Blocks::iterator lower_bound(std::size_t size) const {
     return blocks.lower_bound(BySizeThenAddress::Key{size, 0});
   }
 
@@ -132,7 +170,7 @@ struct FreePool {
   NodeRecycler recycler_;  // declared before `blocks`: destroyed after it
 
  public:
-  Set blocks;  // free, mapped blocks
+  Blocks blocks;  // free, mapped blocks
   struct ByAddress {
     bool operator()(const Block* a, const Block* b) const { return a->ptr < b->ptr; }
   };

@@ -33,7 +33,8 @@
 //   free_blocks_merged         no two adjacent free blocks (of the same mapped state).
 //   pool_membership            every free block is in exactly one pool and no allocated or
 //                              pending block is; every block is held in exactly one place
-//                              (live index, pool, pending-event queue).
+//                              (live index, pool, pending-event queue); every pooled block
+//                              keeps its own place in its pool (Block::pool_pos).
 //   expandable_segments        an expandable segment's blocks span its reservation and its
 //                              mapped blocks add up to its mapped bytes; the unmapped lists
 //                              hold only unmapped ranges.
@@ -283,7 +284,7 @@ class Engine final : public Backend {
   [[noreturn]] void throw_not_live(const char* what, DevicePtr ptr) const;
 
   // --- hot path (arena lock held) ---
-  using PoolPos = FreePool::Set::iterator;
+  using PoolPos = FreePool::Blocks::iterator;
   // Best fit from the arena's pool, or the pool's end(). advance_gc_clock: this search
   // counts as one tick of the age-based GC's clock (once per malloc, as in PyTorch).
   PoolPos find_free_block(Arena& arena, const Request& req, bool advance_gc_clock) REQUIRES(arena.mutex);

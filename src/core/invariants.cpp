@@ -241,7 +241,11 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
       ++pending_refs[b];
     }
     for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
-      for (const Block* b : pool->blocks) {
+      for (auto it = pool->blocks.begin(); it != pool->blocks.end(); ++it) {
+        const Block* b = *it;
+        if (b->pool_pos != it) {
+          violation(kName, "free block 0x%" PRIxPTR " has lost its place in its pool", b->ptr);
+        }
         if (b->pool != pool) {
           violation(kName, "free block 0x%" PRIxPTR " is in a pool not its own", b->ptr);
         }

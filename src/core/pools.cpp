@@ -313,7 +313,7 @@ PoolRestore Engine::restore_pool(const PoolCheckpoint& checkpoint) {
             cur->size < bs.size) {
           fail("the free memory differs", bs.ptr);
         }
-        const PoolPos pos = fp.blocks.find(cur);
+        const PoolPos pos = fp.blocks.search(cur);
         if (pos == fp.blocks.end()) fail("a block is not free", bs.ptr);
         Request req;
         req.requested = bs.requested;

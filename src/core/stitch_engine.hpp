@@ -207,7 +207,6 @@ class StitchEngine final : public Backend {
   };
   struct Block;
   using BySizeThenAddress = SizeThenAddress<Block>;  // best fit (core/block.hpp)
-  using PoolSet = std::set<Block*, BySizeThenAddress, RecyclingAllocator<Block*>>;
   // Blocks, spaces and their pages are guarded by their arena's lock.
   struct Block {
     enum class Kind : std::uint8_t { kFree, kAllocated, kPending, kVoid };
@@ -223,41 +222,12 @@ class StitchEngine final : public Backend {
     std::vector<StreamId> stream_uses;
     Origin stack;  // of its allocation, while active
     // Its place in its pool, while free (Pool::insert sets it).
-    PoolSet::iterator pool_pos{};
+    BestFitSet<Block>::iterator pool_pos{};
     DevicePtr end() const { return ptr + size; }
     // A small-pool block in a large space (see take_island).
     bool in_island() const { return small != space->small; }
   };
-  // A free pool: its free blocks by size, then address (best fit: lower_bound). Each block
-  // keeps its position in the pool's set, so finding or removing a known block needs no
-  // search (only inserting one does).
-  class Pool {
-   public:
-    using iterator = PoolSet::iterator;
-    explicit Pool(NodeRecycler* nodes)
-        : set_(BySizeThenAddress{}, RecyclingAllocator<Block*>(nodes)) {}
-
-    iterator insert(Block* b) {
-      const iterator it = set_.insert(b).first;
-      b->pool_pos = it;
-      return it;
-    }
-    void erase(iterator it) { set_.erase(it); }
-    void erase(Block* b) { set_.erase(b->pool_pos); }
-    // b must be in this pool.
-    iterator find(Block* b) const { return b->pool_pos; }
-    // Whether b is in this pool, by search (for the invariant checker).
-    bool holds(const Block* b) const { return set_.count(const_cast<Block*>(b)) != 0; }
-    iterator lower_bound(BySizeThenAddress::Key k) const { return set_.lower_bound(k); }
-    iterator begin() const { return set_.begin(); }
-    iterator end() const { return set_.end(); }
-    auto rbegin() const { return set_.rbegin(); }
-    bool empty() const { return set_.empty(); }
-    std::size_t size() const { return set_.size(); }
-
-   private:
-    PoolSet set_;
-  };
+  using Pool = BestFitPool<Block>;  // a free pool (core/block.hpp)
   struct Page {
     Handle* handle = nullptr;  // nullptr: unmapped
     std::uint32_t piece = 0;
