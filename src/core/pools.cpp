@@ -283,8 +283,8 @@ PoolRestore Engine::restore_pool(const PoolCheckpoint& checkpoint) {
     };
     for (const auto& seg : cp->segments) {
       const auto ait = pool.arenas.find(seg.stream);
-      if (ait == pool.arenas.end() || seg.blocks.empty())
-        fail("no segment", seg.blocks.front().ptr);
+      if (seg.blocks.empty()) fail("a segment without blocks", 0);
+      if (ait == pool.arenas.end()) fail("no segment", seg.blocks.front().ptr);
       Arena& arena = *ait->second;
       all.held(arena);
       FreePool& fp = arena.pool_for(seg.small);
