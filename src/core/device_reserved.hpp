@@ -13,16 +13,29 @@
 
 namespace ccalloc::core {
 
+// The entry of a statistic kept per pool that belongs to the small or the large pool.
+inline StatType pool_stat(bool small) {
+  return small ? kSmallPool : kLargePool;
+}
+
+// Calls f(t) for a statistic's aggregate entry, then for the small or large pool's: two
+// calls, where a loop over an initializer list costs a hot path a dozen instructions a pass.
+template <typename F>
+void for_pool_stats(bool small, F&& f) {
+  f(kAggregate);
+  f(pool_stat(small));
+}
+
 // `n` more (or, negative, fewer) of a statistic kept per pool: its aggregate entry and the
 // small or large pool's. The engines' reserved-bytes and segment statistics and this ledger's.
 inline void add_pool_stat(StatArray& stat, bool small, std::int64_t n) {
-  for (StatType t : {kAggregate, small ? kSmallPool : kLargePool}) {
+  for_pool_stats(small, [&](StatType t) {
     if (n >= 0) {
       stat[t].increase(n);
     } else {
       stat[t].decrease(-n);
     }
-  }
+  });
 }
 
 class DeviceReserved {

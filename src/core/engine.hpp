@@ -378,7 +378,6 @@ class Engine final : public Backend {
   void add_segment_stats(bool small, std::size_t size, std::int64_t sign) REQUIRES(device_mutex_);
   // The reserved-bytes statistic of the pool and the aggregate, and the ledger beside it.
   void add_reserved_bytes(bool small, std::int64_t bytes) REQUIRES(device_mutex_);
-  static StatType pool_stat(bool small) { return small ? kSmallPool : kLargePool; }
   // Blocks of every segment of `arena`, grouped by segment (every arena lock held).
   std::vector<std::vector<const Block*>> segments_of(const Arena& arena) const REQUIRES(arena.mutex);
   // As segments_of(), with each expandable segment split into its runs of mapped blocks:

@@ -50,18 +50,6 @@ constexpr std::size_t kMinHandleCap = 2;
 // the reserved bytes (1/64, under 1.6 %), when that is less than the chunk.
 constexpr std::size_t kSettledExtraDivisor = 64;
 
-StatType pool_stat(bool small) {
-  return small ? kSmallPool : kLargePool;
-}
-
-// Calls f for the aggregate statistics and for those of a block's pool: two calls, where a
-// loop over an initializer list costs the hot path a dozen instructions a pass.
-template <typename F>
-void for_block_stats(bool small, F&& f) {
-  f(kAggregate);
-  f(pool_stat(small));
-}
-
 }  // namespace
 
 StitchEngine::StitchEngine(Driver& driver, Config config)
@@ -255,7 +243,7 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
 // Frees lower the block statistics only: no peak debt to settle.
 void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
   const bool small = b->small;
-  for_block_stats(small, [&](StatType t) {
+  for_pool_stats(small, [&](StatType t) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     arena.stats.allocation[t].decrease(1);
     arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
@@ -464,7 +452,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
   const auto bytes = static_cast<std::int64_t>(block->size);
-  for_block_stats(small, [&](StatType t) {
+  for_pool_stats(small, [&](StatType t) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     ledger_increase(st.allocation[t], debt.allocation[t], arena.in_debt, 1);
     ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], arena.in_debt, bytes);
@@ -479,7 +467,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 void StitchEngine::free_block(Arena& arena, Block* b) {
-  for_block_stats(b->small, [&](StatType t) {
+  for_pool_stats(b->small, [&](StatType t) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     arena.stats.active[t].decrease(1);
     arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
