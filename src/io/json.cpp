@@ -11,9 +11,9 @@
 namespace ccalloc::io {
 namespace {
 
-class Parser final : public ValueParser {
+class JsonParser final : public ValueParser {
  public:
-  Parser(ByteInput& in, const std::string& name, std::size_t max_depth, TraceEntrySink* sink)
+  JsonParser(ByteInput& in, const std::string& name, std::size_t max_depth, TraceEntrySink* sink)
       : in_(in), name_(name), max_depth_(max_depth), sink_(sink) {}
 
   // With a sink, the top-level object is walked here member by member, and the arrays of
@@ -462,9 +462,9 @@ class Parser final : public ValueParser {
 
 // ---- writer ------------------------------------------------------------------------------
 
-constexpr std::size_t kMaxWriteDepth = 1000;
+constexpr std::size_t kMaxJsonDepth = 1000;
 
-class Writer {
+class JsonWriter {
  public:
   std::string run(const Value& v) {
     out_.reserve(std::size_t{1} << 16);
@@ -570,8 +570,8 @@ class Writer {
   }
 
   void write(const Value& v, std::size_t depth) {
-    if (depth > kMaxWriteDepth) {
-      throw Error("write_json: values nested deeper than " + std::to_string(kMaxWriteDepth) +
+    if (depth > kMaxJsonDepth) {
+      throw Error("write_json: values nested deeper than " + std::to_string(kMaxJsonDepth) +
                   " levels (a cycle?)");
     }
     const Value::Storage& s = v.storage();
@@ -615,11 +615,11 @@ class Writer {
 
 std::unique_ptr<ValueParser> json_parser(ByteInput& in, const std::string& name,
                                          std::size_t max_depth, TraceEntrySink* sink) {
-  return std::make_unique<Parser>(in, name, max_depth, sink);
+  return std::make_unique<JsonParser>(in, name, max_depth, sink);
 }
 
 Value parse_json(ByteInput& in, const std::string& name, std::size_t max_depth) {
-  Parser parser(in, name, max_depth, nullptr);
+  JsonParser parser(in, name, max_depth, nullptr);
   while (parser.step()) {
   }
   return parser.result();
@@ -631,7 +631,7 @@ Value parse_json(std::string_view text, const std::string& name, std::size_t max
 }
 
 std::string write_json(const Value& v) {
-  return Writer().run(v);
+  return JsonWriter().run(v);
 }
 
 }  // namespace ccalloc::io

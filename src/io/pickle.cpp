@@ -851,9 +851,9 @@ class Reader final : public ValueParser {
 
 // Deeper values (only possible through a cycle or a hand-built tree) are refused rather
 // than risking the stack.
-constexpr std::size_t kMaxWriteDepth = 1000;
+constexpr std::size_t kMaxPickleDepth = 1000;
 
-class Writer {
+class PickleWriter {
  public:
   std::string run(const Value& v) {
     out_.reserve(std::size_t{1} << 16);
@@ -959,8 +959,8 @@ class Writer {
   }
 
   void write(const Value& v, std::size_t depth) {
-    if (depth > kMaxWriteDepth) {
-      throw Error("write_pickle: values nested deeper than " + std::to_string(kMaxWriteDepth) +
+    if (depth > kMaxPickleDepth) {
+      throw Error("write_pickle: values nested deeper than " + std::to_string(kMaxPickleDepth) +
                   " levels (a cycle?)");
     }
     const Value::Storage& s = v.storage();
@@ -1071,7 +1071,7 @@ Value parse_pickle(std::string_view data, const std::string& name, PickleLimits 
 }
 
 std::string write_pickle(const Value& v) {
-  return Writer().run(v);
+  return PickleWriter().run(v);
 }
 
 }  // namespace ccalloc::io

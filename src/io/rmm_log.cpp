@@ -14,26 +14,26 @@
 namespace ccalloc::io {
 namespace {
 
-constexpr std::string_view kHeader = "Thread,Time,Action,Pointer,Size,Stream";
+constexpr std::string_view kRmmHeader = "Thread,Time,Action,Pointer,Size,Stream";
 constexpr std::int64_t kUsPerDay = std::int64_t{86400} * 1000000;
 constexpr std::int64_t kMaxDays = 1000000;
 
-enum class Column : std::uint8_t { kIgnored, kThread, kTime, kAction, kPointer, kSize, kStream };
+enum class RmmColumn : std::uint8_t { kIgnored, kThread, kTime, kAction, kPointer, kSize, kStream };
 
-constexpr std::array<KnownColumn<Column>, 6> kKnownColumns = {{
-    {"Thread", Column::kThread, false},
-    {"Time", Column::kTime, false},
-    {"Action", Column::kAction, true},
-    {"Pointer", Column::kPointer, true},
-    {"Size", Column::kSize, true},
-    {"Stream", Column::kStream, false},
+constexpr std::array<KnownColumn<RmmColumn>, 6> kRmmColumns = {{
+    {"Thread", RmmColumn::kThread, false},
+    {"Time", RmmColumn::kTime, false},
+    {"Action", RmmColumn::kAction, true},
+    {"Pointer", RmmColumn::kPointer, true},
+    {"Size", RmmColumn::kSize, true},
+    {"Stream", RmmColumn::kStream, false},
 }};
 
 enum class Action : std::uint8_t { kAllocate, kFree, kFailure };
 
-class Parser final : public RecordReader {
+class RmmParser final : public RecordReader {
  public:
-  explicit Parser(LineReader& lines) : lines_(lines) {}
+  explicit RmmParser(LineReader& lines) : lines_(lines) {}
 
   bool next(TraceRecord& out) override {
     if (pending_ < queued_.size()) {
@@ -52,7 +52,7 @@ class Parser final : public RecordReader {
       }
       if (!have_header_) {
         throw FormatError(lines_.name() + ": empty RMM log (expected the header line '" +
-                          std::string(kHeader) + "')");
+                          std::string(kRmmHeader) + "')");
       }
     }
     while (lines_.next(line)) {
@@ -66,27 +66,27 @@ class Parser final : public RecordReader {
 
  private:
   [[noreturn]] void fail(const std::string& what) const { lines_.fail(what); }
-  [[noreturn]] void fail_field(Column column, std::string_view field,
+  [[noreturn]] void fail_field(RmmColumn column, std::string_view field,
                                const std::string& why) const {
-    fail("invalid " + std::string(column_name(kKnownColumns, column)) + " " + quoted(field) + " (" +
+    fail("invalid " + std::string(column_name(kRmmColumns, column)) + " " + quoted(field) + " (" +
          why + ")");
   }
 
   void parse_header(std::string_view line) {
-    const auto seen = map_header(line, kKnownColumns, /*ignore_case=*/true, lines_, columns_);
+    const auto seen = map_header(line, kRmmColumns, /*ignore_case=*/true, lines_, columns_);
     std::string missing;
-    for (std::size_t k = 0; k < kKnownColumns.size(); ++k) {
-      if (kKnownColumns[k].required && !seen[k]) {
-        missing += (missing.empty() ? "'" : ", '") + std::string(kKnownColumns[k].name) + "'";
+    for (std::size_t k = 0; k < kRmmColumns.size(); ++k) {
+      if (kRmmColumns[k].required && !seen[k]) {
+        missing += (missing.empty() ? "'" : ", '") + std::string(kRmmColumns[k].name) + "'";
       }
     }
     if (!missing.empty()) {
       fail("the header has no " + missing + " column (got " + quoted(line) +
-           ", expected RMM's header '" + std::string(kHeader) + "')");
+           ", expected RMM's header '" + std::string(kRmmHeader) + "')");
     }
   }
 
-  std::uint64_t parse_unsigned(std::string_view field, Column column, bool allow_hex) const {
+  std::uint64_t parse_unsigned(std::string_view field, RmmColumn column, bool allow_hex) const {
     if (allow_hex && field == "(nil)") return 0;  // printf's %p of a null pointer
     int base = 10;
     std::string_view digits = field;
@@ -111,7 +111,7 @@ class Parser final : public RecordReader {
     std::size_t n = 0;
     for (const char c : frac) {
       if (c < '0' || c > '9')
-        fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+        fail_field(RmmColumn::kTime, field, "expected HH:MM:SS.ffffff or seconds");
       if (n < 6) us = us * 10 + (c - '0');
       ++n;
     }
@@ -126,7 +126,7 @@ class Parser final : public RecordReader {
     // A bound that keeps the microsecond arithmetic far from overflow.
     if (ec != std::errc() || ptr != digits.data() + digits.size() || digits.empty() || v < 0 ||
         v > (std::int64_t{1} << 40)) {
-      fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+      fail_field(RmmColumn::kTime, field, "expected HH:MM:SS.ffffff or seconds");
     }
     return v;
   }
@@ -151,28 +151,28 @@ class Parser final : public RecordReader {
       std::uint64_t secs = 0;
       const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), secs);
       if (ec != std::errc() || ptr != s.data() + s.size() || s.empty()) {
-        fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+        fail_field(RmmColumn::kTime, field, "expected HH:MM:SS.ffffff or seconds");
       }
       constexpr std::uint64_t kLimit = std::uint64_t{1} << 63;  // |INT64_MIN|
       if (secs > kLimit / 1000000 ||
           secs * 1000000 + static_cast<std::uint64_t>(us) > kLimit - (negative ? 0 : 1)) {
-        fail_field(Column::kTime, field, "out of the range of 64-bit microseconds");
+        fail_field(RmmColumn::kTime, field, "out of the range of 64-bit microseconds");
       }
       const std::uint64_t mag = secs * 1000000 + static_cast<std::uint64_t>(us);
       return static_cast<std::int64_t>(negative ? 0 - mag : mag);
     }
-    if (negative) fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff or seconds");
+    if (negative) fail_field(RmmColumn::kTime, field, "expected HH:MM:SS.ffffff or seconds");
     std::int64_t parts[3] = {0, 0, 0};
     int n = 0;
     for (;;) {
       const std::size_t colon = s.find(':');
-      if (n == 3) fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff");
+      if (n == 3) fail_field(RmmColumn::kTime, field, "expected HH:MM:SS.ffffff");
       parts[n++] = small_number(s.substr(0, colon), field);
       if (colon == std::string_view::npos) break;
       s.remove_prefix(colon + 1);
     }
     if (n != 3 || parts[0] > 1000000 || parts[1] > 59 || parts[2] > 60) {
-      fail_field(Column::kTime, field, "expected HH:MM:SS.ffffff");
+      fail_field(RmmColumn::kTime, field, "expected HH:MM:SS.ffffff");
     }
     std::int64_t t = ((parts[0] * 60 + parts[1]) * 60 + parts[2]) * 1000000 + us;
     // A time of day that jumps back by more than half a day crossed midnight.
@@ -198,19 +198,19 @@ class Parser final : public RecordReader {
     Action action = Action::kAllocate;
     TraceEntry e;
     std::size_t start = 0;
-    for (const Column column : columns_) {
+    for (const RmmColumn column : columns_) {
       const std::size_t comma = line.find(',', start);
       const std::size_t end = comma == std::string_view::npos ? line.size() : comma;
       const std::string_view field = trim(line.substr(start, end - start));
       start = end + 1;
       switch (column) {
-        case Column::kIgnored:
-        case Column::kThread:
+        case RmmColumn::kIgnored:
+        case RmmColumn::kThread:
           break;
-        case Column::kTime:
+        case RmmColumn::kTime:
           e.time_us = parse_time(field);
           break;
-        case Column::kAction:
+        case RmmColumn::kAction:
           if (field == "allocate") {
             action = Action::kAllocate;
           } else if (field == "free" || field == "deallocate") {
@@ -222,13 +222,13 @@ class Parser final : public RecordReader {
                  " (expected 'allocate', 'free' or 'allocate failure')");
           }
           break;
-        case Column::kPointer:
+        case RmmColumn::kPointer:
           e.addr = static_cast<DevicePtr>(parse_unsigned(field, column, true));
           break;
-        case Column::kSize:
+        case RmmColumn::kSize:
           e.size = static_cast<std::size_t>(parse_unsigned(field, column, false));
           break;
-        case Column::kStream:
+        case RmmColumn::kStream:
           e.stream = static_cast<StreamId>(parse_unsigned(field, column, true));
           break;
       }
@@ -258,7 +258,7 @@ class Parser final : public RecordReader {
   // The records of the last row (a free is two), handed out from pending_ on.
   std::vector<TraceRecord> queued_;
   std::size_t pending_ = 0;
-  std::vector<Column> columns_;
+  std::vector<RmmColumn> columns_;
   std::int64_t day_offset_ = 0;
   std::int64_t last_clock_ = 0;
   bool have_clock_ = false;
@@ -296,12 +296,12 @@ void append_seconds(std::string& out, std::int64_t us) {
 }  // namespace
 
 std::unique_ptr<RecordReader> rmm_log_reader(LineReader& lines) {
-  return std::make_unique<Parser>(lines);
+  return std::make_unique<RmmParser>(lines);
 }
 
 std::vector<TraceRecord> parse_rmm_log(std::string_view text, const std::string& name) {
   LineReader lines(text, name);
-  Parser parser(lines);
+  RmmParser parser(lines);
   return read_all(parser);
 }
 
@@ -309,14 +309,14 @@ std::vector<TraceRecord> read_rmm_log(const std::string& path) {
   const ReadLimits limits = ReadLimits::from_environment();
   ByteSource source(path, limits);
   LineReader lines(source, source.next(), limits.max_line_bytes);
-  Parser parser(lines);
+  RmmParser parser(lines);
   return read_all(parser);
 }
 
 std::string format_rmm_log(const std::vector<TraceEntry>& entries) {
   std::string out;
-  out.reserve(kHeader.size() + 1 + entries.size() * 64);
-  out.append(kHeader);
+  out.reserve(kRmmHeader.size() + 1 + entries.size() * 64);
+  out.append(kRmmHeader);
   out += '\n';
   const std::int64_t t0 = entries.empty() ? 0 : entries.front().time_us;
   for (const TraceEntry& e : entries) {
