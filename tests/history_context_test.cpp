@@ -393,3 +393,35 @@ TEST(HistoryContext, SnapshotFilesCarryTheRenderedFrames) {
 }
 
 }  // namespace
+
+// Under the stitching policy empty_cache() unmaps pages rather than freeing segments; with
+// contexts of every action ("all") those unmaps carry the empty_cache() caller's context, as
+// PyTorch's segment frees and unmaps do, and with "alloc" none.
+TEST(HistoryContext, StitchingPolicyUnmapsCarryTheEmptyCacheContextUnderAll) {
+  for (const char* level : {"all", "alloc"}) {
+    Contexts c;
+    Fixture f("ccalloc");
+    f.alloc.record_history(options(c, "all", level));
+    f.alloc.free(f.alloc.malloc(1000));  // 1 (and 2 under "all": the free)
+    const int before = c.taken.load();
+    f.alloc.empty_cache();  // "all": a new handle
+    const Snapshot s = f.alloc.snapshot();
+    std::vector<int> unmap_ids;
+    for (const auto& e : s.device_traces[0]) {
+      if (e.action == TraceAction::kSegmentUnmap) unmap_ids.push_back(id_of(e.context));
+    }
+    ASSERT_FALSE(unmap_ids.empty()) << level;
+    const bool all = std::string(level) == "all";
+    for (const int id : unmap_ids) {
+      if (all) {
+        EXPECT_GT(id, before) << "a context taken by empty_cache()";
+        EXPECT_EQ(id, unmap_ids[0]) << "one context for the call's unmaps";
+      } else {
+        EXPECT_EQ(id, 0) << level;
+      }
+    }
+    if (!all) {
+      EXPECT_EQ(c.taken.load(), before) << "no context taken under \"alloc\"";
+    }
+  }
+}

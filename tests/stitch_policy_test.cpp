@@ -603,3 +603,25 @@ TEST(StitchFit, ATraceWithoutAllocationsIsAnError) {
 }
 
 }  // namespace
+
+// PyTorch counts one synchronization of every stream per empty_cache(); under the preset
+// both the policy and the private pools beside it synchronize, and count once together.
+TEST(StitchPolicy, EmptyCacheCountsOneSynchronizationOfAllStreams) {
+  for (const char* preset : {"ccalloc", "pytorch", "pytorch,expandable_segments:True"}) {
+    ccalloc::sim::SimDriver gpu;
+    ccalloc::Allocator a(gpu, Config::parse(preset));
+    a.set_check_invariants(true);
+    const auto syncs = [&a] { return a.stats().num_sync_all_streams; };
+    a.free(a.malloc(3 * kMiB, 0));
+    const ccalloc::PoolId pool{0, 1};
+    a.begin_allocate_to_pool(pool, [](ccalloc::StreamId s) { return s == 7; });
+    a.free(a.malloc(1000, 7));
+    a.end_allocate_to_pool(pool);
+    EXPECT_EQ(syncs(), 0) << preset;
+    a.empty_cache();
+    EXPECT_EQ(syncs(), 1) << preset;
+    a.empty_cache();
+    EXPECT_EQ(syncs(), 2) << preset;
+    a.release_pool(pool);
+  }
+}

@@ -873,14 +873,22 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   }
 
   // torch.cuda.memory._set_allocator_settings(): PyTorch has parsed `settings` into its
-  // config singletons; ccalloc merges the keys over its own config. Devices first used
-  // afterwards get the merged config; live allocators take the memory fraction at once
-  // and the rest through the engine's live reconfiguration.
+  // config singletons; ccalloc merges the keys over its own config as PyTorch's parser
+  // does: max_split_size_mb, roundup_power2_divisions and garbage_collection_threshold go
+  // back to their defaults on every call, so a string that leaves them out resets them;
+  // the other keys keep their values. Devices first used afterwards get the merged
+  // config; live allocators take the memory fraction at once and the rest through the
+  // engine's live reconfiguration.
   void apply_settings(const std::string& settings) {
     std::lock_guard lock(create_mutex_);
     ccalloc::Config merged;
     try {
-      merged = ccalloc::Config::parse(config_.to_string() + "," + settings);
+      ccalloc::Config base = config_;
+      const ccalloc::Config defaults;
+      base.max_split_size = defaults.max_split_size;
+      base.roundup_power2_divisions = defaults.roundup_power2_divisions;
+      base.garbage_collection_threshold = defaults.garbage_collection_threshold;
+      merged = ccalloc::Config::parse(base.to_string() + "," + settings);
     } catch (const ccalloc::ConfigError& e) {
       TORCH_WARN("ccalloc ignores allocator settings \"", settings, "\": ", e.what());
       return;

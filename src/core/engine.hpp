@@ -131,6 +131,10 @@ class Engine final : public Backend {
   // engine's reserved bytes, read without its locks; and a use_on_oom pool's free block for
   // a default-pool request the other engine could not serve (its address, or 0).
   void set_peer_reserved(const std::atomic<std::size_t>* peer) { peer_reserved_.set(peer); }
+  // Beside the stitching policy (core::StitchBackend), whose empty_cache() synchronizes and
+  // counts once for the device: this engine's empty_cache() then synchronizes uncounted, so
+  // num_sync_all_streams rises by one per empty_cache(), as on PyTorch.
+  void set_empty_cache_sync_counted_elsewhere() { empty_cache_sync_counted_ = false; }
   // Where every change of this engine's reserved bytes is also reported, for device-wide
   // peaks over both engines (core/device_reserved.hpp); set before the engine is used.
   void set_device_reserved(DeviceReserved* ledger) { device_reserved_ = ledger; }
@@ -311,8 +315,10 @@ class Engine final : public Backend {
   void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);  // no lock held
   // Records the events of the arena's deferred frees (no capture may be underway).
   void insert_deferred_events(Arena& arena) REQUIRES(arena.mutex);
-  // Waits for the pending frees of every arena (only those of `pool`'s arenas if given).
-  void synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool = nullptr);
+  // Waits for the pending frees of every arena (only those of `pool`'s arenas if given);
+  // counted in num_sync_all_streams unless `counted` is false.
+  void synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool = nullptr,
+                                   bool counted = true);
 
   // --- device-wide peaks (stats.cpp; the baseline ledger of arena.hpp) ---
   // Every arena's part of the ledger (every arena lock held).
@@ -338,7 +344,8 @@ class Engine final : public Backend {
   bool release_oversize_blocks(Arena& arena, const Request& req) REQUIRES(arena.mutex);
   // Releases the cached segments of the default pool and of every pool whose use count is
   // 0 (only pool `only`'s if given), then unlists pools left without segments.
-  void release_cached_segments(const AllArenasLock& all, const PrivatePool* only = nullptr);
+  void release_cached_segments(const AllArenasLock& all, const PrivatePool* only = nullptr,
+                               bool sync_counted = true);
   void release_arena_cache(const AllArenasLock& all, Arena& arena, bool small);
   // A use_on_oom pool's free block for a default-pool request that found nothing else:
   // its address, or 0.
@@ -439,6 +446,7 @@ class Engine final : public Backend {
   DeviceStats device_stats_ GUARDED_BY(device_mutex_);
   PublishedSize reserved_ GUARDED_BY(device_mutex_);  // bytes held from the device
   PeerReserved peer_reserved_;  // the engine beside this one (stitch_backend.hpp)
+  bool empty_cache_sync_counted_ = true;       // set_empty_cache_sync_counted_elsewhere()
   DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
   JointSettlement* joint_ = nullptr;            // settled with another engine's arenas, or alone
   std::size_t capacity_ = 0;          // device memory, read once at construction

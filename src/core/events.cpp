@@ -110,8 +110,9 @@ void Engine::process_events_everywhere() {
   }
 }
 
-void Engine::synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool) {
-  {
+void Engine::synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool,
+                                         bool counted) {
+  if (counted) {
     Lock lock(device_mutex_);
     ++device_stats_.num_sync_all_streams;
   }

@@ -223,9 +223,10 @@ bool Engine::release_oversize_blocks(Arena& arena, const Request& req) {
 // the default pool's streams and of the private pools whose use count is 0 to the device:
 // large pools first, streams in order. Private pools in use keep their cache (PyTorch's
 // release_cached_blocks); with `only`, just that pool's arenas (emptyCache(mempool_id)).
-void Engine::release_cached_segments(const AllArenasLock& all, const PrivatePool* only) {
+void Engine::release_cached_segments(const AllArenasLock& all, const PrivatePool* only,
+                                     bool sync_counted) {
   registry_held(all);
-  synchronize_and_free_events(all, only);
+  synchronize_and_free_events(all, only, sync_counted);
   for (const bool small : {false, true}) {
     for (Arena* arena : all.by_stream()) {
       all.held(*arena);
@@ -374,7 +375,7 @@ void Engine::empty_cache() {
   }
   if (!capturing()) {  // nothing goes back to the device during capture
     AllArenasLock all(*this);
-    if (!capturing()) release_cached_segments(all);
+    if (!capturing()) release_cached_segments(all, nullptr, empty_cache_sync_counted_);
   }
   after_operation();
 }

@@ -38,6 +38,7 @@ StitchBackend::StitchBackend(Driver& driver, Config config)
   stitch_->set_peer_reserved(&pools_->published_reserved());
   pools_->set_peer_reserved(&stitch_->published_reserved());
   stitch_->set_device_reserved(&device_reserved_);
+  pools_->set_empty_cache_sync_counted_elsewhere();
   pools_->set_device_reserved(&device_reserved_);
   stitch_->set_joint_settlement(&joint_);
   pools_->set_joint_settlement(&joint_);

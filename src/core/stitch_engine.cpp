@@ -1066,7 +1066,8 @@ void StitchEngine::release_cache(const AllArenasLock& all) {
           }
           const DevicePtr va = page_va(s, first);
           driver_.unmap(va, n * page_);
-          record_trace(TraceAction::kSegmentUnmap, va, n * page_, arena->stream, Origin{});
+          record_trace(TraceAction::kSegmentUnmap, va, n * page_, arena->stream,
+                       OperationContext::current());
           for (std::size_t i = 0; i < n; ++i) {
             Page& page = s.pages[first + i];
             Handle* h = page.handle;
@@ -1161,6 +1162,10 @@ void StitchEngine::release_spare_handles() {
 }
 
 void StitchEngine::empty_cache() {
+  // With history of every action ("all"), the unmaps carry the caller's stack, as
+  // PyTorch's segment frees and unmaps do.
+  const OperationContext context(capture_on_free_.load(std::memory_order_relaxed) ? capture()
+                                                                                  : Origin{});
   if (!capturing()) {  // nothing goes back to the device during a capture
     const AllArenasLock all(*this);
     Lock device(device_mutex_);
