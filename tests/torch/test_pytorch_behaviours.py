@@ -943,10 +943,17 @@ torch.cuda.synchronize()
 c = torch.zeros(3, device="cuda")
 got["capture_record_stream"] = True
 del g
-# captures made and dropped again and again give their memory back
+# captures made and dropped again and again: a dropped graph's pool goes back to the device
+# as the next captures begin (the driver's own use, cuBLAS workspaces and graphs, is not
+# the allocator's: mem_get_info is reported, not compared)
 x = torch.randn(1024, 512, device="cuda"); y = torch.randn(512, 64, device="cuda")
 torch.mm(x, y); torch.cuda.synchronize()
+def allocator_view():
+    s = torch.cuda.memory_stats()
+    return [s["reserved_bytes.all.current"], s["segment.all.current"], s["num_device_alloc"],
+            s["num_device_free"]]
 free_a, total = torch.cuda.mem_get_info()
+before = allocator_view()
 for _ in range(50):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -954,6 +961,7 @@ for _ in range(50):
     g.replay()
 torch.cuda.synchronize()
 free_b, _ = torch.cuda.mem_get_info()
+got["repeated_captures"] = [a - b for a, b in zip(allocator_view(), before)]
 emit(got=got, repeated_captures_growth_mib=(free_a - free_b) / (1 << 20))
 """
 
@@ -964,7 +972,6 @@ def test_driver_view_capture_with_other_threads_and_repeated_captures(preset):
     assert pytorch["got"]["driver_sees_it"] == [True, True]
     assert pytorch["got"]["raw_during_capture_relaxed"] == [[], 2000.0]
     assert_same(pytorch["got"], ccalloc["got"], "driver view and capture safety")
-    # The memory the driver lost to fifty captures of dropped graphs, reported, not
-    # compared: the two allocators differ there (docs/pytorch-behaviour.md).
+    # What the driver lost to them, reported: it includes memory the allocator never saw.
     print("repeated captures: pytorch %.0f MiB, ccalloc %.0f MiB" % (
         pytorch["repeated_captures_growth_mib"], ccalloc["repeated_captures_growth_mib"]))
