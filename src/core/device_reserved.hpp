@@ -38,12 +38,25 @@ inline void add_pool_stat(StatArray& stat, bool small, std::int64_t n) {
   });
 }
 
+// `n` of a statistic kept per pool pass from one pool to the other (memory that serves the
+// other pool now): the pools' entries change, the aggregate's does not.
+inline void move_pool_stat(StatArray& stat, bool to_small, std::int64_t n) {
+  stat[pool_stat(!to_small)].decrease(n);
+  stat[pool_stat(to_small)].increase(n);
+}
+
 class DeviceReserved {
  public:
   // `bytes` more (or, negative, fewer) reserved in the small or large pool.
   void add(bool small, std::int64_t bytes) EXCLUDES(mutex_) {
     Lock lock(mutex_);
     add_pool_stat(reserved_, small, bytes);
+  }
+  // `bytes` reserved and `segments` segments pass to the small or large pool from the other.
+  void move(bool to_small, std::int64_t bytes, std::int64_t segments) EXCLUDES(mutex_) {
+    Lock lock(mutex_);
+    move_pool_stat(reserved_, to_small, bytes);
+    move_pool_stat(segments_, to_small, segments);
   }
   // `n` more (or, negative, fewer) segments in the small or large pool.
   void add_segments(bool small, std::int64_t n) EXCLUDES(mutex_) {

@@ -242,8 +242,9 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
 
 // Frees lower the block statistics only: no peak debt to settle.
 void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
-  const bool small = b->small;
-  for_pool_stats(small, [&](StatType t) {
+  // Block statistics count a block in its segment's pool (an island's in the large one),
+  // as PyTorch's tools rebuild them from the snapshot's segments.
+  for_pool_stats(b->space->small, [&](StatType t) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     arena.stats.allocation[t].decrease(1);
     arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
@@ -452,7 +453,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
   const auto bytes = static_cast<std::int64_t>(block->size);
-  for_pool_stats(small, [&](StatType t) {
+  for_pool_stats(block->space->small, [&](StatType t) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     ledger_increase(st.allocation[t], debt.allocation[t], arena.in_debt, 1);
     ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], arena.in_debt, bytes);
@@ -467,7 +468,7 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 void StitchEngine::free_block(Arena& arena, Block* b) {
-  for_pool_stats(b->small, [&](StatType t) {
+  for_pool_stats(b->space->small, [&](StatType t) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     arena.stats.active[t].decrease(1);
     arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
@@ -638,6 +639,7 @@ StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
     if (v->end() > at + page_) v = split_off_front(arena, v, page_);
     v->kind = Block::Kind::kFree;
     h->live_at[0] = at;
+    move_handle_stats(*h, true);
     return pool_free(arena, v);
   }
   return nullptr;
@@ -885,6 +887,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     auto h = std::make_unique<Handle>();
     h->id = ids[j];
     h->small = small;
+    h->counted_small = small;
     h->live_at.assign(sizes[j], 0);
     h->mappings.assign(sizes[j], 0);
     order.push_back(h.get());
@@ -906,6 +909,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     const DevicePtr va = page_va(*s, start + k);
     driver_.map_range(va, len * page_, h->id, 0);
     s->mappings.emplace(start + k, Mapping{len, h, 0});
+    move_handle_stats(*h, small);
     for (std::uint32_t i = 0; i < len; ++i) {
       h->live_at[i] = va + i * page_;
       ++h->mappings[i];
@@ -943,6 +947,15 @@ void StitchEngine::add_reserved(bool small, std::int64_t bytes) {
   reserved_ = static_cast<std::size_t>(static_cast<std::int64_t>(reserved_) + bytes);
   add_pool_stat(stats_.reserved_bytes, small, bytes);
   if (device_reserved_ != nullptr) device_reserved_->add(small, bytes);
+}
+
+void StitchEngine::move_handle_stats(Handle& h, bool to_small) {
+  if (h.counted_small == to_small) return;
+  h.counted_small = to_small;
+  const auto bytes = static_cast<std::int64_t>(h.live_at.size() * page_);
+  move_pool_stat(stats_.reserved_bytes, to_small, bytes);
+  move_pool_stat(stats_.segment, to_small, 1);
+  if (device_reserved_ != nullptr) device_reserved_->move(to_small, bytes, 1);
 }
 
 void StitchEngine::add_segments(bool small, std::int64_t n) {
@@ -1154,9 +1167,9 @@ void StitchEngine::release_spare_handles() {
     driver_.release_physical(h.id, n * page_);
     for (std::uint32_t i = 0; i < n; ++i)
       spare_.erase({h.id, i});
-    add_reserved(h.small, -static_cast<std::int64_t>(n * page_));
+    add_reserved(h.counted_small, -static_cast<std::int64_t>(n * page_));
     ++stats_.num_device_free;
-    add_segments(h.small, -1);
+    add_segments(h.counted_small, -1);
     it = handles_.erase(it);
   }
 }
@@ -1485,7 +1498,7 @@ PhysicalMemory physical_memory(const Arenas& arenas, const Handles& handles, con
   phys.piece_size = page_size;
   for (const auto& [id, h] : handles) {
     phys.handles.push_back(
-        PhysicalHandleInfo{id, static_cast<std::uint32_t>(h->live_at.size()), h->small});
+        PhysicalHandleInfo{id, static_cast<std::uint32_t>(h->live_at.size()), h->counted_small});
   }
   const auto extend = [](PieceRun& run, PhysicalHandle id, std::uint32_t piece) {
     if (run.handle != id || run.first + run.count != piece) return false;
@@ -1771,7 +1784,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           }
           (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
           DeviceStats& rc = recount[arena->owner - 1];
-          for (StatType t : {kAggregate, pool_stat(b->small)}) {
+          for (StatType t : {kAggregate, pool_stat(s.small)}) {  // the segment's pool
             if (b->kind == Kind::kAllocated) {
               rc.allocation[t].current += 1;
               rc.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
@@ -1818,7 +1831,12 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           const Page& pg = s.pages[p];
           if (pg.handle == nullptr) continue;
           ++pages_with_piece;
-          if (pg.handle->live_at[pg.piece] == page_va(s, p)) ++live_pieces;
+          if (pg.handle->live_at[pg.piece] != page_va(s, p)) continue;
+          ++live_pieces;
+          if (pg.handle->counted_small != s.small) {
+            violated("handle " + std::to_string(pg.handle->id) + ", live in a " +
+                     (s.small ? "small" : "large") + " space, counts in the other pool");
+          }
         }
         if (pages_with_piece != mapped_pages) {
           violated("the space at " + hex_address(s.base) + " has pages outside its mappings");
@@ -1885,6 +1903,20 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
     }
   }
   if (spare != spare_.size()) violated("the spare set names pieces that do not exist");
+  std::size_t small_pieces = 0, small_handles = 0;
+  for (const auto& [id, h] : handles_) {
+    if (!h->counted_small) continue;
+    small_pieces += h->live_at.size();
+    ++small_handles;
+  }
+  if (static_cast<std::int64_t>(small_pieces * page_) !=
+          stats_.reserved_bytes[kSmallPool].current ||
+      static_cast<std::int64_t>(small_handles) != stats_.segment[kSmallPool].current) {
+    violated("the small pool counts " + std::to_string(stats_.reserved_bytes[kSmallPool].current) +
+             " reserved bytes and " + std::to_string(stats_.segment[kSmallPool].current) +
+             " segments, but its handles hold " + std::to_string(small_pieces * page_) +
+             " bytes in " + std::to_string(small_handles));
+  }
   if (live_anywhere != live_pieces) {
     violated(std::to_string(live_anywhere) + " pieces claim a live page but " +
              std::to_string(live_pieces) + " pages are live");

@@ -197,7 +197,10 @@ class StitchEngine final : public Backend {
   // another's.
   struct Handle {
     PhysicalHandle id = 0;
-    bool small = false;                   // the pool whose growth created it (for stats)
+    bool small = false;  // the pool whose growth created it (rule 3.2: what may be taken back)
+    // The pool whose reserved bytes and segments count it: that of the space where it is
+    // live, or, spare, where it was last live (move_handle_stats).
+    bool counted_small = false;
     std::vector<DevicePtr> live_at;       // per piece: the page it backs live; 0: spare
     std::vector<std::uint32_t> mappings;  // per piece: pages mapping it, live or dead
   };
@@ -378,6 +381,9 @@ class StitchEngine final : public Backend {
   void add_reserved(bool small, std::int64_t bytes) REQUIRES(device_mutex_);
   // `n` more (or, negative, fewer) handles in the segment statistics and the ledger.
   void add_segments(bool small, std::int64_t n) REQUIRES(device_mutex_);
+  // A handle mapped live in a space of the other pool now counts in that pool's reserved
+  // bytes and segments (what PyTorch's tools rebuild from a snapshot's segments).
+  void move_handle_stats(Handle& h, bool to_small) REQUIRES(device_mutex_);
   void settle_peak_debts(const AllArenasLock& all) const;
   std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const;
   void settle_peak_debts() const EXCLUDES(registry_mutex_, device_mutex_) {

@@ -33,19 +33,18 @@ DeviceStats stats_from_segments(const Snapshot& s, int device) {
     const bool split = seg.blocks.size() > 1;
     for (const SnapshotBlock& b : seg.blocks) {
       const auto size = static_cast<std::int64_t>(b.size);
-      const StatType block_pool = b.island ? kSmallPool : pool;
       if (b.state == BlockState::kActiveAllocated) {
-        add(st.allocation, block_pool, 1);
-        add(st.allocated_bytes, block_pool, size);
+        add(st.allocation, pool, 1);
+        add(st.allocated_bytes, pool, size);
         if (oversize(b.size)) st.oversize_allocations.current += 1;
       }
       if (b.state != BlockState::kInactive) {
-        add(st.active, block_pool, 1);
-        add(st.active_bytes, block_pool, size);
-        add(st.requested_bytes, block_pool, static_cast<std::int64_t>(b.requested_size));
+        add(st.active, pool, 1);
+        add(st.active_bytes, pool, size);
+        add(st.requested_bytes, pool, static_cast<std::int64_t>(b.requested_size));
       } else if (split && !seg.is_expandable) {
-        add(st.inactive_split, block_pool, 1);
-        add(st.inactive_split_bytes, block_pool, size);
+        add(st.inactive_split, pool, 1);
+        add(st.inactive_split_bytes, pool, size);
       }
     }
   }
