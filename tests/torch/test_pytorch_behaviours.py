@@ -968,3 +968,105 @@ def test_driver_view_capture_with_other_threads_and_repeated_captures(preset):
     # What the driver lost to them, reported: it includes memory the allocator never saw.
     print("repeated captures: pytorch %.0f MiB, ccalloc %.0f MiB" % (
         pytorch["repeated_captures_growth_mib"], ccalloc["repeated_captures_growth_mib"]))
+
+
+# Graph-aware reuse inside a capture (graph_capture_record_stream_reuse): a block freed while
+# another captured stream still uses it may be reused only once that stream has joined back.
+GRAPH_RECLAIM = """
+got = {}
+try:
+    torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+except RuntimeError as e:
+    got["setting"] = "unsupported"
+if "setting" not in got:
+    torch.cuda.empty_cache()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    s1.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s1):
+        g.capture_begin()
+        sink1 = torch.empty(8, device="cuda")
+        data1 = torch.empty(8, device="cuda")
+        p1 = data1.data_ptr()
+        s2.wait_stream(s1)
+        with torch.cuda.stream(s2):
+            buf2 = torch.empty_like(data1)
+            torch.add(data1, 2, out=buf2)
+            data1.record_stream(s2)
+        del data1
+        data2 = torch.empty(8, device="cuda")
+        before_join = data2.data_ptr() == p1
+        s1.wait_stream(s2)
+        sink1.fill_(1)
+        data3 = torch.empty(8, device="cuda")
+        after_join = data3.data_ptr() == p1
+        g.capture_end()
+    torch.cuda.synchronize()
+    got["reuse"] = [before_join, after_join]
+    torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+emit(got=got)
+"""
+
+
+def test_graph_capture_record_stream_reuse_as_on_pytorch():
+    pytorch, ccalloc = both(GRAPH_RECLAIM)
+    assert_same(pytorch["got"], ccalloc["got"], "graph-aware reuse inside a capture")
+
+
+# cuBLAS workspaces come from the allocator and count in its cumulative statistics; the
+# peak of three equivalent products is the same after each reset.
+CUBLAS_AND_PEAKS = """
+import os
+got = {}
+def workspace_delta(config):
+    if config is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = config
+    torch._C._cuda_clearCublasWorkspaces()
+    a = torch.randn(7, 7, device="cuda")
+    before = torch.cuda.memory_stats().get("active_bytes.all.allocated", 0)
+    a @ a
+    return torch.cuda.memory_stats()["active_bytes.all.allocated"] - before
+got["workspace"] = [workspace_delta(None), workspace_delta(":128:8:64:16:32:32")]
+a = torch.rand(1, 32, 32, device="cuda"); b = torch.rand(24, 32, 1, device="cuda")
+torch.cuda.synchronize()
+peaks = []
+for f in (lambda: torch.matmul(a, b), lambda: torch.matmul(a.expand(24, 32, 32), b),
+          lambda: torch.bmm(a.expand(24, 32, 32), b)):
+    torch.cuda.reset_peak_memory_stats()
+    f(); torch.cuda.synchronize()
+    peaks.append(torch.cuda.max_memory_allocated())
+got["matmul_peaks_equal"] = len(set(peaks)) == 1
+# keep_graph: instantiate twice, reset, capture again
+x = torch.zeros(2000, device="cuda")
+g = torch.cuda.CUDAGraph(keep_graph=True)
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    g.capture_begin(capture_error_mode="relaxed")
+    x += 1
+    g.capture_end()
+torch.cuda.current_stream().wait_stream(s)
+values = []
+for _ in range(2):
+    g.instantiate(); g.replay(); torch.cuda.synchronize(); values.append(x[0].item())
+g.reset()
+x = torch.zeros(2000, device="cuda")
+with torch.cuda.stream(s):
+    g.capture_begin(capture_error_mode="relaxed")
+    x += 2
+    g.capture_end()
+torch.cuda.current_stream().wait_stream(s)
+for _ in range(2):
+    g.instantiate(); g.replay(); torch.cuda.synchronize(); values.append(x[0].item())
+got["keep_graph"] = values
+emit(got=got)
+"""
+
+
+@pytest.mark.parametrize("preset", ["pytorch", "ccalloc"])
+def test_cublas_workspaces_matmul_peaks_and_kept_graphs_as_on_pytorch(preset):
+    pytorch, ccalloc = both(CUBLAS_AND_PEAKS, preset=preset)
+    assert pytorch["got"]["matmul_peaks_equal"]
+    assert_same(pytorch["got"], ccalloc["got"], "cuBLAS workspaces, matmul peaks, kept graphs")
