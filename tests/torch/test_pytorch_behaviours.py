@@ -1008,6 +1008,9 @@ emit(got=got)
 """
 
 
+@pytest.mark.xfail(strict=True, reason="graph_capture_record_stream_reuse is accepted but has no "
+                   "effect: a block freed during a capture with uses on other streams waits for "
+                   "the capture's end (docs/pytorch-behaviour.md)")
 def test_graph_capture_record_stream_reuse_as_on_pytorch():
     pytorch, ccalloc = both(GRAPH_RECLAIM)
     assert_same(pytorch["got"], ccalloc["got"], "graph-aware reuse inside a capture")
