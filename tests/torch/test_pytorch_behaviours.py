@@ -209,6 +209,7 @@ emit(got=got, observer_calls=calls)
 """
 
 
+@pytest.mark.whole_device
 @pytest.mark.parametrize("preset", ["pytorch", "ccalloc"])
 def test_out_of_memory_messages_types_observers_and_retry(preset):
     pytorch, ccalloc = both(OOM, preset=preset)
@@ -250,6 +251,7 @@ emit(got=got, read=read)
 """
 
 
+@pytest.mark.whole_device
 @pytest.mark.parametrize("preset", ["pytorch", "ccalloc"])
 def test_memory_fraction_validation_round_trip_and_limit(preset):
     pytorch, ccalloc = both(FRACTION, preset=preset)
@@ -954,6 +956,7 @@ emit(got=got, repeated_captures_growth_mib=(free_a - free_b) / (1 << 20))
 """
 
 
+@pytest.mark.whole_device
 @pytest.mark.parametrize("preset", ["pytorch", "ccalloc"])
 def test_driver_view_capture_with_other_threads_and_repeated_captures(preset):
     pytorch, ccalloc = both(DRIVER_VIEW, preset=preset)
