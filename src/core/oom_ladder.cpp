@@ -417,14 +417,16 @@ struct OomFacts {
   bool expandable = false;
 };
 
+// The first two sentences are PyTorch's own, word for word (its test suite and tools that
+// read OOM messages match them); ccalloc's details follow.
 std::string oom_message(const OomFacts& f) {
-  std::string m = "CUDA out of memory on device " + std::to_string(f.device) +
-                  ". Tried to allocate " + format_size(f.requested) + " (" +
-                  std::to_string(f.requested) + " bytes on stream " + std::to_string(f.stream) +
-                  ", rounded to " + format_size(f.rounded) + "; a new segment would take " +
-                  format_size(f.segment_size) + "). " + f.device_name +
-                  " has a total capacity of " + format_size(f.capacity) + " of which " +
-                  format_size(f.device_free) + " is free. ";
+  std::string m = "CUDA out of memory. Tried to allocate " + format_size(f.requested) + ". GPU " +
+                  std::to_string(f.device) + " has a total capacity of " + format_size(f.capacity) +
+                  " of which " + format_size(f.device_free) +
+                  " is free. The request: " + std::to_string(f.requested) + " bytes on stream " +
+                  std::to_string(f.stream) + ", rounded to " + format_size(f.rounded) +
+                  "; a new segment would take " + format_size(f.segment_size) + " (" +
+                  f.device_name + "). ";
   if (f.limit) {
     char buf[128];
     std::snprintf(buf, sizeof buf, "per_process_memory_fraction %.4g allows ", f.fraction);

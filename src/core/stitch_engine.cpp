@@ -1361,12 +1361,13 @@ StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Aren
     all.held(*a);
     allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
   }
-  std::string m = "CUDA out of memory on device " + std::to_string(device()) +
-                  ". Tried to allocate " + format_size(requested) + " (" +
-                  std::to_string(requested) + " bytes on stream " + std::to_string(arena.stream) +
-                  ", rounded to " + format_size(rounded) + "). " + driver_.name() +
-                  " has a total capacity of " + format_size(info.total_bytes) + " of which " +
-                  format_size(info.free_bytes) + " is free. ";
+  // PyTorch's first two sentences, word for word (core/oom_ladder.cpp), then ccalloc's.
+  std::string m = "CUDA out of memory. Tried to allocate " + format_size(requested) + ". GPU " +
+                  std::to_string(device()) + " has a total capacity of " +
+                  format_size(info.total_bytes) + " of which " + format_size(info.free_bytes) +
+                  " is free. The request: " + std::to_string(requested) + " bytes on stream " +
+                  std::to_string(arena.stream) + ", rounded to " + format_size(rounded) + " (" +
+                  driver_.name() + "). ";
   if (limit_) {
     char buf[128];
     std::snprintf(buf, sizeof buf, "per_process_memory_fraction %.4g allows ", fraction_);
