@@ -45,7 +45,6 @@ struct Held {
   DevicePtr ptr;
   std::int64_t size;       // block size
   std::int64_t requested;  // request
-  bool small;
 };
 
 void ExpectPeaksCoverCurrent(const DeviceStats& s) {
@@ -151,8 +150,8 @@ TEST(StitchMt, PhasedThreadsOnTheirOwnStreamsGiveTheExactPeak) {
         const std::size_t size = rng() % 3 == 0 ? 1 + rng() % (12 * kMiB) : 1 + rng() % kMiB;
         const DevicePtr p = engine.malloc(size, stream);
         const auto block = static_cast<std::int64_t>(engine.allocation_size(p));
-        held[static_cast<std::size_t>(t)].push_back(Held{p, block, static_cast<std::int64_t>(size),
-                                                         block <= static_cast<std::int64_t>(kMiB)});
+        held[static_cast<std::size_t>(t)].push_back(
+            Held{p, block, static_cast<std::int64_t>(size)});
       }
       sync.arrive_and_wait();
       if (t == 0) check(round, "grow");

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "ccalloc/errors.hpp"
+#include "ccalloc/stats.hpp"
 
 namespace ccalloc::core {
 
@@ -16,6 +17,13 @@ std::string pointer_error(const char* what, DevicePtr ptr, int device) {
                 "malloc, or it was already freed",
                 what, ptr, device);
   return buf;
+}
+
+std::string oom_opening(std::size_t requested, int device, std::size_t capacity,
+                        std::size_t free_bytes) {
+  return "CUDA out of memory. Tried to allocate " + format_size(requested) + ". GPU " +
+         std::to_string(device) + " has a total capacity of " + format_size(capacity) +
+         " of which " + format_size(free_bytes) + " is free. ";
 }
 
 std::optional<std::size_t> fraction_limit(double fraction, std::size_t capacity, int device) {

@@ -417,13 +417,9 @@ struct OomFacts {
   bool expandable = false;
 };
 
-// The first two sentences are PyTorch's own, word for word (its test suite and tools that
-// read OOM messages match them); ccalloc's details follow.
 std::string oom_message(const OomFacts& f) {
-  std::string m = "CUDA out of memory. Tried to allocate " + format_size(f.requested) + ". GPU " +
-                  std::to_string(f.device) + " has a total capacity of " + format_size(f.capacity) +
-                  " of which " + format_size(f.device_free) +
-                  " is free. The request: " + std::to_string(f.requested) + " bytes on stream " +
+  std::string m = oom_opening(f.requested, f.device, f.capacity, f.device_free) +
+                  "The request: " + std::to_string(f.requested) + " bytes on stream " +
                   std::to_string(f.stream) + ", rounded to " + format_size(f.rounded) +
                   "; a new segment would take " + format_size(f.segment_size) + " (" +
                   f.device_name + "). ";

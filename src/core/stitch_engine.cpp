@@ -1361,11 +1361,8 @@ StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Aren
     all.held(*a);
     allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
   }
-  // PyTorch's first two sentences, word for word (core/oom_ladder.cpp), then ccalloc's.
-  std::string m = "CUDA out of memory. Tried to allocate " + format_size(requested) + ". GPU " +
-                  std::to_string(device()) + " has a total capacity of " +
-                  format_size(info.total_bytes) + " of which " + format_size(info.free_bytes) +
-                  " is free. The request: " + std::to_string(requested) + " bytes on stream " +
+  std::string m = oom_opening(requested, device(), info.total_bytes, info.free_bytes) +
+                  "The request: " + std::to_string(requested) + " bytes on stream " +
                   std::to_string(arena.stream) + ", rounded to " + format_size(rounded) + " (" +
                   driver_.name() + "). ";
   if (limit_) {
@@ -1904,19 +1901,22 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
     }
   }
   if (spare != spare_.size()) violated("the spare set names pieces that do not exist");
-  std::size_t small_pieces = 0, small_handles = 0;
-  for (const auto& [id, h] : handles_) {
-    if (!h->counted_small) continue;
-    small_pieces += h->live_at.size();
-    ++small_handles;
-  }
-  if (static_cast<std::int64_t>(small_pieces * page_) !=
-          stats_.reserved_bytes[kSmallPool].current ||
-      static_cast<std::int64_t>(small_handles) != stats_.segment[kSmallPool].current) {
-    violated("the small pool counts " + std::to_string(stats_.reserved_bytes[kSmallPool].current) +
-             " reserved bytes and " + std::to_string(stats_.segment[kSmallPool].current) +
-             " segments, but its handles hold " + std::to_string(small_pieces * page_) +
-             " bytes in " + std::to_string(small_handles));
+  // Each pool's reserved bytes and segments are those of the handles it counts.
+  for (const bool small : {true, false}) {
+    std::size_t pool_pieces = 0, pool_handles = 0;
+    for (const auto& [id, h] : handles_) {
+      if (h->counted_small != small) continue;
+      pool_pieces += h->live_at.size();
+      ++pool_handles;
+    }
+    const StatType t = pool_stat(small);
+    if (static_cast<std::int64_t>(pool_pieces * page_) != stats_.reserved_bytes[t].current ||
+        static_cast<std::int64_t>(pool_handles) != stats_.segment[t].current) {
+      violated(std::string("the ") + (small ? "small" : "large") + " pool counts " +
+               std::to_string(stats_.reserved_bytes[t].current) + " reserved bytes and " +
+               std::to_string(stats_.segment[t].current) + " segments, but its handles hold " +
+               std::to_string(pool_pieces * page_) + " bytes in " + std::to_string(pool_handles));
+    }
   }
   if (live_anywhere != live_pieces) {
     violated(std::to_string(live_anywhere) + " pieces claim a live page but " +
