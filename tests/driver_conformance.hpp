@@ -263,6 +263,14 @@ TYPED_TEST_P(DriverConformance, NameIsNotEmpty) { EXPECT_FALSE(this->d().name().
 // Nothing captures here, so no stream (the legacy default stream included) is capturing.
 TYPED_TEST_P(DriverConformance, StreamsAreNotCapturingOutsideCapture) {
   EXPECT_FALSE(this->d().is_capturing(0));
+  CaptureInfo info;
+  info.capturing = true;
+  info.id = 5;
+  info.terminals = {1, 2};
+  EXPECT_FALSE(this->d().capture_info(0, info));
+  EXPECT_FALSE(info.capturing);
+  EXPECT_EQ(info.id, 0u);
+  EXPECT_TRUE(info.terminals.empty());
 }
 
 // Sharing (docs/ipc.md). Both drivers create physical memory exportable as POSIX file

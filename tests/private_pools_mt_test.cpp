@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
@@ -106,6 +107,114 @@ TEST(PrivatePoolsConcurrency, CapturesBesideBusyStreamsStayApartAndSafe) {
     EXPECT_GT(operations.load(), 100);
     alloc.check_invariants();
     EXPECT_EQ(alloc.stats().allocation[kAggregate].current, 0);
+  }
+}
+
+// graph_capture_record_stream_reuse from several threads of one capture
+// (docs/graph-capture-reuse.md): three threads, each on its own stream of the capture,
+// allocate, free, queue work that uses their blocks on the other streams (record_stream) and
+// make their stream wait for another. Whenever a thread's allocation overlaps memory one of
+// its earlier allocations had, every node that used the earlier one must be an ancestor of
+// its stream's terminals; blocks must have been reused so; the state is consistent after.
+TEST(PrivatePoolsConcurrency, GraphReuseFromSeveralThreadsOfOneCapture) {
+  for (const std::string conf : {"pytorch,graph_capture_record_stream_reuse:True",
+                                 "ccalloc,graph_capture_record_stream_reuse:True"}) {
+    SCOPED_TRACE(conf);
+    sim::Options o;
+    o.capacity = std::size_t{4} << 30;
+    sim::SimDriver driver(o);
+    Allocator alloc(driver, Config::parse(conf));
+    const PoolId pool{0, 2};
+    driver.begin_capture(1);
+    driver.capture_join(2, 1);
+    driver.capture_join(3, 1);
+    alloc.begin_allocate_to_pool(pool, [&driver](StreamId s) { return driver.is_capturing(s); });
+    std::atomic<long> reuses{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 3; ++t) {
+      threads.emplace_back([&, t] {
+        const StreamId own = static_cast<StreamId>(t + 1);
+        std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 11);
+        struct Held {
+          DevicePtr ptr;
+          std::size_t size;
+          std::vector<GraphNode> uses;
+          bool cross;
+        };
+        std::vector<Held> live;
+        std::vector<Held> freed;
+        std::vector<GraphNode> stack;
+        std::vector<GraphNode> parents;
+        try {
+          for (int step = 0; step < 1500; ++step) {
+            const int op = static_cast<int>(rng() % 100);
+            if (op < 30 || live.empty()) {
+              const std::size_t size = 512 * (1 + rng() % 512);
+              const DevicePtr p = alloc.malloc(size, own);
+              CaptureInfo info;
+              driver.capture_info(own, info);
+              std::unordered_set<GraphNode> reached;
+              stack = info.terminals;
+              while (!stack.empty()) {
+                const GraphNode n = stack.back();
+                stack.pop_back();
+                if (!reached.insert(n).second) continue;
+                driver.node_dependencies(n, parents);
+                stack.insert(stack.end(), parents.begin(), parents.end());
+              }
+              for (auto it = freed.begin(); it != freed.end();) {
+                if (p < it->ptr + it->size && it->ptr < p + size) {
+                  for (GraphNode n : it->uses) {
+                    if (!reached.contains(n)) {
+                      ADD_FAILURE() << "stream " << own << " reuses memory used at node " << n
+                                    << " before the graph orders that use";
+                    }
+                  }
+                  if (it->cross) ++reuses;
+                  it = freed.erase(it);
+                } else {
+                  ++it;
+                }
+              }
+              live.push_back(Held{p, size, {}, false});
+            } else if (op < 55) {
+              Held& h = live[rng() % live.size()];
+              const StreamId on = static_cast<StreamId>(1 + rng() % 3);
+              if (on != own) {
+                alloc.record_stream(h.ptr, on);
+                h.cross = true;
+              }
+              h.uses.push_back(driver.capture_work(on));
+            } else if (op < 80) {
+              const std::size_t i = rng() % live.size();
+              alloc.free(live[i].ptr);
+              freed.push_back(std::move(live[i]));
+              live[i] = std::move(live.back());
+              live.pop_back();
+            } else {
+              const StreamId other = static_cast<StreamId>(1 + rng() % 3);
+              if (other != own) driver.capture_join(own, other);
+            }
+            // The graph of one capture grows without bound: keep the walks short.
+            if (freed.size() > 64) freed.erase(freed.begin(), freed.begin() + 32);
+          }
+          for (const Held& h : live)
+            alloc.free(h.ptr);
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "thread " << t << ": " << e.what();
+        }
+      });
+    }
+    for (std::thread& th : threads)
+      th.join();
+    alloc.end_allocate_to_pool(pool);
+    driver.end_capture(1);
+    EXPECT_GT(reuses.load(), 10);
+    alloc.check_invariants();
+    alloc.empty_cache();
+    alloc.check_invariants();
+    EXPECT_EQ(alloc.stats().allocation[kAggregate].current, 0);
+    EXPECT_EQ(alloc.stats().active[kAggregate].current, 0);
   }
 }
 

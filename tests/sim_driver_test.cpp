@@ -653,5 +653,84 @@ TEST(SimDriver, ConcurrentAllocateAndFreeKeepLiveRangesDisjointAndCountersConsis
   EXPECT_EQ(d.mem_info().free_bytes, kCapacity);
 }
 
+// ---------------------------------------------------------------------------------------
+// Capture graphs
+
+std::vector<GraphNode> terminals_of(SimDriver& d, StreamId s) {
+  CaptureInfo info;
+  d.capture_info(s, info);
+  return info.terminals;
+}
+
+std::vector<GraphNode> deps_of(SimDriver& d, GraphNode n) {
+  std::vector<GraphNode> out;
+  d.node_dependencies(n, out);
+  return out;
+}
+
+TEST(SimDriver, CapturedWorkChainsOnItsStreamAndJoinsMergeTerminals) {
+  SimDriver d;
+  d.begin_capture(1);
+  CaptureInfo info;
+  ASSERT_TRUE(d.capture_info(1, info));
+  const std::uint64_t id = info.id;
+  EXPECT_NE(id, 0u);
+  EXPECT_TRUE(info.terminals.empty());
+  const GraphNode a = d.capture_work(1);
+  const GraphNode b = d.capture_work(1);
+  EXPECT_EQ(deps_of(d, a), std::vector<GraphNode>{});
+  EXPECT_EQ(deps_of(d, b), std::vector<GraphNode>{a});
+  EXPECT_EQ(terminals_of(d, 1), std::vector<GraphNode>{b});
+  // Stream 2 forks from 1: it joins the capture with 1's terminals.
+  EXPECT_FALSE(d.is_capturing(2));
+  d.capture_join(2, 1);
+  ASSERT_TRUE(d.capture_info(2, info));
+  EXPECT_EQ(info.id, id);
+  EXPECT_EQ(info.terminals, std::vector<GraphNode>{b});
+  const GraphNode c = d.capture_work(2);
+  const GraphNode e = d.capture_work(1);
+  EXPECT_EQ(deps_of(d, c), std::vector<GraphNode>{b});
+  // Stream 1 joins 2 back: its next work depends on both branches.
+  d.capture_join(1, 2);
+  d.capture_join(1, 2);  // twice: no duplicate terminal
+  EXPECT_EQ(terminals_of(d, 1), (std::vector<GraphNode>{e, c}));
+  const GraphNode f = d.capture_work(1);
+  EXPECT_EQ(deps_of(d, f), (std::vector<GraphNode>{e, c}));
+  // Ending a stream that joined leaves the capture going; ending the origin ends it all.
+  d.end_capture(2);
+  EXPECT_FALSE(d.is_capturing(2));
+  EXPECT_TRUE(d.is_capturing(1));
+  d.capture_join(2, 1);
+  d.end_capture(1);
+  EXPECT_FALSE(d.is_capturing(1));
+  EXPECT_FALSE(d.is_capturing(2));
+  EXPECT_TRUE(
+      contains(message_of<DriverError>([&] { deps_of(d, f); }), "no node of a capture underway"));
+  // A new capture has a new id.
+  d.begin_capture(1);
+  ASSERT_TRUE(d.capture_info(1, info));
+  EXPECT_NE(info.id, id);
+  d.end_capture(1);
+}
+
+TEST(SimDriver, CaptureGraphMisuseIsReportedByName) {
+  SimDriver d;
+  EXPECT_TRUE(contains(message_of<DriverError>([&] { d.capture_work(3); }),
+                       "stream 3, which is not capturing"));
+  EXPECT_TRUE(contains(message_of<DriverError>([&] { d.capture_join(4, 3); }),
+                       "to stream 3, which is not capturing"));
+  d.begin_capture(1);
+  d.begin_capture(2);  // a capture of its own
+  EXPECT_TRUE(contains(message_of<DriverError>([&] { d.capture_join(2, 1); }),
+                       "streams of two captures cannot wait on each other"));
+  EXPECT_TRUE(contains(message_of<DriverError>([&] { d.begin_capture(1); }), "already capturing"));
+  EXPECT_TRUE(contains(message_of<DriverError>([&] { d.record_event(d.create_event(), 5); }),
+                       "illegal during capture"));
+  d.end_capture(1);
+  d.end_capture(2);
+  EXPECT_TRUE(
+      contains(message_of<DriverError>([&] { d.end_capture(2); }), "which is not capturing"));
+}
+
 }  // namespace
 }  // namespace ccalloc::sim

@@ -75,6 +75,10 @@ class CudaDriver final : public Driver {
   void synchronize_event(EventId event) override;
   void synchronize_stream(StreamId stream) override;
   bool is_capturing(StreamId stream) override;
+  // cudaStreamGetCaptureInfo and cudaGraphNodeGetDependencies (with their edge data, so that
+  // edges with data are no lossy query).
+  bool capture_info(StreamId stream, CaptureInfo& out) override;
+  void node_dependencies(GraphNode node, std::vector<GraphNode>& out) override;
   std::int64_t now_us() override;
   std::size_t vm_granularity() override;
   DevicePtr reserve_address_range(std::size_t bytes) override;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace ccalloc {
 
@@ -29,6 +30,18 @@ using EventId = std::uint64_t;
 struct MemInfo {
   std::size_t free_bytes = 0;
   std::size_t total_bytes = 0;
+};
+
+// A node of a CUDA graph being captured (cudaGraphNode_t as an integer).
+using GraphNode = std::uint64_t;
+
+// A stream's part in a graph capture (Driver::capture_info).
+struct CaptureInfo {
+  bool capturing = false;
+  std::uint64_t id = 0;  // the capture sequence's id, unique in the process
+  // The nodes the stream's next captured work will depend on; empty while it has captured
+  // nothing and joined nothing that has.
+  std::vector<GraphNode> terminals;
 };
 
 // A physical memory allocation for virtual-memory mapping (CUmemGenericAllocationHandle).
@@ -90,6 +103,27 @@ class Driver {
   virtual bool is_capturing(StreamId stream) {
     (void)stream;
     return false;
+  }
+  // The capture graph, for reusing memory inside a capture (graph_capture_record_stream_reuse,
+  // docs/graph-capture-reuse.md). A driver without graphs reports no capture, and the engine
+  // then keeps such memory until the capture ends.
+  //
+  // Fills `out` with the capture `stream` takes part in (cudaStreamGetCaptureInfo): whether
+  // it is capturing (an invalidated capture counts as none), the capture's id, and the
+  // stream's terminal nodes, the nodes its next captured work will depend on. Returns
+  // out.capturing.
+  virtual bool capture_info(StreamId stream, CaptureInfo& out) {
+    (void)stream;
+    out.capturing = false;
+    out.id = 0;
+    out.terminals.clear();
+    return false;
+  }
+  // Replaces `out` with the nodes `node` depends on (cudaGraphNodeGetDependencies). `node` is
+  // one capture_info reported, or a dependency of one, of a capture still underway.
+  virtual void node_dependencies(GraphNode node, std::vector<GraphNode>& out) {
+    (void)node;
+    out.clear();
   }
 
   // --- Virtual memory, for expandable segments (cuMem*). ---

@@ -196,9 +196,22 @@ class SimDriver final : public Driver {
   // pool), so tests prove an allocator never does it then. Stream-ordered allocations and
   // frees stay legal, and so does releasing a physical allocation (an expandable segment
   // gives back the pages it created but could not map).
+  //
+  // The capture graph (docs/simulated-gpu.md, "Capture graphs"): begin_capture starts a new
+  // capture with `stream` as its origin and no nodes. capture_work adds a node for work
+  // queued on a capturing stream; it depends on the stream's terminals and becomes its only
+  // terminal. capture_join stands for an event recorded on `waited` and waited for by
+  // `waiter` (cudaEventRecord + cudaStreamWaitEvent) while `waited` captures: `waiter` joins
+  // that capture if it was not capturing, and its terminals gain `waited`'s. end_capture of
+  // a capture's origin ends the capture for every stream in it (its nodes are forgotten);
+  // of another stream, that stream's part only.
   void begin_capture(StreamId stream);
   void end_capture(StreamId stream);
+  GraphNode capture_work(StreamId stream);
+  void capture_join(StreamId waiter, StreamId waited);
   bool is_capturing(StreamId stream) override;
+  bool capture_info(StreamId stream, CaptureInfo& out) override;
+  void node_dependencies(GraphNode node, std::vector<GraphNode>& out) override;
 
   void complete_event(EventId event);
   void complete_stream(StreamId stream);
@@ -382,7 +395,21 @@ class SimDriver final : public Driver {
 
   const Options options_;
   mutable std::mutex mutex_;
-  std::vector<StreamId> capturing_;  // streams being captured (guarded by mutex_)
+  // Capture graphs (guarded by mutex_). A stream's part in a capture: the capture's id and
+  // the stream's terminal nodes.
+  struct CaptureMember {
+    std::uint64_t id = 0;
+    std::vector<GraphNode> terminals;
+  };
+  struct GraphNodeInfo {
+    std::uint64_t capture = 0;  // the capture it belongs to
+    std::vector<GraphNode> dependencies;
+  };
+  std::map<StreamId, CaptureMember> capturing_;                  // streams being captured
+  std::unordered_map<std::uint64_t, StreamId> capture_origins_;  // capture id -> origin
+  std::unordered_map<GraphNode, GraphNodeInfo> graph_nodes_;     // nodes of captures underway
+  std::uint64_t next_capture_id_ = 1;
+  GraphNode next_graph_node_ = 1;
   std::map<DevicePtr, std::size_t> live_;  // address -> size
   std::size_t used_ = 0;
   std::vector<OracleEntry> oracle_;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,29 @@ namespace ccalloc::core {
 struct PendingFree {
   EventId event;
   Block* block;
+};
+
+// A free made during a capture of a block used on other streams (Arena::deferred).
+struct DeferredFree {
+  Block* block;
+  // With graph_capture_record_stream_reuse: the terminal nodes of the block's stream and of
+  // every stream that used it, when it was freed (its free markers). Once all of them are
+  // ancestors of its stream's terminals, later work on that stream follows every use, and
+  // the block is free again inside the capture. Empty: it waits for the capture's end.
+  std::vector<GraphNode> markers;
+  std::uint64_t capture = 0;  // the capture the markers are nodes of
+};
+
+// What reaches a stream's terminals in the capture graph: every node from which one of
+// them can be reached, the terminals included. Built incrementally: captured work only adds
+// dependencies, so a node that reached the stream's terminals once reaches the later ones.
+struct CaptureReach {
+  std::uint64_t capture = 0;  // the capture the set belongs to; 0: none
+  std::unordered_set<GraphNode> ancestors;
+  // Scratch space, kept to spare allocations.
+  CaptureInfo info;
+  std::vector<GraphNode> stack;
+  std::vector<GraphNode> parents;
 };
 
 struct Arena;
@@ -97,7 +121,10 @@ struct alignas(64) Arena {
   // Frees of blocks used on other streams made while a capture was underway: their events
   // are recorded once no capture is underway (events must not be recorded or queried
   // during capture). Such a block is not allocated, has no events and keeps stream_uses.
-  std::vector<Block*> deferred GUARDED_BY(mutex);
+  std::vector<DeferredFree> deferred GUARDED_BY(mutex);
+  // How many of `deferred` have free markers, and the capture graph they are checked against.
+  std::size_t deferred_marked GUARDED_BY(mutex) = 0;
+  CaptureReach reach GUARDED_BY(mutex);
   // Statistics of the blocks of this arena (allocation, active, inactive_split and the
   // byte counts). Segment and reserved-memory statistics are device-wide.
   // For the tracked counters, Stat::peak less debts is this arena's baseline: its share of

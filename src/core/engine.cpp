@@ -69,6 +69,10 @@ DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
       [[unlikely]] {
     throw_asleep(*arena.pool, "malloc");
   }
+  if (capture && arena.deferred_marked != 0 && config_.graph_capture_record_stream_reuse)
+      [[unlikely]] {
+    reuse_in_capture(arena);
+  }
   const Request req = make_request(size, stream);  // reads the config: under the lock
   const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
   if (pos == arena.pool_for(req.small).blocks.end()) {
@@ -289,8 +293,13 @@ void Engine::release_allocation(Arena& arena, Block* block) {
   } else if (capturing()) [[unlikely]] {
     // Recording an event during capture is illegal: the events are recorded at the first
     // operation after every capture has ended (PyTorch's
-    // needs_events_deferred_until_no_capture).
-    arena.deferred.push_back(block);
+    // needs_events_deferred_until_no_capture), unless the capture graph shows earlier that
+    // every use is over (graph_capture_record_stream_reuse).
+    DeferredFree d{block, {}, 0};
+    if (config_.graph_capture_record_stream_reuse)
+      d.markers = free_markers(arena, block, d.capture);
+    if (!d.markers.empty()) ++arena.deferred_marked;
+    arena.deferred.push_back(std::move(d));
     arena.deferred_count.fetch_add(1, std::memory_order_relaxed);
     deferred_frees_.fetch_add(1, std::memory_order_relaxed);
   } else {

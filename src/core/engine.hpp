@@ -315,6 +315,16 @@ class Engine final : public Backend {
   void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);  // no lock held
   // Records the events of the arena's deferred frees (no capture may be underway).
   void insert_deferred_events(Arena& arena) REQUIRES(arena.mutex);
+  // --- reuse inside a capture (graph_capture_record_stream_reuse; events.cpp) ---
+  // The free markers of `block`, freed during a capture: the terminal nodes of its stream
+  // and of every stream that used it; empty when one of them is not capturing, or in
+  // another capture, so that the block waits for the capture's end. Sets `capture` to the
+  // capture's id.
+  std::vector<GraphNode> free_markers(Arena& arena, const Block* block, std::uint64_t& capture)
+      REQUIRES(arena.mutex);
+  // Returns to the pool every deferred free of the arena whose markers all reach the
+  // stream's terminals in the capture graph.
+  void reuse_in_capture(Arena& arena) REQUIRES(arena.mutex);
   // Waits for the pending frees of every arena (only those of `pool`'s arenas if given);
   // counted in num_sync_all_streams unless `counted` is false.
   void synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool = nullptr,

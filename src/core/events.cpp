@@ -53,13 +53,82 @@ void Engine::insert_events(Arena& arena, Block* block) {
 }
 
 void Engine::insert_deferred_events(Arena& arena) {
+  if (arena.reach.capture != 0) arena.reach = CaptureReach{};  // the capture is over
   if (arena.deferred.empty()) return;
   const auto n = static_cast<std::int64_t>(arena.deferred.size());
-  for (Block* block : arena.deferred)
-    insert_events(arena, block);
+  for (const DeferredFree& d : arena.deferred)
+    insert_events(arena, d.block);
   arena.deferred.clear();
+  arena.deferred_marked = 0;
   arena.deferred_count.fetch_sub(n, std::memory_order_relaxed);
   deferred_frees_.fetch_sub(n, std::memory_order_relaxed);
+}
+
+// Inside a capture no event may be recorded or queried, but the capture graph orders the
+// work: a block's uses are over for its stream's later work once the nodes that ended them
+// (the terminals of each using stream when the block was freed) are ancestors of the
+// stream's current terminals, since whatever the stream captures next depends on those
+// (docs/graph-capture-reuse.md).
+std::vector<GraphNode> Engine::free_markers(Arena& arena, const Block* block,
+                                            std::uint64_t& capture) {
+  std::vector<GraphNode> markers;
+  CaptureInfo& info = arena.reach.info;
+  capture = 0;
+  // The block's own stream first, then every stream that used it.
+  for (std::size_t i = 0; i <= block->stream_uses.size(); ++i) {
+    const StreamId s = i == 0 ? arena.stream : block->stream_uses[i - 1];
+    if (!driver_.capture_info(s, info)) return {};
+    if (capture != 0 && info.id != capture) return {};  // two captures: wait for the ends
+    capture = info.id;
+    markers.insert(markers.end(), info.terminals.begin(), info.terminals.end());
+  }
+  std::sort(markers.begin(), markers.end());
+  markers.erase(std::unique(markers.begin(), markers.end()), markers.end());
+  // Empty: nothing was captured on any of the streams yet, so the uses were queued before
+  // the capture began and the graph cannot order them; the block waits for the end.
+  return markers;
+}
+
+void Engine::reuse_in_capture(Arena& arena) {
+  CaptureReach& reach = arena.reach;
+  if (!driver_.capture_info(arena.stream, reach.info) || reach.info.terminals.empty()) return;
+  if (reach.capture != reach.info.id) {
+    reach.ancestors.clear();
+    reach.capture = reach.info.id;
+  }
+  // Reverse depth-first search from the terminals, stopping at nodes already reached.
+  reach.stack.assign(reach.info.terminals.begin(), reach.info.terminals.end());
+  while (!reach.stack.empty()) {
+    const GraphNode n = reach.stack.back();
+    reach.stack.pop_back();
+    if (!reach.ancestors.insert(n).second) continue;
+    driver_.node_dependencies(n, reach.parents);
+    for (GraphNode p : reach.parents) {
+      if (!reach.ancestors.contains(p)) reach.stack.push_back(p);
+    }
+  }
+  std::size_t kept = 0;
+  for (std::size_t j = 0; j < arena.deferred.size(); ++j) {
+    DeferredFree& d = arena.deferred[j];
+    // Node handles of another capture may name nodes of this one: compare only within it.
+    bool reusable = !d.markers.empty() && d.capture == reach.capture;
+    for (std::size_t i = 0; reusable && i < d.markers.size(); ++i)
+      reusable = reach.ancestors.contains(d.markers[i]);
+    if (!reusable) {
+      if (kept != j) arena.deferred[kept] = std::move(d);  // never onto itself
+      ++kept;
+      continue;
+    }
+    // The graph orders every use before the stream's later work: no event is needed.
+    d.block->stream_uses.clear();
+    free_block(arena, d.block);
+  }
+  const auto freed = static_cast<std::int64_t>(arena.deferred.size() - kept);
+  if (freed == 0) return;
+  arena.deferred.resize(kept);
+  arena.deferred_marked -= static_cast<std::size_t>(freed);
+  arena.deferred_count.fetch_sub(freed, std::memory_order_relaxed);
+  deferred_frees_.fetch_sub(freed, std::memory_order_relaxed);
 }
 
 bool Engine::process_events(Arena& arena) {

@@ -45,8 +45,8 @@ std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) c
     for (const PendingFree& f : queue)
       consider(f.block);
   }
-  for (const Block* b : arena.deferred)
-    consider(b);
+  for (const DeferredFree& d : arena.deferred)
+    consider(d.block);
   std::sort(heads.begin(), heads.end(),
             [](const Block* a, const Block* b) { return a->ptr < b->ptr; });
   heads.erase(std::unique(heads.begin(), heads.end()), heads.end());
@@ -231,14 +231,27 @@ void Engine::check_pool_membership(const InvariantWalk& walk) const {
       for (const PendingFree& f : queue)
         ++pending_refs[f.block];
     }
-    for (const Block* b : arena->deferred) {  // a deferred free is held there, once
+    std::size_t marked = 0;
+    for (const DeferredFree& d : arena->deferred) {  // a deferred free is held there, once
+      const Block* b = d.block;
       if (b->allocated || b->event_count != 0 || b->stream_uses.empty()) {
         violation(kName,
                   "deferred free 0x%" PRIxPTR
                   " is allocated, waits for events or has no stream uses",
                   b->ptr);
       }
+      if (!d.markers.empty()) {
+        ++marked;
+        if (d.capture == 0) {
+          violation(kName, "deferred free 0x%" PRIxPTR " has free markers of no capture", b->ptr);
+        }
+      }
       ++pending_refs[b];
+    }
+    if (marked != arena->deferred_marked) {
+      violation(kName,
+                "stream %" PRIu64 " counts %zu deferred frees with free markers but holds %zu",
+                arena->stream, arena->deferred_marked, marked);
     }
     for (const FreePool* pool : {&arena->small_pool, &arena->large_pool}) {
       for (auto it = pool->blocks.begin(); it != pool->blocks.end(); ++it) {

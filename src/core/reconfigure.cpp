@@ -5,7 +5,8 @@
 // roundup_power2_divisions, garbage_collection_threshold, expandable_segments (new segments
 // only: existing segments keep their kind, and the engine holds both kinds side by side),
 // the expandable reserve and large segment size (new segments only),
-// release_lock_on_cudamalloc and graph_capture_record_stream_reuse (accepted, no effect here),
+// graph_capture_record_stream_reuse (read at each free and allocation made during a
+// capture), release_lock_on_cudamalloc (accepted, no effect here),
 // the pinned-host keys (no host allocator: recorded, ignored) and the memory fraction.
 // What may not: the backend, the stitching policy and uncached mode pick the implementation
 // and how existing allocations are freed; asking to change one is a ConfigError naming it.

@@ -644,6 +644,81 @@ TEST_P(GpuAllocatorTest, GraphCaptureAllocatesFromAPrivatePoolAndReplays) {
   ASSERT_EQ(cudaStreamDestroy(s), cudaSuccess);
 }
 
+// l. graph_capture_record_stream_reuse on a real capture (docs/graph-capture-reuse.md): a
+// block of the capturing stream read by a kernel on a forked stream and freed is not reused
+// before the capturing stream joins the fork, and is reused after; the capture stays valid,
+// and replays read the old contents on the fork before the capturing stream overwrites them.
+// The cudaMallocAsync backend has no such setting (its pool orders reuse itself).
+TEST_P(GpuAllocatorTest, GraphCaptureReusesABlockOnceItsReaderHasJoined) {
+  if (ccalloc::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  ccalloc::Config config = ccalloc::Config::parse(GetParam());
+  if (config.backend == ccalloc::BackendKind::kCudaMallocAsync) {
+    GTEST_SKIP() << "the cudaMallocAsync backend does not reuse inside a capture";
+  }
+  config.graph_capture_record_stream_reuse = true;
+  ccalloc::cuda::CudaDriver driver(0);
+  ccalloc::Allocator alloc(driver, config);
+  cudaStream_t s1 = nullptr;
+  cudaStream_t s2 = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&join, cudaEventDisableTiming), cudaSuccess);
+  const auto id1 = reinterpret_cast<StreamId>(s1);
+  const auto id2 = reinterpret_cast<StreamId>(s2);
+  DeviceCounters mismatches(2);
+
+  ASSERT_EQ(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal), cudaSuccess);
+  ccalloc::CaptureInfo info;
+  ASSERT_TRUE(driver.capture_info(id1, info));
+  const std::uint64_t capture = info.id;
+  const ccalloc::PoolId pool{2, 0};
+  alloc.begin_allocate_to_pool(pool, [&driver, capture](StreamId st) {
+    ccalloc::CaptureInfo i;
+    return driver.capture_info(st, i) && i.id == capture;
+  });
+  const DevicePtr a = alloc.malloc(kMiB, id1);
+  EXPECT_EQ(launch_fill(a, kMiB, 5, s1), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(fork, s1), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(s2, fork, 0), cudaSuccess);
+  EXPECT_EQ(launch_verify(a, kMiB, 5, s2, mismatches.at(0)), cudaSuccess);
+  alloc.record_stream(a, id2);
+  alloc.free(a);
+  const DevicePtr b = alloc.malloc(kMiB, id1);
+  EXPECT_NE(b, a) << "reused while the fork may still read it";
+  ASSERT_EQ(cudaEventRecord(join, s2), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(s1, join, 0), cudaSuccess);
+  const DevicePtr c = alloc.malloc(kMiB, id1);
+  EXPECT_EQ(c, a) << "not reused after the capturing stream joined the fork";
+  EXPECT_EQ(launch_fill(c, kMiB, 6, s1), cudaSuccess);
+  EXPECT_EQ(launch_verify(c, kMiB, 6, s1, mismatches.at(1)), cudaSuccess);
+  alloc.end_allocate_to_pool(pool);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(s1, &graph), cudaSuccess) << "the capture was invalidated";
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 3; ++replay)
+    ASSERT_EQ(cudaGraphLaunch(exec, s1), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(s1), cudaSuccess);
+  EXPECT_EQ(mismatches.read(), (std::vector<unsigned long long>{0, 0}));
+
+  alloc.free(b);
+  alloc.free(c);
+  ASSERT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  ASSERT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  alloc.release_pool(pool);
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.stats().allocation[kAggregate].current, 0);
+  EXPECT_EQ(alloc.stats().reserved_bytes[kAggregate].current, 0);
+  alloc.check_invariants();
+  ASSERT_EQ(cudaEventDestroy(join), cudaSuccess);
+  ASSERT_EQ(cudaEventDestroy(fork), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(s2), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(s1), cudaSuccess);
+}
+
 // c. A real OOM: 1 GiB blocks until the device is full. The error says what was asked for;
 // afterwards the allocator gives the memory back and serves 1 GiB again. With expandable
 // segments the device fills page by page inside one reservation; with the async backend

@@ -1011,11 +1011,11 @@ emit(got=got)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="graph_capture_record_stream_reuse is accepted but has no "
-                   "effect: a block freed during a capture with uses on other streams waits for "
-                   "the capture's end (docs/pytorch-behaviour.md)")
-def test_graph_capture_record_stream_reuse_as_on_pytorch():
-    pytorch, ccalloc = both(GRAPH_RECLAIM)
+@pytest.mark.parametrize("preset", ["pytorch", "ccalloc"])
+def test_graph_capture_record_stream_reuse_as_on_pytorch(preset):
+    pytorch, ccalloc = both(GRAPH_RECLAIM, preset=preset)
+    # Not reused before the capturing stream waited for the reader, reused after.
+    assert pytorch["got"] == {"reuse": [False, True]}, pytorch["got"]
     assert_same(pytorch["got"], ccalloc["got"], "graph-aware reuse inside a capture")
 
 

@@ -378,6 +378,43 @@ bool CudaDriver::is_capturing(StreamId stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+bool CudaDriver::capture_info(StreamId stream, CaptureInfo& out) {
+  DeviceGuard guard(device_);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  const cudaGraphNode_t* deps = nullptr;
+  const cudaGraphEdgeData* edges = nullptr;
+  std::size_t n = 0;
+  check(cudaStreamGetCaptureInfo(to_stream(stream), &status, &id, nullptr, &deps, &edges, &n),
+        "cudaStreamGetCaptureInfo", device_);
+  // An invalidated capture will fail at its end: nothing in it is worth reusing.
+  out.capturing = status == cudaStreamCaptureStatusActive;
+  out.id = out.capturing ? id : 0;
+  out.terminals.clear();
+  if (out.capturing) {
+    for (std::size_t i = 0; i < n; ++i)
+      out.terminals.push_back(reinterpret_cast<GraphNode>(deps[i]));
+  }
+  return out.capturing;
+}
+
+void CudaDriver::node_dependencies(GraphNode node, std::vector<GraphNode>& out) {
+  DeviceGuard guard(device_);
+  const auto n = reinterpret_cast<cudaGraphNode_t>(node);
+  std::size_t count = 0;
+  check(cudaGraphNodeGetDependencies(n, nullptr, nullptr, &count), "cudaGraphNodeGetDependencies",
+        device_);
+  std::vector<cudaGraphNode_t> deps(count);
+  std::vector<cudaGraphEdgeData> edges(count);
+  if (count != 0) {
+    check(cudaGraphNodeGetDependencies(n, deps.data(), edges.data(), &count),
+          "cudaGraphNodeGetDependencies", device_);
+  }
+  out.clear();
+  for (std::size_t i = 0; i < count && i < deps.size(); ++i)
+    out.push_back(reinterpret_cast<GraphNode>(deps[i]));
+}
+
 // --- Virtual memory (driver API) ---
 
 std::size_t CudaDriver::vm_granularity() {
@@ -761,6 +798,12 @@ void CudaDriver::synchronize_stream(StreamId) {
   unavailable();
 }
 bool CudaDriver::is_capturing(StreamId) {
+  unavailable();
+}
+bool CudaDriver::capture_info(StreamId, CaptureInfo&) {
+  unavailable();
+}
+void CudaDriver::node_dependencies(GraphNode, std::vector<GraphNode>&) {
   unavailable();
 }
 std::size_t CudaDriver::vm_granularity() {

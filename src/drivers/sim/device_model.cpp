@@ -190,31 +190,98 @@ bool SimDriver::query_event(EventId event) {
 
 void SimDriver::begin_capture(StreamId stream) {
   std::lock_guard lock(mutex_);
-  if (std::find(capturing_.begin(), capturing_.end(), stream) != capturing_.end()) {
+  if (capturing_.contains(stream)) {
     throw DriverError("simulated GPU: stream " + std::to_string(stream) + " is already capturing");
   }
-  capturing_.push_back(stream);
+  const std::uint64_t id = next_capture_id_++;
+  capturing_.emplace(stream, CaptureMember{id, {}});
+  capture_origins_.emplace(id, stream);
 }
 
 void SimDriver::end_capture(StreamId stream) {
   std::lock_guard lock(mutex_);
-  const auto it = std::find(capturing_.begin(), capturing_.end(), stream);
+  const auto it = capturing_.find(stream);
   if (it == capturing_.end()) {
     throw DriverError("simulated GPU: end_capture of stream " + std::to_string(stream) +
                       ", which is not capturing");
   }
-  capturing_.erase(it);
+  const std::uint64_t id = it->second.id;
+  if (capture_origins_.at(id) != stream) {
+    capturing_.erase(it);  // a stream that joined leaves; the capture goes on
+    return;
+  }
+  std::erase_if(capturing_, [id](const auto& m) { return m.second.id == id; });
+  std::erase_if(graph_nodes_, [id](const auto& n) { return n.second.capture == id; });
+  capture_origins_.erase(id);
+}
+
+GraphNode SimDriver::capture_work(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  const auto it = capturing_.find(stream);
+  if (it == capturing_.end()) {
+    throw DriverError("simulated GPU: capture_work on stream " + std::to_string(stream) +
+                      ", which is not capturing");
+  }
+  const GraphNode node = next_graph_node_++;
+  graph_nodes_.emplace(node, GraphNodeInfo{it->second.id, it->second.terminals});
+  it->second.terminals.assign(1, node);
+  return node;
+}
+
+void SimDriver::capture_join(StreamId waiter, StreamId waited) {
+  std::lock_guard lock(mutex_);
+  const auto from = capturing_.find(waited);
+  if (from == capturing_.end()) {
+    throw DriverError("simulated GPU: capture_join of stream " + std::to_string(waiter) +
+                      " to stream " + std::to_string(waited) + ", which is not capturing");
+  }
+  const CaptureMember source = from->second;  // copied: the waiter's entry changes below
+  const auto [to, joined] = capturing_.try_emplace(waiter, CaptureMember{source.id, {}});
+  if (to->second.id != source.id) {
+    throw DriverError("simulated GPU: capture_join of stream " + std::to_string(waiter) +
+                      " (capture " + std::to_string(to->second.id) + ") to stream " +
+                      std::to_string(waited) + " (capture " + std::to_string(source.id) +
+                      "): streams of two captures cannot wait on each other");
+  }
+  (void)joined;
+  std::vector<GraphNode>& t = to->second.terminals;
+  for (GraphNode n : source.terminals) {
+    if (std::find(t.begin(), t.end(), n) == t.end()) t.push_back(n);
+  }
 }
 
 bool SimDriver::is_capturing(StreamId stream) {
   std::lock_guard lock(mutex_);
-  return std::find(capturing_.begin(), capturing_.end(), stream) != capturing_.end();
+  return capturing_.contains(stream);
+}
+
+bool SimDriver::capture_info(StreamId stream, CaptureInfo& out) {
+  std::lock_guard lock(mutex_);
+  const auto it = capturing_.find(stream);
+  out.capturing = it != capturing_.end();
+  out.id = out.capturing ? it->second.id : 0;
+  if (out.capturing) {
+    out.terminals = it->second.terminals;
+  } else {
+    out.terminals.clear();
+  }
+  return out.capturing;
+}
+
+void SimDriver::node_dependencies(GraphNode node, std::vector<GraphNode>& out) {
+  std::lock_guard lock(mutex_);
+  const auto it = graph_nodes_.find(node);
+  if (it == graph_nodes_.end()) {
+    throw DriverError("simulated GPU: node_dependencies of graph node " + std::to_string(node) +
+                      ", which is no node of a capture underway");
+  }
+  out = it->second.dependencies;
 }
 
 void SimDriver::forbid_during_capture(const char* what) const {
   if (capturing_.empty()) return;
   throw DriverError(std::string("simulated GPU: ") + what + " while stream " +
-                    std::to_string(capturing_.front()) +
+                    std::to_string(capturing_.begin()->first) +
                     " is being captured into a CUDA graph (illegal during capture)");
 }
 
