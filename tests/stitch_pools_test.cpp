@@ -155,6 +155,31 @@ TEST(StitchPools, CrossStreamFreesDuringACaptureWaitUntilItEnds) {
   EXPECT_EQ(f.allocations(), 0);
 }
 
+// A private pool's block used on another stream and freed during a capture: after the
+// capture, the next malloc records its event and, once that has completed, the malloc after
+// returns it to the pool, even though both mallocs go to the stitching policy (PyTorch's
+// every malloc processes every event). The statistics say so.
+TEST(StitchPools, PrivatePoolFreesWaitingForEventsReturnAtDefaultMallocs) {
+  Fixture f;
+  f.begin(kGraph, 1);
+  const DevicePtr p = f.alloc.malloc(4096, 1);  // the pool's, used on stream 2
+  f.alloc.record_stream(p, 2);
+  f.alloc.free(p);
+  f.end(kGraph, 1);
+  const auto active = [&f] { return f.alloc.stats().active[kAggregate].current; };
+  EXPECT_EQ(active(), 1);  // pending
+  const DevicePtr a = f.alloc.malloc(4096, 0);
+  EXPECT_EQ(f.driver.counters().event_records, 1u);
+  EXPECT_EQ(active(), 2);
+  f.driver.complete_all();
+  const DevicePtr b = f.alloc.malloc(4096, 0);
+  EXPECT_EQ(active(), 2);  // a and b: p is free in its pool
+  EXPECT_EQ(f.alloc.pool_live_allocations(kGraph), std::vector<DevicePtr>{});
+  f.alloc.free(a);
+  f.alloc.free(b);
+  EXPECT_EQ(active(), 0);
+}
+
 TEST(StitchPools, OneMemoryFractionCoversBothEngines) {
   Fixture f(kGiB);
   f.alloc.set_memory_fraction(0.5);  // 512 MiB

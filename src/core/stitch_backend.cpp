@@ -71,6 +71,7 @@ DevicePtr StitchBackend::malloc(std::size_t size, StreamId stream) {
   if (captures_underway_.load(std::memory_order_acquire) != 0 && capture_takes(stream)) {
     ptr = pools_->malloc(size, stream);
   } else {
+    pools_->poll_events();  // the private pools' cross-stream frees, as PyTorch's malloc
     try {
       ptr = stitch_->malloc(size, stream);
     } catch (const OutOfMemoryError&) {
