@@ -68,6 +68,23 @@ class CaptureReuse : public ::testing::TestWithParam<const char*> {
     alloc.end_allocate_to_pool(kGraphPool);
     driver.end_capture(origin);
   }
+  // A block of stream 1 that stream `reader` reads in a kernel after forking from stream 1,
+  // then freed; `bytes` large.
+  DevicePtr freed_after_read_on(StreamId reader, std::size_t bytes = 4096) {
+    const DevicePtr a = alloc.malloc(bytes, 1);
+    driver.capture_join(reader, 1);
+    driver.capture_work(reader);
+    alloc.record_stream(a, reader);
+    alloc.free(a);
+    return a;
+  }
+  // After the captures: empty_cache records the one deferred free's event and waits for it,
+  // so nothing is active any more.
+  void expect_one_event_after_the_captures() {
+    alloc.empty_cache();
+    EXPECT_EQ(driver.counters().event_records, 1u);
+    EXPECT_EQ(alloc.stats().active[kAggregate].current, 0);
+  }
 
   sim::SimDriver driver;
   Allocator alloc;
@@ -109,11 +126,7 @@ TEST_P(CaptureReuse, AJoinWithNoLaterWorkIsEnough) {
   set_reuse(true);
   begin(1);
   driver.capture_work(1);
-  const DevicePtr a = alloc.malloc(4096, 1);
-  driver.capture_join(2, 1);
-  driver.capture_work(2);
-  alloc.record_stream(a, 2);
-  alloc.free(a);
+  const DevicePtr a = freed_after_read_on(2);
   driver.capture_join(1, 2);
   const DevicePtr b = alloc.malloc(4096, 1);
   EXPECT_EQ(b, a);
@@ -125,11 +138,8 @@ TEST_P(CaptureReuse, AJoinWithNoLaterWorkIsEnough) {
 // are recorded at the first operation after it.
 TEST_P(CaptureReuse, WithoutTheSettingTheBlockWaitsForTheCapturesEnd) {
   begin(1);
-  const DevicePtr a = alloc.malloc(4096, 1);
-  driver.capture_join(2, 1);
-  driver.capture_work(2);
-  alloc.record_stream(a, 2);
-  alloc.free(a);
+  driver.capture_work(1);
+  const DevicePtr a = freed_after_read_on(2);
   driver.capture_join(1, 2);
   driver.capture_work(1);
   const DevicePtr b = alloc.malloc(4096, 1);
@@ -137,10 +147,7 @@ TEST_P(CaptureReuse, WithoutTheSettingTheBlockWaitsForTheCapturesEnd) {
   alloc.free(b);
   end(1);
   EXPECT_EQ(driver.counters().event_records, 0u);
-  // empty_cache records the deferred free's event and waits for it: the block is free.
-  alloc.empty_cache();
-  EXPECT_EQ(driver.counters().event_records, 1u);
-  EXPECT_EQ(alloc.stats().active[kAggregate].current, 0);
+  expect_one_event_after_the_captures();
 }
 
 // Every using stream must have joined: two readers, the first joined only.
@@ -185,9 +192,7 @@ TEST_P(CaptureReuse, AUsingStreamOutsideTheCaptureKeepsTheBlockUntilTheEnd) {
   EXPECT_NE(b, a);
   alloc.free(b);
   end(1);
-  alloc.empty_cache();
-  EXPECT_EQ(driver.counters().event_records, 1u);
-  EXPECT_EQ(alloc.stats().active[kAggregate].current, 0);
+  expect_one_event_after_the_captures();
 }
 
 // Nothing captured yet on any using stream: the graph orders nothing, so the block waits.
@@ -214,11 +219,7 @@ TEST_P(CaptureReuse, MarkersOfAnEndedCaptureAreNotComparedWithTheNextOnes) {
   set_reuse(true);
   begin(1);
   driver.capture_work(1);
-  const DevicePtr a = alloc.malloc(4096, 1);
-  driver.capture_join(2, 1);
-  driver.capture_work(2);
-  alloc.record_stream(a, 2);
-  alloc.free(a);
+  const DevicePtr a = freed_after_read_on(2);
   end(1);  // no operation between the two captures: the free is still deferred
   begin(1);
   driver.capture_join(2, 1);
@@ -229,9 +230,7 @@ TEST_P(CaptureReuse, MarkersOfAnEndedCaptureAreNotComparedWithTheNextOnes) {
   EXPECT_NE(b, a);
   alloc.free(b);
   end(1);
-  alloc.empty_cache();
-  EXPECT_EQ(driver.counters().event_records, 1u);
-  EXPECT_EQ(alloc.stats().active[kAggregate].current, 0);
+  expect_one_event_after_the_captures();
 }
 
 // A random capture on three streams that fork and join at random, with kernels that read

@@ -8,7 +8,7 @@ Skipped with fewer than two GPUs."""
 
 import pytest
 
-from torch_compare import assert_same, both, run, skip_without_gpu
+from torch_compare import STAT_CONSISTENCY, assert_same, both, run, skip_without_gpu
 
 skip_without_gpu()
 
@@ -24,38 +24,8 @@ pytestmark = pytest.mark.skipif(_device_count() < 2, reason="needs two CUDA devi
 # frees on that device only and checks, on that device, the direction of memory_allocated,
 # the peaks, and every statistic rebuilt from the device's segments of the snapshot; the
 # other device's statistics must not move.
-PER_DEVICE = """
-import collections, gc, random
-def rebuilt(device):
-    expected = collections.Counter()
-    for seg in torch.cuda.memory_snapshot():
-        if seg["device"] != device:
-            continue
-        pool = seg["segment_type"] + "_pool"
-        expandable = seg.get("is_expandable", False)
-        if not expandable:
-            expected["segment.all.current"] += 1
-            expected["segment." + pool + ".current"] += 1
-        for key, field in (("allocated_bytes", "allocated_size"), ("reserved_bytes", "total_size"),
-                           ("active_bytes", "active_size"), ("requested_bytes", "requested_size")):
-            expected[key + ".all.current"] += seg[field]
-            expected[key + "." + pool + ".current"] += seg[field]
-        for block in seg["blocks"]:
-            if block["state"] == "active_allocated":
-                expected["allocation.all.current"] += 1
-                expected["allocation." + pool + ".current"] += 1
-            if block["state"].startswith("active_"):
-                expected["active.all.current"] += 1
-                expected["active." + pool + ".current"] += 1
-            if block["state"] == "inactive" and len(seg["blocks"]) > 1 and not expandable:
-                expected["inactive_split.all.current"] += 1
-                expected["inactive_split." + pool + ".current"] += 1
-                expected["inactive_split_bytes.all.current"] += block["size"]
-                expected["inactive_split_bytes." + pool + ".current"] += block["size"]
-    stats = torch.cuda.memory_stats(device)
-    return sorted("%s: rebuilt %d, reported %d" % (k, v, stats.get(k, -1))
-                  for k, v in expected.items() if stats.get(k, -1) != v)
-
+PER_DEVICE = STAT_CONSISTENCY + """
+import gc, random
 problems = []
 def generator(device):
     other = 1 - device
@@ -74,7 +44,7 @@ def generator(device):
         if allocated > torch.cuda.max_memory_allocated(device): problems.append(name + ": above peak")
         if torch.cuda.memory_reserved(device) > torch.cuda.max_memory_reserved(device):
             problems.append(name + ": reserved above peak")
-        problems.extend(name + ": " + m for m in rebuilt(device))
+        problems.extend(name + ": " + m for m in stat_mismatches(device))
         last = allocated
     keep = []
     for i in range(1, 12):

@@ -10,51 +10,13 @@ allocator under ccalloc's own default policy."""
 
 import pytest
 
-from torch_compare import assert_same, both, run, skip_without_gpu
+from torch_compare import STAT_CONSISTENCY, assert_same, both, run, skip_without_gpu
 
 skip_without_gpu()
 
-# Rebuilds every block statistic from torch.cuda.memory_snapshot() as PyTorch's multi-GPU
-# suite does, and returns the keys that disagree with torch.cuda.memory_stats().
-CONSISTENCY = """
-import collections
-def stat_mismatches():
-    expected = collections.Counter()
-    for seg in torch.cuda.memory_snapshot():
-        pool = seg["segment_type"] + "_pool"
-        expandable = seg.get("is_expandable", False)
-        if not expandable:
-            expected["segment.all.current"] += 1
-            expected["segment." + pool + ".current"] += 1
-        for key, field in (("allocated_bytes", "allocated_size"), ("reserved_bytes", "total_size"),
-                           ("active_bytes", "active_size"), ("requested_bytes", "requested_size")):
-            expected[key + ".all.current"] += seg[field]
-            expected[key + "." + pool + ".current"] += seg[field]
-        requested = 0
-        for block in seg["blocks"]:
-            if block["state"] == "active_allocated":
-                expected["allocation.all.current"] += 1
-                expected["allocation." + pool + ".current"] += 1
-            if block["state"].startswith("active_"):
-                expected["active.all.current"] += 1
-                expected["active." + pool + ".current"] += 1
-                requested += block["requested_size"]
-            if block["state"] == "inactive" and len(seg["blocks"]) > 1 and not expandable:
-                expected["inactive_split.all.current"] += 1
-                expected["inactive_split." + pool + ".current"] += 1
-                expected["inactive_split_bytes.all.current"] += block["size"]
-                expected["inactive_split_bytes." + pool + ".current"] += block["size"]
-        if requested != seg["requested_size"]:
-            return ["segment at %#x: blocks request %d, segment %d" % (seg["address"], requested,
-                                                                       seg["requested_size"])]
-    stats = torch.cuda.memory_stats()
-    return sorted("%s: rebuilt %d, reported %d" % (k, v, stats.get(k, -1))
-                  for k, v in expected.items() if stats.get(k, -1) != v)
-"""
-
 # PyTorch's memory-statistics generator (allocations, frees, empty_cache, resets, a tensor of
 # no elements), checking after every step the rules that suite checks.
-STATS_GENERATOR = CONSISTENCY + """
+STATS_GENERATOR = STAT_CONSISTENCY + """
 problems = []
 def check(step, change=None):
     global last_allocated, max_allocated, max_reserved

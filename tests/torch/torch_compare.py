@@ -40,6 +40,48 @@ def emit(**values):
     print("CCALLOC_RESULT " + json.dumps(_results), flush=True)
 """
 
+# Script source: stat_mismatches(device=None) rebuilds every block statistic from
+# torch.cuda.memory_snapshot() as PyTorch's multi-GPU suite does (the segments of `device`
+# only, when given) and returns the keys of torch.cuda.memory_stats(device) that disagree,
+# or the first segment whose blocks' requested sizes do not add up to its own.
+STAT_CONSISTENCY = """
+import collections
+def stat_mismatches(device=None):
+    expected = collections.Counter()
+    for seg in torch.cuda.memory_snapshot():
+        if device is not None and seg["device"] != device:
+            continue
+        pool = seg["segment_type"] + "_pool"
+        expandable = seg.get("is_expandable", False)
+        if not expandable:
+            expected["segment.all.current"] += 1
+            expected["segment." + pool + ".current"] += 1
+        for key, field in (("allocated_bytes", "allocated_size"), ("reserved_bytes", "total_size"),
+                           ("active_bytes", "active_size"), ("requested_bytes", "requested_size")):
+            expected[key + ".all.current"] += seg[field]
+            expected[key + "." + pool + ".current"] += seg[field]
+        requested = 0
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                expected["allocation.all.current"] += 1
+                expected["allocation." + pool + ".current"] += 1
+            if block["state"].startswith("active_"):
+                expected["active.all.current"] += 1
+                expected["active." + pool + ".current"] += 1
+                requested += block["requested_size"]
+            if block["state"] == "inactive" and len(seg["blocks"]) > 1 and not expandable:
+                expected["inactive_split.all.current"] += 1
+                expected["inactive_split." + pool + ".current"] += 1
+                expected["inactive_split_bytes.all.current"] += block["size"]
+                expected["inactive_split_bytes." + pool + ".current"] += block["size"]
+        if requested != seg["requested_size"]:
+            return ["segment at %#x: blocks request %d, segment %d" % (seg["address"], requested,
+                                                                       seg["requested_size"])]
+    stats = torch.cuda.memory_stats(device)
+    return sorted("%s: rebuilt %d, reported %d" % (k, v, stats.get(k, -1))
+                  for k, v in expected.items() if stats.get(k, -1) != v)
+"""
+
 ALLOCATORS = ("pytorch", "ccalloc")
 
 
