@@ -195,6 +195,31 @@ TEST_P(CaptureReuse, AUsingStreamOutsideTheCaptureKeepsTheBlockUntilTheEnd) {
   expect_one_event_after_the_captures();
 }
 
+// A use on the legacy default stream (0), whose capture state CUDA refuses to report while
+// another stream captures: the free neither fails nor loses the block, which waits for the
+// capture's end; allocations on the other streams go on reusing what the graph orders.
+TEST_P(CaptureReuse, AUseOnTheLegacyStreamWaitsForTheEndWithoutAnError) {
+  set_reuse(true);
+  begin(1);
+  driver.capture_work(1);
+  CaptureInfo info;
+  EXPECT_THROW(driver.capture_info(0, info), DriverError);
+  const DevicePtr a = alloc.malloc(4096, 1);
+  alloc.record_stream(a, 0);
+  alloc.free(a);
+  const DevicePtr c = freed_after_read_on(2);
+  driver.capture_join(1, 2);
+  driver.capture_work(1);
+  const DevicePtr b = alloc.malloc(4096, 1);
+  EXPECT_EQ(b, c) << "the block read on stream 2 is free again";
+  const DevicePtr d = alloc.malloc(4096, 1);
+  EXPECT_NE(d, a) << "the block used on the legacy stream was reused during the capture";
+  alloc.free(b);
+  alloc.free(d);
+  end(1);
+  expect_one_event_after_the_captures();
+}
+
 // Nothing captured yet on any using stream: the graph orders nothing, so the block waits.
 TEST_P(CaptureReuse, UsesBeforeAnyCapturedWorkAreNotOrderedByTheGraph) {
   set_reuse(true);

@@ -77,7 +77,13 @@ std::vector<GraphNode> Engine::free_markers(Arena& arena, const Block* block,
   // The block's own stream first, then every stream that used it.
   for (std::size_t i = 0; i <= block->stream_uses.size(); ++i) {
     const StreamId s = i == 0 ? arena.stream : block->stream_uses[i - 1];
-    if (!driver_.capture_info(s, info)) return {};
+    try {
+      if (!driver_.capture_info(s, info)) return {};
+    } catch (const DriverError&) {
+      // A stream the driver cannot answer for (the legacy stream during a capture): the
+      // graph cannot order its uses, so the block waits for the capture's end.
+      return {};
+    }
     if (capture != 0 && info.id != capture) return {};  // two captures: wait for the ends
     capture = info.id;
     markers.insert(markers.end(), info.terminals.begin(), info.terminals.end());
@@ -91,21 +97,31 @@ std::vector<GraphNode> Engine::free_markers(Arena& arena, const Block* block,
 
 void Engine::reuse_in_capture(Arena& arena) {
   CaptureReach& reach = arena.reach;
-  if (!driver_.capture_info(arena.stream, reach.info) || reach.info.terminals.empty()) return;
-  if (reach.capture != reach.info.id) {
-    reach.ancestors.clear();
-    reach.capture = reach.info.id;
-  }
-  // Reverse depth-first search from the terminals, stopping at nodes already reached.
-  reach.stack.assign(reach.info.terminals.begin(), reach.info.terminals.end());
-  while (!reach.stack.empty()) {
-    const GraphNode n = reach.stack.back();
-    reach.stack.pop_back();
-    if (!reach.ancestors.insert(n).second) continue;
-    driver_.node_dependencies(n, reach.parents);
-    for (GraphNode p : reach.parents) {
-      if (!reach.ancestors.contains(p)) reach.stack.push_back(p);
+  try {
+    if (!driver_.capture_info(arena.stream, reach.info) || reach.info.terminals.empty()) return;
+    if (reach.capture != reach.info.id) {
+      reach.ancestors.clear();
+      reach.capture = reach.info.id;
     }
+    // Reverse depth-first search from the terminals, stopping at nodes already reached.
+    reach.stack.assign(reach.info.terminals.begin(), reach.info.terminals.end());
+    while (!reach.stack.empty()) {
+      const GraphNode n = reach.stack.back();
+      reach.stack.pop_back();
+      if (reach.ancestors.contains(n)) continue;
+      driver_.node_dependencies(n, reach.parents);
+      reach.ancestors.insert(n);
+      for (GraphNode p : reach.parents) {
+        if (!reach.ancestors.contains(p)) reach.stack.push_back(p);
+      }
+    }
+  } catch (const DriverError&) {
+    // The driver cannot answer for this stream now: nothing is reused, and a walk cut short
+    // is forgotten (a node in the set must have all its ancestors there). The deferred
+    // frees wait, at worst for the capture's end, as without the setting.
+    reach.ancestors.clear();
+    reach.capture = 0;
+    return;
   }
   std::size_t kept = 0;
   for (std::size_t j = 0; j < arena.deferred.size(); ++j) {

@@ -257,6 +257,13 @@ bool SimDriver::is_capturing(StreamId stream) {
 
 bool SimDriver::capture_info(StreamId stream, CaptureInfo& out) {
   std::lock_guard lock(mutex_);
+  if (stream == 0 && !capturing_.empty() && !capturing_.contains(0)) {
+    // CUDA refuses to query the legacy stream while a (blocking) stream captures: the query
+    // would make it depend on the capture (cudaErrorStreamCaptureImplicit).
+    throw DriverError("simulated GPU: capture_info of the legacy default stream (0) while stream " +
+                      std::to_string(capturing_.begin()->first) +
+                      " captures (cudaErrorStreamCaptureImplicit)");
+  }
   const auto it = capturing_.find(stream);
   out.capturing = it != capturing_.end();
   out.id = out.capturing ? it->second.id : 0;
