@@ -220,6 +220,26 @@ TEST_P(CaptureReuse, AUseOnTheLegacyStreamWaitsForTheEndWithoutAnError) {
   expect_one_event_after_the_captures();
 }
 
+// A block used on a stream of another capture: no graph orders both, so it waits.
+TEST_P(CaptureReuse, AUseInAnotherCaptureWaitsForTheEnd) {
+  set_reuse(true);
+  begin(1);
+  driver.begin_capture(2);  // a capture of its own
+  driver.capture_work(1);
+  driver.capture_work(2);
+  const DevicePtr a = alloc.malloc(4096, 1);
+  alloc.record_stream(a, 2);
+  alloc.free(a);
+  driver.capture_work(2);
+  driver.capture_work(1);
+  const DevicePtr b = alloc.malloc(4096, 1);
+  EXPECT_NE(b, a);
+  alloc.free(b);
+  driver.end_capture(2);
+  end(1);
+  expect_one_event_after_the_captures();
+}
+
 // Nothing captured yet on any using stream: the graph orders nothing, so the block waits.
 TEST_P(CaptureReuse, UsesBeforeAnyCapturedWorkAreNotOrderedByTheGraph) {
   set_reuse(true);

@@ -74,6 +74,7 @@ std::vector<GraphNode> Engine::free_markers(Arena& arena, const Block* block,
   std::vector<GraphNode> markers;
   CaptureInfo& info = arena.reach.info;
   capture = 0;
+  bool first = true;
   // The block's own stream first, then every stream that used it.
   for (std::size_t i = 0; i <= block->stream_uses.size(); ++i) {
     const StreamId s = i == 0 ? arena.stream : block->stream_uses[i - 1];
@@ -84,7 +85,8 @@ std::vector<GraphNode> Engine::free_markers(Arena& arena, const Block* block,
       // graph cannot order its uses, so the block waits for the capture's end.
       return {};
     }
-    if (capture != 0 && info.id != capture) return {};  // two captures: wait for the ends
+    if (!first && info.id != capture) return {};  // two captures: wait for the ends
+    first = false;
     capture = info.id;
     markers.insert(markers.end(), info.terminals.begin(), info.terminals.end());
   }
