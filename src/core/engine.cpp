@@ -55,11 +55,8 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
 
 DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
   // During capture events may be neither queried nor recorded: pending frees wait.
+  poll_events();
   const bool capture = capturing();
-  if (!capture && (pending_events_.load(std::memory_order_relaxed) > 0 ||
-                   deferred_frees_.load(std::memory_order_relaxed) > 0)) {
-    process_events_everywhere();
-  }
   Arena& arena = capture ? arena_for_capture(stream) : arena_for(stream);
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();

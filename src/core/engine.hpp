@@ -135,10 +135,10 @@ class Engine final : public Backend {
   // counts once for the device: this engine's empty_cache() then synchronizes uncounted, so
   // num_sync_all_streams rises by one per empty_cache(), as on PyTorch.
   void set_empty_cache_sync_counted_elsewhere() { empty_cache_sync_counted_ = false; }
-  // What this engine's malloc does first, for a backend whose other mallocs go elsewhere
-  // (core::StitchBackend): unless a capture is underway, records the events of frees
-  // deferred during a capture and returns the frees whose events have completed, so that
-  // they wait no longer than on PyTorch, whose every malloc processes every event. Two
+  // What this engine's malloc does first, and a backend whose other mallocs go elsewhere
+  // (core::StitchBackend) calls too: unless a capture is underway, records the events of
+  // frees deferred during a capture and returns the frees whose events have completed, so
+  // that they wait no longer than on PyTorch, whose every malloc processes every event. Two
   // relaxed loads when nothing waits.
   void poll_events() EXCLUDES(registry_mutex_, device_mutex_) {
     if ((pending_events_.load(std::memory_order_relaxed) > 0 ||
