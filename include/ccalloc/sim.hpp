@@ -405,6 +405,10 @@ class SimDriver final : public Driver {
     std::uint64_t capture = 0;  // the capture it belongs to
     std::vector<GraphNode> dependencies;
   };
+  // capturing_'s entry of `stream`; a DriverError "<call> stream <stream>, which is not
+  // capturing" if there is none.
+  std::map<StreamId, CaptureMember>::iterator capture_member(StreamId stream,
+                                                             const std::string& call);
   std::map<StreamId, CaptureMember> capturing_;                  // streams being captured
   std::unordered_map<std::uint64_t, StreamId> capture_origins_;  // capture id -> origin
   std::unordered_map<GraphNode, GraphNodeInfo> graph_nodes_;     // nodes of captures underway

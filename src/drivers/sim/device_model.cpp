@@ -198,13 +198,19 @@ void SimDriver::begin_capture(StreamId stream) {
   capture_origins_.emplace(id, stream);
 }
 
-void SimDriver::end_capture(StreamId stream) {
-  std::lock_guard lock(mutex_);
+std::map<StreamId, SimDriver::CaptureMember>::iterator SimDriver::capture_member(
+    StreamId stream, const std::string& call) {
   const auto it = capturing_.find(stream);
   if (it == capturing_.end()) {
-    throw DriverError("simulated GPU: end_capture of stream " + std::to_string(stream) +
+    throw DriverError("simulated GPU: " + call + " stream " + std::to_string(stream) +
                       ", which is not capturing");
   }
+  return it;
+}
+
+void SimDriver::end_capture(StreamId stream) {
+  std::lock_guard lock(mutex_);
+  const auto it = capture_member(stream, "end_capture of");
   const std::uint64_t id = it->second.id;
   if (capture_origins_.at(id) != stream) {
     capturing_.erase(it);  // a stream that joined leaves; the capture goes on
@@ -217,11 +223,7 @@ void SimDriver::end_capture(StreamId stream) {
 
 GraphNode SimDriver::capture_work(StreamId stream) {
   std::lock_guard lock(mutex_);
-  const auto it = capturing_.find(stream);
-  if (it == capturing_.end()) {
-    throw DriverError("simulated GPU: capture_work on stream " + std::to_string(stream) +
-                      ", which is not capturing");
-  }
+  const auto it = capture_member(stream, "capture_work on");
   const GraphNode node = next_graph_node_++;
   graph_nodes_.emplace(node, GraphNodeInfo{it->second.id, it->second.terminals});
   it->second.terminals.assign(1, node);
@@ -230,20 +232,16 @@ GraphNode SimDriver::capture_work(StreamId stream) {
 
 void SimDriver::capture_join(StreamId waiter, StreamId waited) {
   std::lock_guard lock(mutex_);
-  const auto from = capturing_.find(waited);
-  if (from == capturing_.end()) {
-    throw DriverError("simulated GPU: capture_join of stream " + std::to_string(waiter) +
-                      " to stream " + std::to_string(waited) + ", which is not capturing");
-  }
-  const CaptureMember source = from->second;  // copied: the waiter's entry changes below
-  const auto [to, joined] = capturing_.try_emplace(waiter, CaptureMember{source.id, {}});
+  // Copied: the waiter's entry changes below.
+  const CaptureMember source =
+      capture_member(waited, "capture_join of stream " + std::to_string(waiter) + " to")->second;
+  const auto to = capturing_.try_emplace(waiter, CaptureMember{source.id, {}}).first;
   if (to->second.id != source.id) {
     throw DriverError("simulated GPU: capture_join of stream " + std::to_string(waiter) +
                       " (capture " + std::to_string(to->second.id) + ") to stream " +
                       std::to_string(waited) + " (capture " + std::to_string(source.id) +
                       "): streams of two captures cannot wait on each other");
   }
-  (void)joined;
   std::vector<GraphNode>& t = to->second.terminals;
   for (GraphNode n : source.terminals) {
     if (std::find(t.begin(), t.end(), n) == t.end()) t.push_back(n);
