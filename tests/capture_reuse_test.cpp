@@ -19,7 +19,6 @@
 #include <random>
 #include <set>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
@@ -32,6 +31,10 @@
 
 namespace ccalloc {
 namespace {
+
+using ccalloc_test::CapturedBlock;
+using ccalloc_test::check_reuse_in_capture;
+using ccalloc_test::ReuseCheck;
 
 constexpr PoolId kGraphPool{3, 0};
 constexpr std::size_t kGiB = 1024 * kMiB;
@@ -307,37 +310,9 @@ TEST_P(CaptureReuse, RandomCapturesNeverReuseMemoryBeforeTheGraphOrdersIt) {
         CaptureInfo i;
         return dp->capture_info(s, i) && i.id == id;
       });
-      struct Live {
-        DevicePtr ptr;
-        std::size_t size;
-        StreamId stream;
-        std::vector<GraphNode> uses;
-        bool cross = false;
-      };
-      struct Freed {
-        DevicePtr ptr;
-        std::size_t size;
-        StreamId stream;
-        std::vector<GraphNode> uses;
-        bool cross;
-      };
-      std::vector<Live> live;
-      std::vector<Freed> freed;
+      std::vector<CapturedBlock> live;
+      std::vector<CapturedBlock> freed;
       std::set<StreamId> in_capture{1};
-      const auto ancestors_of = [&](StreamId s) {
-        CaptureInfo info;
-        std::unordered_set<GraphNode> seen;
-        if (!d.capture_info(s, info)) return seen;
-        std::vector<GraphNode> stack = info.terminals, parents;
-        while (!stack.empty()) {
-          const GraphNode n = stack.back();
-          stack.pop_back();
-          if (!seen.insert(n).second) continue;
-          d.node_dependencies(n, parents);
-          stack.insert(stack.end(), parents.begin(), parents.end());
-        }
-        return seen;
-      };
       for (int step = 0; step < 400; ++step) {
         const int op = static_cast<int>(rng() % 100);
         std::vector<StreamId> members(in_capture.begin(), in_capture.end());
@@ -345,27 +320,15 @@ TEST_P(CaptureReuse, RandomCapturesNeverReuseMemoryBeforeTheGraphOrdersIt) {
         if (op < 30) {
           const std::size_t size = rng() % 3 == 0 ? (1 + rng() % 6) << 20 : 512 * (1 + rng() % 64);
           const DevicePtr p = a.malloc(size, s);
-          const std::unordered_set<GraphNode> before = ancestors_of(s);
-          for (auto it = freed.begin(); it != freed.end();) {
-            if (p < it->ptr + it->size && it->ptr < p + size) {
-              ASSERT_EQ(it->stream, s) << "memory of another stream during the capture";
-              for (GraphNode n : it->uses) {
-                ASSERT_TRUE(before.contains(n))
-                    << "0x" << std::hex << p << " reuses memory whose use at node " << std::dec << n
-                    << " the graph does not order before stream " << s << "'s next work";
-              }
-              if (it->cross) ++cross_reuses;
-              it = freed.erase(it);
-            } else {
-              ++it;
-            }
-          }
-          live.push_back(Live{p, size, s, {}});
+          const ReuseCheck r = check_reuse_in_capture(d, s, p, size, freed);
+          ASSERT_EQ(r.failures, 0u);
+          cross_reuses += r.cross;
+          live.push_back(CapturedBlock{p, size, s, {}, false});
         } else if (op < 55 && !live.empty()) {
           // A kernel on s reads or writes some live blocks.
           const GraphNode node = d.capture_work(s);
           for (int k = 0; k < 2; ++k) {
-            Live& l = live[rng() % live.size()];
+            CapturedBlock& l = live[rng() % live.size()];
             if (l.stream != s) {
               a.record_stream(l.ptr, s);
               l.cross = true;
@@ -375,9 +338,8 @@ TEST_P(CaptureReuse, RandomCapturesNeverReuseMemoryBeforeTheGraphOrdersIt) {
         } else if (op < 75 && !live.empty()) {
           const std::size_t i = rng() % live.size();
           a.free(live[i].ptr);
-          freed.push_back(
-              Freed{live[i].ptr, live[i].size, live[i].stream, live[i].uses, live[i].cross});
-          live[i] = live.back();
+          freed.push_back(std::move(live[i]));
+          live[i] = std::move(live.back());
           live.pop_back();
         } else if (op < 95) {
           const StreamId waiter = streams[rng() % 3];
@@ -389,7 +351,7 @@ TEST_P(CaptureReuse, RandomCapturesNeverReuseMemoryBeforeTheGraphOrdersIt) {
           d.capture_work(s);
         }
       }
-      for (const Live& l : live)
+      for (const CapturedBlock& l : live)
         a.free(l.ptr);
       a.end_allocate_to_pool(kGraphPool);
       d.end_capture(1);

@@ -10,16 +10,19 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <unordered_set>
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/config.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
+#include "test_support.hpp"
 
 namespace ccalloc {
 namespace {
+
+using ccalloc_test::CapturedBlock;
+using ccalloc_test::check_reuse_in_capture;
 
 TEST(PrivatePoolsConcurrency, CapturesBesideBusyStreamsStayApartAndSafe) {
   // PyTorch's policy on native and on expandable segments; the stitching policy (the
@@ -135,50 +138,19 @@ TEST(PrivatePoolsConcurrency, GraphReuseFromSeveralThreadsOfOneCapture) {
       threads.emplace_back([&, t] {
         const StreamId own = static_cast<StreamId>(t + 1);
         std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 11);
-        struct Held {
-          DevicePtr ptr;
-          std::size_t size;
-          std::vector<GraphNode> uses;
-          bool cross;
-        };
-        std::vector<Held> live;
-        std::vector<Held> freed;
-        std::vector<GraphNode> stack;
-        std::vector<GraphNode> parents;
+        std::vector<CapturedBlock> live;
+        std::vector<CapturedBlock> freed;
         try {
           for (int step = 0; step < 1500; ++step) {
             const int op = static_cast<int>(rng() % 100);
             if (op < 30 || live.empty()) {
               const std::size_t size = 512 * (1 + rng() % 512);
               const DevicePtr p = alloc.malloc(size, own);
-              CaptureInfo info;
-              driver.capture_info(own, info);
-              std::unordered_set<GraphNode> reached;
-              stack = info.terminals;
-              while (!stack.empty()) {
-                const GraphNode n = stack.back();
-                stack.pop_back();
-                if (!reached.insert(n).second) continue;
-                driver.node_dependencies(n, parents);
-                stack.insert(stack.end(), parents.begin(), parents.end());
-              }
-              for (auto it = freed.begin(); it != freed.end();) {
-                if (p < it->ptr + it->size && it->ptr < p + size) {
-                  for (GraphNode n : it->uses) {
-                    if (!reached.contains(n)) {
-                      ADD_FAILURE() << "stream " << own << " reuses memory used at node " << n
-                                    << " before the graph orders that use";
-                    }
-                  }
-                  if (it->cross) ++reuses;
-                  it = freed.erase(it);
-                } else {
-                  ++it;
-                }
-              }
-              live.push_back(Held{p, size, {}, false});
+              reuses +=
+                  static_cast<long>(check_reuse_in_capture(driver, own, p, size, freed).cross);
+              live.push_back(CapturedBlock{p, size, own, {}, false});
             } else if (op < 55) {
-              Held& h = live[rng() % live.size()];
+              CapturedBlock& h = live[rng() % live.size()];
               const StreamId on = static_cast<StreamId>(1 + rng() % 3);
               if (on != own) {
                 alloc.record_stream(h.ptr, on);
@@ -195,10 +167,10 @@ TEST(PrivatePoolsConcurrency, GraphReuseFromSeveralThreadsOfOneCapture) {
               const StreamId other = static_cast<StreamId>(1 + rng() % 3);
               if (other != own) driver.capture_join(own, other);
             }
-            // The graph of one capture grows without bound: keep the walks short.
+            // Old frees are unlikely to be overlapped again: keep the list short.
             if (freed.size() > 64) freed.erase(freed.begin(), freed.begin() + 32);
           }
-          for (const Held& h : live)
+          for (const CapturedBlock& h : live)
             alloc.free(h.ptr);
         } catch (const std::exception& e) {
           ADD_FAILURE() << "thread " << t << ": " << e.what();
