@@ -414,14 +414,12 @@ TEST(HistoryContext, StitchingPolicyUnmapsCarryTheEmptyCacheContextUnderAll) {
     const bool all = std::string(level) == "all";
     for (const int id : unmap_ids) {
       if (all) {
-        EXPECT_GT(id, before) << "a context taken by empty_cache()";
-        EXPECT_EQ(id, unmap_ids[0]) << "one context for the call's unmaps";
+        EXPECT_EQ(id, before + 1) << "the context taken by empty_cache()";
       } else {
         EXPECT_EQ(id, 0) << level;
       }
     }
-    if (!all) {
-      EXPECT_EQ(c.taken.load(), before) << "no context taken under \"alloc\"";
-    }
+    // One context per call, though two engines (the policy's and the private pools') release.
+    EXPECT_EQ(c.taken.load(), before + (all ? 1 : 0)) << level;
   }
 }

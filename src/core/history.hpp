@@ -117,6 +117,10 @@ class OperationContext {
   OperationContext& operator=(const OperationContext&) = delete;
   // The running operation's origin (empty outside one).
   static const Origin& current() { return current_ != nullptr ? *current_ : kNone; }
+  // Whether an operation is running on this thread: one nested in it (the private pools'
+  // empty_cache within the device's, a free-memory callback's call within a malloc) takes
+  // the running operation's origin rather than capturing its own.
+  static bool active() { return current_ != nullptr; }
 
  private:
   static const Origin kNone;

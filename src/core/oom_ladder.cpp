@@ -370,7 +370,7 @@ void Engine::empty_cache() {
   if (config_.uncached) return;
   const unsigned flags = trace_flags_.load(std::memory_order_acquire);
   std::optional<OperationContext> context;
-  if (flags & kTraceHistory) {
+  if ((flags & kTraceHistory) && !OperationContext::active()) {
     context.emplace(flags & kCaptureOnFree ? capture(flags) : Origin{});
   }
   if (!capturing()) {  // nothing goes back to the device during capture

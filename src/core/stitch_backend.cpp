@@ -126,6 +126,8 @@ ipc::SharedRegion StitchBackend::shared_region(DevicePtr ptr) const {
 }
 
 void StitchBackend::empty_cache() {
+  // One origin for both engines' releases: the caller's stack is taken once.
+  const std::optional<OperationContext> context = stitch_->empty_cache_context();
   pools_->empty_cache();
   stitch_->empty_cache();
   settle_pending();

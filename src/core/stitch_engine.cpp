@@ -1174,11 +1174,16 @@ void StitchEngine::release_spare_handles() {
   }
 }
 
+std::optional<OperationContext> StitchEngine::empty_cache_context() {
+  if (OperationContext::active()) return std::nullopt;
+  return std::optional<OperationContext>(
+      std::in_place, capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{});
+}
+
 void StitchEngine::empty_cache() {
   // With history of every action ("all"), the unmaps carry the caller's stack, as
   // PyTorch's segment frees and unmaps do.
-  const OperationContext context(capture_on_free_.load(std::memory_order_relaxed) ? capture()
-                                                                                  : Origin{});
+  const std::optional<OperationContext> context = empty_cache_context();
   if (!capturing()) {  // nothing goes back to the device during a capture
     const AllArenasLock all(*this);
     Lock device(device_mutex_);

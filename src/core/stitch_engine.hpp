@@ -123,6 +123,9 @@ class StitchEngine final : public Backend {
   void free(DevicePtr ptr) override;
   void record_stream(DevicePtr ptr, StreamId stream) override;
   void empty_cache() override;
+  // The context empty_cache() runs in (none when an operation is already running on this
+  // thread): StitchBackend takes it once for both engines.
+  std::optional<OperationContext> empty_cache_context();
   DeviceStats stats() const override;
   void reset_peak_stats() override;
   void reset_accumulated_stats() override;
