@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
 #include <map>
 #include <ostream>
@@ -552,10 +553,21 @@ struct Param {
   std::uint64_t seed;
 };
 
+// CCALLOC_RANDOM_SEEDS=N runs seeds 1 to N instead (a longer soak; at least the default's).
+std::vector<std::uint64_t> seeds() {
+  std::vector<std::uint64_t> out(std::begin(kSeeds), std::end(kSeeds));
+  if (const char* n = std::getenv("CCALLOC_RANDOM_SEEDS"); n != nullptr) {
+    const std::uint64_t count = std::strtoull(n, nullptr, 10);
+    for (std::uint64_t seed = std::size(kSeeds) + 1; seed <= count; ++seed)
+      out.push_back(seed);
+  }
+  return out;
+}
+
 std::vector<Param> all_params() {
   std::vector<Param> out;
   for (const RunSpec& r : kRuns) {
-    for (std::uint64_t seed : kSeeds)
+    for (std::uint64_t seed : seeds())
       out.push_back({r, seed});
   }
   return out;
