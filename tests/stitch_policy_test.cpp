@@ -28,6 +28,9 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 constexpr DevicePtr kVa = 0x600000000000;  // the simulated GPU's first reservation
 constexpr const char* kExact = "ccalloc,stitch_segments:True";
+// The small pool takes rounded requests of at most 256 KiB.
+constexpr std::size_t kLargestSmall = 256 * 1024;
+constexpr std::size_t kSmallRequest = 128 * 1024;
 
 struct Fixture {
   explicit Fixture(std::size_t capacity = 18 * kMiB, const char* conf = kExact)
@@ -79,13 +82,30 @@ TEST(StitchPolicy, SmallRequestsShareOneSmallPoolPage) {
   const DevicePtr large = f.engine.malloc(3 * kMiB, 0);
   std::vector<DevicePtr> small;
   for (int i = 0; i < 4; ++i)
-    small.push_back(f.engine.malloc(512 * 1024, 0));
+    small.push_back(f.engine.malloc(kLargestSmall, 0));
   for (int i = 1; i < 4; ++i)
-    EXPECT_EQ(small[i], small[0] + static_cast<std::size_t>(i) * 512 * 1024);
+    EXPECT_EQ(small[i], small[0] + static_cast<std::size_t>(i) * kLargestSmall);
   EXPECT_NE(small[0] / (2 * kMiB), large / (2 * kMiB));  // the small pool's own space
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(4 * kMiB + 2 * kMiB));
   EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current,
             static_cast<std::int64_t>(2 * kMiB));
+}
+
+// A request just above the small pool's largest goes to the large range, packed after the
+// large block before it; the small pool's own page starts with the first small request.
+TEST(StitchPolicy, RequestsAbove256KiBArePackedInTheLargeRange) {
+  Fixture f;
+  const DevicePtr large = f.engine.malloc(3 * kMiB, 0);
+  const DevicePtr medium = f.engine.malloc(kLargestSmall + 512, 0);
+  EXPECT_EQ(medium, large + 3 * kMiB);
+  EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current, 0);
+  const DevicePtr small = f.engine.malloc(kLargestSmall, 0);
+  EXPECT_NE(small / (2 * kMiB), large / (2 * kMiB));  // the small pool's own space
+  EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current,
+            static_cast<std::int64_t>(2 * kMiB));
+  EXPECT_EQ(f.engine.stats().allocated_bytes[ccalloc::kLargePool].current,
+            static_cast<std::int64_t>(3 * kMiB + kLargestSmall + 512));
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(4 * kMiB + 2 * kMiB));
 }
 
 TEST(StitchPolicy, SmallGrowthTakesAWholeFreeLargePageInPlaceAndGivesItBackWhenFree) {
@@ -98,10 +118,10 @@ TEST(StitchPolicy, SmallGrowthTakesAWholeFreeLargePageInPlaceAndGivesItBackWhenF
   const auto creates = f.gpu.counters().physical_creates;
   const auto maps = f.gpu.counters().maps;
   // The small pool has no page: it takes a's first page in place (an island).
-  const DevicePtr s1 = f.engine.malloc(512 * 1024, 0);
-  const DevicePtr s2 = f.engine.malloc(1 * kMiB, 0);
+  const DevicePtr s1 = f.engine.malloc(kSmallRequest, 0);
+  const DevicePtr s2 = f.engine.malloc(kLargestSmall, 0);
   EXPECT_EQ(s1, kVa);
-  EXPECT_EQ(s2, kVa + 512 * 1024);
+  EXPECT_EQ(s2, kVa + kSmallRequest);
   EXPECT_EQ(f.gpu.counters().physical_creates, creates);
   EXPECT_EQ(f.gpu.counters().maps, maps);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(8 * kMiB));
@@ -110,7 +130,7 @@ TEST(StitchPolicy, SmallGrowthTakesAWholeFreeLargePageInPlaceAndGivesItBackWhenF
   const auto st = f.engine.stats();
   EXPECT_EQ(st.allocated_bytes[ccalloc::kSmallPool].current, 0);
   EXPECT_EQ(st.allocated_bytes[ccalloc::kLargePool].current,
-            static_cast<std::int64_t>(4 * kMiB + 512 * 1024 + 1 * kMiB));
+            static_cast<std::int64_t>(4 * kMiB + kSmallRequest + kLargestSmall));
   EXPECT_EQ(st.reserved_bytes[ccalloc::kSmallPool].current, 0);
   // The island's free rest serves small requests only; a large one takes the page after it.
   const DevicePtr c = f.engine.malloc(2 * kMiB, 0);
@@ -121,9 +141,10 @@ TEST(StitchPolicy, SmallGrowthTakesAWholeFreeLargePageInPlaceAndGivesItBackWhenF
   ASSERT_EQ(segs.size(), 1u);
   // s1's free space, s2, the island's free rest, c's free page, b.
   ASSERT_EQ(segs[0].blocks.size(), 5u);
-  EXPECT_EQ(segs[0].blocks[0].size, 512 * 1024);
-  EXPECT_EQ(segs[0].blocks[1].size, 1 * kMiB);
-  EXPECT_EQ(segs[0].blocks[2].size, 512 * 1024);  // not merged with the large free block
+  EXPECT_EQ(segs[0].blocks[0].size, kSmallRequest);
+  EXPECT_EQ(segs[0].blocks[1].size, kLargestSmall);
+  // Not merged with the large free block.
+  EXPECT_EQ(segs[0].blocks[2].size, 2 * kMiB - kSmallRequest - kLargestSmall);
   EXPECT_EQ(segs[0].blocks[3].size, 2 * kMiB);
   EXPECT_EQ(segs[0].blocks[4].size, 4 * kMiB);
   // Wholly free, the island goes back: a's 4 MiB serve a large request again, in place.
@@ -136,7 +157,7 @@ TEST(StitchPolicy, SmallGrowthTakesAWholeFreeLargePageInPlaceAndGivesItBackWhenF
 TEST(StitchPolicy, SmallGrowthLeavesTheFreeTailOfAStreamThatHasNotSettled) {
   Fixture f;
   f.engine.free(f.engine.malloc(4 * kMiB, 0));  // the whole large range: its free tail
-  const DevicePtr s = f.engine.malloc(512 * 1024, 0);
+  const DevicePtr s = f.engine.malloc(kSmallRequest, 0);
   EXPECT_GE(s, kVa + 4 * kMiB);  // the small pool's own space
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(6 * kMiB));
   EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current,
@@ -164,7 +185,7 @@ TEST(StitchPolicy, SmallGrowthTakesASettledStreamsFreeTailThatStillHoldsItsLarge
     const auto creates = f.gpu.counters().physical_creates;
     const auto maps = f.gpu.counters().maps;
     // The tail's first page becomes an island: no driver call, no new memory.
-    const DevicePtr s = f.engine.malloc(512 * 1024, 0);
+    const DevicePtr s = f.engine.malloc(kSmallRequest, 0);
     EXPECT_EQ(s, kVa);
     EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(8 * kMiB));
     EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current, 0);
@@ -183,7 +204,7 @@ TEST(StitchPolicy, SmallGrowthTakesASettledStreamsFreeTailThatStillHoldsItsLarge
     // Not settled: 4 MiB served since the last creation, for an 8 MiB range.
     Fixture f;
     build(f);
-    EXPECT_GE(f.engine.malloc(512 * 1024, 0), kVa + 8 * kMiB);
+    EXPECT_GE(f.engine.malloc(kSmallRequest, 0), kVa + 8 * kMiB);
     EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
   }
   {
@@ -192,7 +213,7 @@ TEST(StitchPolicy, SmallGrowthTakesASettledStreamsFreeTailThatStillHoldsItsLarge
     Fixture f;
     build(f);
     f.engine.free(f.engine.malloc(7 * kMiB, 0));
-    EXPECT_GE(f.engine.malloc(512 * 1024, 0), kVa + 8 * kMiB);
+    EXPECT_GE(f.engine.malloc(kSmallRequest, 0), kVa + 8 * kMiB);
     EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
     EXPECT_EQ(f.engine.malloc(8 * kMiB, 0), kVa);
   }

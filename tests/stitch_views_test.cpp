@@ -60,6 +60,8 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 constexpr std::size_t kPiece = 2 * kMiB;
 constexpr DevicePtr kVa = 0x600000000000;  // the simulated GPU's first reservation
+// Served by the small pool (rounded requests of at most 256 KiB).
+constexpr std::size_t kSmallRequest = 128 * 1024;
 
 struct Fixture {
   explicit Fixture(std::size_t capacity)
@@ -245,7 +247,7 @@ TEST(StitchViews, WholeChunksLentAndTheirDeadPagesAddUpToTheReservedBytes) {
 
   // A small request on another stream: its own range, and a handle of just the one piece
   // it lacks (the small pool creates no chunk), counted in the small pool.
-  const DevicePtr small = f.engine.malloc(512 * 1024, 7);
+  const DevicePtr small = f.engine.malloc(kSmallRequest, 7);
   s = f.engine.snapshot();
   ASSERT_EQ(s.segments.size(), 2u);
   const auto& sseg = s.segments[1];
@@ -264,11 +266,11 @@ TEST(StitchViews, WholeChunksLentAndTheirDeadPagesAddUpToTheReservedBytes) {
 }
 
 TEST(StitchViews, AHandleLentToTheLargePoolCountsThereFromThen) {
-  // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (1 piece, small pool); freed, its
+  // 18 MiB device (exact growth). s0 = 128 KiB: handle 1 (1 piece, small pool); freed, its
   // page holds handle 1 whole. a = 2 MiB: the one page it lacks is that page, so the large
   // pool takes handle 1 and creates nothing.
   Fixture f(18 * kMiB);
-  const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
+  const DevicePtr s0 = f.engine.malloc(kSmallRequest, 0);
   f.engine.free(s0);
   const DevicePtr a = f.engine.malloc(2 * kMiB, 0);
   EXPECT_EQ(f.gpu.counters().physical_creates, 1u);
@@ -305,7 +307,7 @@ TEST(StitchViews, TheSmallPoolTakesALargeFreePageInPlaceAndMapsNothing) {
   f.engine.malloc(4 * kMiB, 0);
   f.engine.free(b);
   const auto maps = f.gpu.counters().maps;
-  EXPECT_EQ(f.engine.malloc(512 * 1024, 0), b);
+  EXPECT_EQ(f.engine.malloc(kSmallRequest, 0), b);
   EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
   EXPECT_EQ(f.gpu.counters().maps, maps);
   EXPECT_EQ(f.reserved(kSmallPool), 0u);
@@ -316,7 +318,7 @@ TEST(StitchViews, TheSmallPoolTakesALargeFreePageInPlaceAndMapsNothing) {
   ASSERT_EQ(s.segments.size(), 1u);  // the large range, the island's blocks inside it
   EXPECT_EQ(s.segments[0].total_size, 10 * kMiB);
   EXPECT_FALSE(s.segments[0].is_small);
-  // 4 MiB, the island's 512 KiB block and its free rest, 4 MiB: the island's blocks say so.
+  // 4 MiB, the island's 128 KiB block and its free rest, 4 MiB: the island's blocks say so.
   std::vector<bool> islands;
   for (const auto& block : s.segments[0].blocks)
     islands.push_back(block.island);
@@ -348,17 +350,17 @@ TEST(StitchViews, TheSmallPoolTakesALargeFreePageInPlaceAndMapsNothing) {
 // piece is still mapped, dead, at its old small page: it comes back there, with no driver
 // call.
 TEST(StitchViews, TheSmallPoolRevivesItsOwnPieceFromTheLargeFreeTail) {
-  // 18 MiB device (exact growth). s0 = 512 KiB: handle 1 (small pool), freed. a = 2 MiB:
-  // handle 1, lent. a freed: the large range's free tail holds handle 1 whole. s1 = 512
+  // 18 MiB device (exact growth). s0 = 128 KiB: handle 1 (small pool), freed. a = 2 MiB:
+  // handle 1, lent. a freed: the large range's free tail holds handle 1 whole. s1 = 128
   // KiB: handle 1 is live at s0's page again, and dead at a.
   Fixture f(18 * kMiB);
-  const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
+  const DevicePtr s0 = f.engine.malloc(kSmallRequest, 0);
   f.engine.free(s0);
   const DevicePtr a = f.engine.malloc(2 * kMiB, 0);
   f.engine.free(a);
   const auto before = f.gpu.counters();
   EXPECT_EQ(before.physical_creates, 1u);
-  const DevicePtr s1 = f.engine.malloc(512 * 1024, 0);
+  const DevicePtr s1 = f.engine.malloc(kSmallRequest, 0);
   EXPECT_EQ(s1, s0);
   const auto after = f.gpu.counters();
   EXPECT_EQ(after.physical_creates, 1u);
@@ -396,11 +398,11 @@ TEST(StitchViews, TheLargePoolTakesSmallPagesOnlyWhereTheySpareACreation) {
   Fixture f(std::size_t{1} << 34);
   // One free small page (handle 1); a 4 MiB request lacks 2 pages: the page would cover one,
   // and the chunk is created anyway, so the page stays and the next small request reuses it.
-  const DevicePtr s0 = f.engine.malloc(512 * 1024, 0);
+  const DevicePtr s0 = f.engine.malloc(kSmallRequest, 0);
   f.engine.free(s0);
   const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
   EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
-  EXPECT_EQ(f.engine.malloc(512 * 1024, 0), s0);
+  EXPECT_EQ(f.engine.malloc(kSmallRequest, 0), s0);
   EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
   Snapshot s = f.engine.snapshot();
   for (const auto& range : s.physical.at(0).ranges)
@@ -413,14 +415,15 @@ TEST(StitchViews, TheLargePoolTakesSmallPagesOnlyWhereTheySpareACreation) {
   }
   expect_accounts_for_reserved(f, s);
 
-  // Two free small pages (handles 1 and 2, under 1 MiB blocks) on a fresh engine: a 4 MiB request
-  // lacks exactly two pages, which they cover, so it takes them and creates nothing.
+  // Two free small pages (handles 1 and 2, under twelve 256 KiB blocks) on a fresh engine: a
+  // 4 MiB request lacks exactly two pages, which they cover, so it takes them and creates
+  // nothing.
   Fixture g(std::size_t{1} << 34);
-  const DevicePtr t0 = g.engine.malloc(kMiB, 0);
-  const DevicePtr t1 = g.engine.malloc(kMiB, 0);
-  const DevicePtr t2 = g.engine.malloc(kMiB, 0);
+  std::vector<DevicePtr> t;
+  for (int i = 0; i < 12; ++i)
+    t.push_back(g.engine.malloc(2 * kSmallRequest, 0));
   EXPECT_EQ(g.gpu.counters().physical_creates, 2u);
-  for (const DevicePtr p : {t0, t1, t2})
+  for (const DevicePtr p : t)
     g.engine.free(p);
   g.engine.malloc(4 * kMiB, 0);
   EXPECT_EQ(g.gpu.counters().physical_creates, 2u);

@@ -50,6 +50,14 @@ constexpr std::size_t kMinHandleCap = 2;
 // the reserved bytes (1/64, under 1.6 %), when that is less than the chunk.
 constexpr std::size_t kSettledExtraDivisor = 64;
 
+// Rounded requests of at most this many bytes go to the small pool, the rest to the large
+// pool (PyTorch splits its pools at 1 MiB). The small pool grows a page (one piece) at a
+// time, each growth a creation and a mapping, and the two pools reach their peaks at
+// different times; a block in a large range costs neither and is packed as expandable
+// segments pack it, but keeps the large handle under it from being lent. The measurements
+// behind 256 KiB are in docs/ccalloc-policy.md (rule 1).
+constexpr std::size_t kSmallPoolMax = 256 * 1024;
+
 }  // namespace
 
 StitchEngine::StitchEngine(Driver& driver, Config config)
@@ -115,7 +123,7 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   std::unique_lock lock(arena.mutex);  // moved into malloc_slow
   arena.mutex.assert_held();
   const std::size_t rounded = round_size(size, config_);  // under the lock: see reconfigure()
-  const bool small = is_small_size(rounded);
+  const bool small = rounded <= kSmallPoolMax;
   Pool& pool = arena.pool(small);
   const auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
   if (pos == pool.end()) return malloc_slow(arena, std::move(lock), size, rounded, small, stack);
@@ -758,7 +766,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     // handle of the pool's own free blocks; from the other pool, the large pool takes any
     // (a small page freed whole joins a large range) and the small pool only the one-piece
     // handles that its own growth created (they come back; a large handle of up to 64 MiB
-    // would sit in a small space behind blocks of at most 1 MiB).
+    // would sit in a small space behind blocks of at most 256 KiB).
     std::vector<Lend> candidates;
     for (const Pool& pool : arena.pools) {
       const bool other = &pool != &arena.pool(small);

@@ -4,7 +4,7 @@
 // H100/H200), created in handles of one or more pieces. Each (stream, pool) has spaces:
 // large reservations of address space in which pages of G bytes are mapped at a frontier
 // that only moves up, and blocks tile the space from its base to the frontier, packed as
-// expandable segments pack them (small requests keep PyTorch's small pool of their own).
+// expandable segments pack them (requests of at most 256 KiB keep a small pool of their own).
 // A block is
 //   allocated  -> handed out (in live_)
 //   pending    -> freed, waiting for events recorded on the other streams that used it
