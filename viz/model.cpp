@@ -384,7 +384,7 @@ struct Builder {
             SegmentSpan& s = m.spans[static_cast<std::size_t>(found.front()->second)];
             if ((s.flags & SegmentSpan::kTypeKnown) == 0) {
               s.flags |= SegmentSpan::kTypeKnown;
-              if (core::is_small_size(core::round_size(m.size[e], config))) {
+              if (core::round_size(m.size[e], config) <= core::small_pool_max(config)) {
                 s.flags |= SegmentSpan::kSmall;
               }
             }

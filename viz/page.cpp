@@ -235,10 +235,15 @@ Json oom_events_json(const Model& m, const std::string& conf) {
   for (std::size_t e = 0; e < m.kind.size(); ++e) {
     if (m.kind[e] != EventKind::kOom) continue;
     const std::size_t rounded = core::round_size(m.size[e], config);
-    out.push_back({{"event", e},
-                   {"rounded", rounded},
-                   {"segment_size", core::segment_size_for(rounded, config)},
-                   {"small", core::is_small_size(rounded)}});
+    const bool small = rounded <= core::small_pool_max(config);
+    // The stitching policy, at a limit, grows by exactly the pages a request lacks (a page
+    // for the small pool) instead of a segment.
+    const std::size_t segment =
+        !core::stitches(config) ? core::segment_size_for(rounded, config)
+        : small                 ? core::kSmallBuffer
+                : (rounded + core::kRoundLarge - 1) / core::kRoundLarge * core::kRoundLarge;
+    out.push_back(
+        {{"event", e}, {"rounded", rounded}, {"segment_size", segment}, {"small", small}});
   }
   return out;
 }

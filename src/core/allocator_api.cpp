@@ -2,8 +2,9 @@
 // trace and observer plumbing.
 #include <algorithm>
 
-#include "core/engine.hpp"
 #include "core/async_backend.hpp"
+#include "core/engine.hpp"
+#include "core/rounding.hpp"
 #include "core/stitch_backend.hpp"
 
 namespace ccalloc {
@@ -294,7 +295,7 @@ std::unique_ptr<Backend> make_backend(Driver& driver, Config config) {
   if (config.backend == ccalloc::BackendKind::kCudaMallocAsync) {
     return std::make_unique<AsyncBackend>(driver, std::move(config));
   }
-  if (config.stitch_segments && !config.uncached) {
+  if (stitches(config)) {
     return std::make_unique<StitchBackend>(driver, std::move(config));
   }
   return std::make_unique<Engine>(driver, std::move(config));

@@ -25,6 +25,21 @@ inline bool is_small_size(std::size_t rounded) {
   return rounded <= kSmallSize;
 }
 
+// The stitching policy (the `ccalloc` preset's default pool; docs/ccalloc-policy.md, rule 1)
+// splits its pools lower: rounded requests up to 256 KiB are small there.
+inline constexpr std::size_t kStitchSmallSize = kMiB / 4;
+
+// Whether a configuration's default pool runs the stitching policy (make_backend's choice).
+inline bool stitches(const Config& config) {
+  return config.stitch_segments && !config.uncached &&
+         config.backend != BackendKind::kCudaMallocAsync;
+}
+
+// The largest rounded request of the default pool's small pool under `config`.
+inline std::size_t small_pool_max(const Config& config) {
+  return stitches(config) ? kStitchSmallSize : kSmallSize;
+}
+
 // Size of the segment to allocate from the device for a rounded request.
 std::size_t segment_size_for(std::size_t rounded, const Config& config);
 

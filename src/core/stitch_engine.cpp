@@ -55,8 +55,8 @@ constexpr std::size_t kSettledExtraDivisor = 64;
 // time, each growth a creation and a mapping, and the two pools reach their peaks at
 // different times; a block in a large range costs neither and is packed as expandable
 // segments pack it, but keeps the large handle under it from being lent. The measurements
-// behind 256 KiB are in docs/ccalloc-policy.md (rule 1).
-constexpr std::size_t kSmallPoolMax = 256 * 1024;
+// behind 256 KiB are in docs/ccalloc-policy.md (rule 1); the viewer reads the same rule.
+constexpr std::size_t kSmallPoolMax = kStitchSmallSize;
 
 }  // namespace
 

@@ -301,6 +301,44 @@ TEST(VizPage, EmbedsAPayloadThatDecodesToTheModel) {
   EXPECT_EQ(meta["time0_us"], 100);
 }
 
+// The OOM explainer's facts follow the pools of the config the trace ran under: PyTorch's
+// policy keeps requests of up to 1 MiB small and grows by a segment (a 2 MiB small buffer,
+// a 20 MiB large one); the stitching policy's small pool ends at 256 KiB and, at a limit,
+// grows by exactly the pages a request lacks.
+TEST(VizPage, OomFactsFollowTheRecordedPolicysPools) {
+  const Snapshot s = with_trace({
+      entry(TraceAction::kOom, 0, 512 * 1024, 100),
+      entry(TraceAction::kOom, 0, 200 * 1024, 110),
+      entry(TraceAction::kOom, 0, 3 * kMiB + 1, 120),
+  });
+  ccalloc::viz::PageOptions options;
+  options.what_if = false;
+  const auto facts = [&](const std::string& conf) {
+    options.conf = conf;
+    return decode_page(ccalloc::viz::render_page(s, options)).first["ooms"];
+  };
+  const auto pytorch = facts("pytorch");
+  ASSERT_EQ(pytorch.size(), 3u);
+  EXPECT_EQ(pytorch[0]["small"], true);
+  EXPECT_EQ(pytorch[0]["segment_size"], 2 * kMiB);
+  EXPECT_EQ(pytorch[1]["small"], true);
+  EXPECT_EQ(pytorch[2]["small"], false);
+  EXPECT_EQ(pytorch[2]["segment_size"], 20 * kMiB);
+  EXPECT_EQ(pytorch[2]["rounded"], 3 * kMiB + 512);
+
+  const auto stitching = facts("ccalloc");
+  ASSERT_EQ(stitching.size(), 3u);
+  EXPECT_EQ(stitching[0]["small"], false);
+  EXPECT_EQ(stitching[0]["segment_size"], 2 * kMiB);
+  EXPECT_EQ(stitching[1]["small"], true);
+  EXPECT_EQ(stitching[1]["segment_size"], 2 * kMiB);
+  EXPECT_EQ(stitching[2]["small"], false);
+  EXPECT_EQ(stitching[2]["segment_size"], 4 * kMiB);
+
+  // The preset without stitching is PyTorch's policy on expandable segments: 1 MiB again.
+  EXPECT_EQ(facts("ccalloc,stitch_segments:False")[0]["small"], true);
+}
+
 // The stitching policy's pieces, per page of its ranges: a range of four 2 MiB pages whose
 // first page is dead (its piece, handle 1's, lent to the third), the second unmapped and
 // the last two live behind handles 1 and 2, with 1 MiB free in the last; handle 3 spare.
