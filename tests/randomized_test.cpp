@@ -31,6 +31,7 @@
 #include "ccalloc/config.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
+#include "ccalloc/snapshot.hpp"
 #include "ccalloc/stats.hpp"
 #include "core/rounding.hpp"
 #include "test_support.hpp"
@@ -63,7 +64,8 @@ struct RunSpec {
   std::size_t max_request = kMaxRequest;  // sizes are log-uniform up to it
   // Alternate phases of kPhaseOps operations: the full range of sizes, then requests of
   // 64 KiB to 1 MiB only, with frees more likely than mallocs (live memory falls and the small
-  // pool grows beside the large ranges' free tails).
+  // pool grows beside the large ranges' free tails), and now and then one small size
+  // malloc'd and freed in a loop (do_loop).
   bool phases = false;
 };
 
@@ -122,6 +124,8 @@ struct Counts {
   std::uint64_t fraction_changes = 0;
   std::uint64_t bad_pointer_ops = 0;
   std::uint64_t deep_checks = 0;
+  std::uint64_t loops = 0;         // small malloc/free loops (phases only)
+  std::uint64_t kept_islands = 0;  // loop rounds that left a wholly free island (kept)
 };
 
 class Harness {
@@ -228,6 +232,8 @@ class Harness {
       do_set_fraction();
     } else if (r < 990) {
       do_bad_pointer();
+    } else if (r < 994 && small_phase()) {
+      do_loop();
     } else {
       do_malloc();
     }
@@ -239,9 +245,36 @@ class Harness {
   // --- operations -----------------------------------------------------------------------
 
   void do_malloc() {
-    ++counts_.mallocs;
     const std::size_t size = uniform(500) == 0 ? 0 : log_uniform_size();
+    do_malloc(size, random_stream());
+  }
+
+  // One small size malloc'd and freed eight times on one stream: where nothing else of the
+  // small pool is free, its page bounces between the pools until the small pool keeps it
+  // (the stitching policy's rule 2), and the next large request takes it back.
+  void do_loop() {
+    ++counts_.loops;
+    const std::size_t size = 512 * (1 + uniform(256 * 1024 / 512));
     const StreamId stream = random_stream();
+    for (int i = 0; i < 8; ++i) {
+      const std::size_t before = live_.size();
+      do_malloc(size, stream);
+      if (::testing::Test::HasFatalFailure() || live_.size() == before) return;  // OOM
+      free_at(live_.size() - 1);
+      if (::testing::Test::HasFatalFailure()) return;
+      check_cheap();
+      if (i == 7 && alloc_.config().stitch_segments) {
+        for (const auto& seg : alloc_.snapshot().segments) {
+          for (const auto& b : seg.blocks) {
+            counts_.kept_islands += b.island && b.state == BlockState::kInactive;
+          }
+        }
+      }
+    }
+  }
+
+  void do_malloc(std::size_t size, StreamId stream) {
+    ++counts_.mallocs;
     DevicePtr ptr = 0;
     try {
       ptr = alloc_.malloc(size, stream);
@@ -606,7 +639,7 @@ TEST_P(Randomized, ShadowModelAndInvariantsHoldAfterEveryOperation) {
   std::printf(
       "[ conf=%s%s seed=%llu ] %llu ops in %.2f s: %llu mallocs (%llu OOM), %llu frees (%llu "
       "cross-stream), %llu record_stream, %llu completions, %llu empty_cache, %llu fraction, "
-      "%llu bad pointers, %llu deep checks\n",
+      "%llu bad pointers, %llu deep checks, %llu loops (%llu kept islands)\n",
       p.spec.conf, shape(p.spec).c_str(), static_cast<unsigned long long>(p.seed),
       static_cast<unsigned long long>(c.ops), secs, static_cast<unsigned long long>(c.mallocs),
       static_cast<unsigned long long>(c.ooms), static_cast<unsigned long long>(c.frees),
@@ -616,7 +649,12 @@ TEST_P(Randomized, ShadowModelAndInvariantsHoldAfterEveryOperation) {
       static_cast<unsigned long long>(c.empty_caches),
       static_cast<unsigned long long>(c.fraction_changes),
       static_cast<unsigned long long>(c.bad_pointer_ops),
-      static_cast<unsigned long long>(c.deep_checks));
+      static_cast<unsigned long long>(c.deep_checks), static_cast<unsigned long long>(c.loops),
+      static_cast<unsigned long long>(c.kept_islands));
+  // The phases exercise islands the small pool keeps (rule 2) in every full run.
+  if (p.spec.phases && ops == kOpsPerRun) {
+    EXPECT_GT(c.kept_islands, 0u);
+  }
 }
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {

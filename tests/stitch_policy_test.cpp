@@ -219,6 +219,79 @@ TEST(StitchPolicy, SmallGrowthTakesASettledStreamsFreeTailThatStillHoldsItsLarge
   }
 }
 
+// An 8 MiB large range, wholly free, on a settled stream (16 MiB handed out since its
+// creation) whose largest block was 4 MiB: its free tail may lend a page to the small pool.
+void settle_an_8_mib_range(Fixture& f) {
+  const DevicePtr x = f.engine.malloc(4 * kMiB, 0);
+  f.engine.malloc(4 * kMiB, 0);
+  f.engine.free(x);
+  f.engine.free(x + 4 * kMiB);
+  f.engine.free(f.engine.malloc(4 * kMiB, 0));
+  f.engine.free(f.engine.malloc(4 * kMiB, 0));
+}
+
+// A small block freed and allocated in a loop, with nothing else of the small pool free:
+// its page bounces between the pools (freed whole, the island goes back to the large pool;
+// the next request takes it back). From the third bounce on the small pool keeps it, and
+// the loop hits the cache; the next large request takes it back, as if it had never left.
+TEST(StitchPolicy, ThePageOfASmallBlockFreedAndAllocatedInALoopStaysAnIslandUntilALargeRequest) {
+  Fixture f;
+  settle_an_8_mib_range(f);
+  const auto island_blocks = [&f] {
+    std::vector<std::pair<DevicePtr, bool>> out;  // (address, allocated)
+    for (const auto& seg : f.engine.snapshot().segments) {
+      for (const auto& b : seg.blocks) {
+        if (b.island) out.emplace_back(b.address, b.state == ccalloc::BlockState::kActiveAllocated);
+      }
+    }
+    return out;
+  };
+  using Islands = std::vector<std::pair<DevicePtr, bool>>;
+  const auto creates = f.gpu.counters().physical_creates;
+  for (int i = 1; i <= 6; ++i) {
+    const DevicePtr s = f.engine.malloc(kSmallRequest, 0);
+    ASSERT_EQ(s, kVa) << "round " << i;
+    EXPECT_EQ(island_blocks(), (Islands{{kVa, true}, {kVa + kSmallRequest, false}}));
+    f.engine.free(s);
+    // Taken back for the first time in round 2: the third bounce is round 4's.
+    if (i < 4) {
+      EXPECT_EQ(island_blocks(), Islands{}) << "round " << i << ": returned";
+    } else {
+      EXPECT_EQ(island_blocks(), (Islands{{kVa, false}})) << "round " << i << ": kept";
+    }
+  }
+  EXPECT_EQ(f.gpu.counters().physical_creates, creates);
+  EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current, 0);
+  // A large request finds the range whole, where the island was.
+  const DevicePtr big = f.engine.malloc(6 * kMiB, 0);
+  EXPECT_EQ(big, kVa);
+  EXPECT_EQ(island_blocks(), Islands{});
+  f.engine.free(big);
+  // The count starts again: the next loop returns the page at first.
+  f.engine.free(f.engine.malloc(kSmallRequest, 0));
+  EXPECT_EQ(island_blocks(), Islands{});
+  EXPECT_EQ(f.gpu.counters().physical_creates, creates);
+}
+
+// A kept island goes back to the large pool when the cache is released, and its page is
+// unmapped with the rest of the free range.
+TEST(StitchPolicy, EmptyCacheReleasesAKeptIsland) {
+  Fixture f;
+  settle_an_8_mib_range(f);
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_EQ(f.engine.malloc(kSmallRequest, 0), kVa);  // round 4 on: a cache hit
+    f.engine.free(kVa);
+  }
+  ASSERT_TRUE(f.engine.snapshot().segments.at(0).blocks.at(0).island);
+  f.engine.empty_cache();
+  EXPECT_EQ(f.reserved(), 0);
+  for (const auto& seg : f.engine.snapshot().segments) {
+    for (const auto& b : seg.blocks)
+      EXPECT_FALSE(b.island) << b.address;
+  }
+  EXPECT_EQ(f.engine.malloc(8 * kMiB, 0), kVa);
+}
+
 TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {
   Fixture f(32 * kGiB, "ccalloc,stitch_segments:True");  // handles of up to 64 MiB
   const DevicePtr a = f.engine.malloc(5 * kMiB, 0);

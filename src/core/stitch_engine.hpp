@@ -290,6 +290,13 @@ class StitchEngine final : public Backend {
     std::size_t large_served GUARDED_BY(mutex) = 0;
     // The largest block the large pool has handed out on this stream (see take_island).
     std::size_t largest_large GUARDED_BY(mutex) = 0;
+    // Islands left wholly free that the small pool keeps (end_island_if_free) since the large
+    // pool last took them back (return_kept_islands): at most one is free at a time.
+    std::size_t kept_islands GUARDED_BY(mutex) = 0;
+    // The last island returned to the large pool, and how many times in a row take_island
+    // has taken that same page back.
+    DevicePtr last_returned_island GUARDED_BY(mutex) = 0;
+    std::size_t island_bounces GUARDED_BY(mutex) = 0;
     std::atomic<std::int64_t> pending_events{0};  // pending.size(), read without the lock
   };
   enum class Grow { kDone, kOutOfMemory, kNeedsGc };
@@ -343,6 +350,7 @@ class StitchEngine final : public Backend {
   Block* pool_free(Arena& arena, Block* b, bool keep_island = false) REQUIRES(arena.mutex);
   // `b` (free, pooled), or, where it is a whole island, the large free block it joins.
   Block* end_island_if_free(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  void return_kept_islands(Arena& arena) REQUIRES(arena.mutex);
   // Small-pool growth without a driver call: a one-piece handle that the small pool created
   // and lent to the large pool, now wholly inside a large free block, goes back to the
   // small page that still maps it (dead there since the lend). Returns the free block that
