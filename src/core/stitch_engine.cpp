@@ -164,7 +164,8 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
   const bool capture = capturing();
   {
     Lock device(device_mutex_);
-    g = grow(arena, small, rounded, /*gc_allowed=*/!capture, &block);
+    // malloc() found no island under the same lock.
+    g = grow(arena, small, rounded, /*gc_allowed=*/!capture, &block, /*try_island=*/false);
   }
   if (g == Grow::kDone) {
     const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
@@ -764,7 +765,7 @@ StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
 }
 
 StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size, bool gc_allowed,
-                                      Block** out) {
+                                      Block** out, bool try_island) {
   if (!small && arena.kept_islands != 0) {
     return_kept_islands(arena);
     if (Block* b = find_free(arena, false, size)) {
@@ -773,7 +774,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     }
   }
   if (small) {
-    if (Block* island = take_island(arena)) {
+    if (Block* island = try_island ? take_island(arena) : nullptr) {
       *out = island;
       return Grow::kDone;
     }

@@ -327,8 +327,8 @@ class StitchEngine final : public Backend {
   DevicePtr malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> lock, std::size_t size,
                         std::size_t rounded, bool small, const Origin& stack);
   Block* find_free(Arena& arena, bool small, std::size_t size) REQUIRES(arena.mutex);
-  Grow grow(Arena& arena, bool small, std::size_t size, bool gc_allowed, Block** out)
-      REQUIRES(arena.mutex, device_mutex_);
+  Grow grow(Arena& arena, bool small, std::size_t size, bool gc_allowed, Block** out,
+            bool try_island = true) REQUIRES(arena.mutex, device_mutex_);
   // The least pieces a growth of the stream's large pool creates: the chunk, or 1/64 of the
   // reserved bytes when less, once the stream has settled (see grow()).
   std::size_t least_large_growth(const Arena& arena) const REQUIRES(arena.mutex, device_mutex_);
