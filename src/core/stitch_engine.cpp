@@ -1761,6 +1761,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
       violated("stream " + std::to_string(arena->stream) + " counts pending events wrongly");
     }
     std::size_t free_islands = 0;  // wholly free islands of this stream
+    const bool kept = arena->kept_islands != 0;
     for (int k = 0; k < 2; ++k) {
       const bool small = k == 1;
       for (const auto& sp : arena->spaces[k]) {
@@ -1782,9 +1783,9 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
             violated("the island of the small pool at " + hex_address(island) + " ends at " +
                      hex_address(end) + ", not on a page boundary");
           }
-          if (!island_used && (++free_islands > 1 || arena->kept_islands == 0)) {
+          if (!island_used && (++free_islands > 1 || !kept)) {
             violated("the island of the small pool at " + hex_address(island) + " is wholly free" +
-                     (arena->kept_islands == 0 ? " and not kept" : ", and another is too"));
+                     (kept ? ", and another is too" : " and not kept"));
           }
           island = 0;
         };
