@@ -130,7 +130,7 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   const std::size_t rounded = round_size(size, config_);  // under the lock: see reconfigure()
   const bool small = rounded <= kSmallPoolMax;
   // A large request sees the large pool as if the small pool kept no island.
-  if (!small && arena.kept_islands != 0) [[unlikely]]
+  if (!small && arena.keeps_island) [[unlikely]]
     return_kept_islands(arena);
   Pool& pool = arena.pool(small);
   auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
@@ -549,39 +549,41 @@ StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_i
   return keep_island ? merged : end_island_if_free(arena, merged);
 }
 
-StitchEngine::Block* StitchEngine::end_island_if_free(Arena& arena, Block* b) {
+bool StitchEngine::whole_free_island(const Block* b) {
   const auto same_pool = [b](const Block* n) { return n != nullptr && n->small == b->small; };
-  if (!b->in_island() || same_pool(b->prev) || same_pool(b->next)) return b;
+  return b->in_island() && !same_pool(b->prev) && !same_pool(b->next);
+}
+
+StitchEngine::Block* StitchEngine::end_island_if_free(Arena& arena, Block* b) {
+  if (!whole_free_island(b)) return b;
   // The small pool keeps it instead while the stream bounces one page between the pools
   // (frees it whole, then takes it back as an island, again and again: a small block freed
   // and allocated in a loop while nothing else of the small pool is free). A bounce costs
   // no memory and no driver call, but several tree operations on each side; kept, the
   // loop hits the cache. It stays the large pool's at the next large request.
   if (arena.island_bounces >= kIslandBounces && arena.pool(true).size() == 1) {
-    ++arena.kept_islands;
+    arena.keeps_island = true;
     return b;
   }
   arena.last_returned_island = b->ptr;
-  arena.pool(b->small).erase(b);
+  return island_to_large_pool(arena, b);
+}
+
+StitchEngine::Block* StitchEngine::island_to_large_pool(Arena& arena, Block* b) {
+  arena.pool(true).erase(b);
   b->small = b->space->small;
   return pool_free(arena, b);  // merged with the large free blocks around it
 }
 
 void StitchEngine::return_kept_islands(Arena& arena) {
-  if (arena.kept_islands == 0) return;
-  arena.kept_islands = 0;
+  if (!arena.keeps_island) return;
+  arena.keeps_island = false;
   arena.island_bounces = 0;
   Pool& small = arena.pool(true);
-  const auto same_pool = [](const Block* b, const Block* n) {
-    return n != nullptr && n->small == b->small;
-  };
   for (auto it = small.begin(); it != small.end();) {
     Block* b = *it;
     ++it;
-    if (!b->in_island() || same_pool(b, b->prev) || same_pool(b, b->next)) continue;
-    small.erase(b);
-    b->small = b->space->small;
-    pool_free(arena, b);
+    if (whole_free_island(b)) island_to_large_pool(arena, b);
   }
 }
 
@@ -766,7 +768,7 @@ StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
 
 StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size, bool gc_allowed,
                                       Block** out, bool try_island) {
-  if (!small && arena.kept_islands != 0) {
+  if (!small && arena.keeps_island) {
     return_kept_islands(arena);
     if (Block* b = find_free(arena, false, size)) {
       *out = b;
@@ -1761,7 +1763,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
       violated("stream " + std::to_string(arena->stream) + " counts pending events wrongly");
     }
     std::size_t free_islands = 0;  // wholly free islands of this stream
-    const bool kept = arena->kept_islands != 0;
+    const bool kept = arena->keeps_island;
     for (int k = 0; k < 2; ++k) {
       const bool small = k == 1;
       for (const auto& sp : arena->spaces[k]) {

@@ -290,9 +290,10 @@ class StitchEngine final : public Backend {
     std::size_t large_served GUARDED_BY(mutex) = 0;
     // The largest block the large pool has handed out on this stream (see take_island).
     std::size_t largest_large GUARDED_BY(mutex) = 0;
-    // Islands left wholly free that the small pool keeps (end_island_if_free) since the large
-    // pool last took them back (return_kept_islands): at most one is free at a time.
-    std::size_t kept_islands GUARDED_BY(mutex) = 0;
+    // Whether the small pool has kept an island left wholly free (end_island_if_free) since
+    // the large pool last took its islands back (return_kept_islands): at most one is
+    // wholly free at a time.
+    bool keeps_island GUARDED_BY(mutex) = false;
     // The last island returned to the large pool, and how many times in a row take_island
     // has taken that same page back.
     DevicePtr last_returned_island GUARDED_BY(mutex) = 0;
@@ -350,6 +351,10 @@ class StitchEngine final : public Backend {
   Block* pool_free(Arena& arena, Block* b, bool keep_island = false) REQUIRES(arena.mutex);
   // `b` (free, pooled), or, where it is a whole island, the large free block it joins.
   Block* end_island_if_free(Arena& arena, Block* b) REQUIRES(arena.mutex);
+  // Whether free block b is an island with no free neighbour of its pool: a whole island.
+  static bool whole_free_island(const Block* b);
+  // Returns whole free island b to the large pool; the large free block it joins.
+  Block* island_to_large_pool(Arena& arena, Block* b) REQUIRES(arena.mutex);
   void return_kept_islands(Arena& arena) REQUIRES(arena.mutex);
   // Small-pool growth without a driver call: a one-piece handle that the small pool created
   // and lent to the large pool, now wholly inside a large free block, goes back to the
