@@ -254,7 +254,7 @@ class Harness {
   // (the stitching policy's rule 2), and the next large request takes it back.
   void do_loop() {
     ++counts_.loops;
-    const std::size_t size = 512 * (1 + uniform(256 * 1024 / 512));
+    const std::size_t size = 512 * (1 + uniform(ccalloc::core::kStitchSmallSize / 512));
     const StreamId stream = random_stream();
     for (int i = 0; i < 8; ++i) {
       const std::size_t before = live_.size();
@@ -263,13 +263,11 @@ class Harness {
       free_at(live_.size() - 1);
       if (::testing::Test::HasFatalFailure()) return;
       check_cheap();
-      if (i == 7 && alloc_.config().stitch_segments) {
-        for (const auto& seg : alloc_.snapshot().segments) {
-          for (const auto& b : seg.blocks) {
-            counts_.kept_islands += b.island && b.state == BlockState::kInactive;
-          }
-        }
-      }
+    }
+    if (!alloc_.config().stitch_segments) return;
+    for (const auto& seg : alloc_.snapshot().segments) {
+      for (const auto& b : seg.blocks)
+        counts_.kept_islands += b.island && b.state == BlockState::kInactive;
     }
   }
 
