@@ -2,7 +2,7 @@
 // device call on the measured path (the first malloc creates the memory outside the loop).
 // And bench_gpu's random workload (random_ops.hpp), whose mallocs split and whose frees
 // merge blocks among up to 256 live ones: the free pools' cost, again with the memory
-// created before the timed passes.
+// created before the timed passes. And a loop of a large and a small request on one stream.
 // Each policy is measured in the same run: the native engine (`pytorch` preset) and the
 // `ccalloc` preset (the stitching policy with its private pools beside it).
 //
@@ -75,6 +75,35 @@ void BM_RandomMix(benchmark::State& state) {
                          benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
+// A large and a small request allocated and freed in a loop on one stream that has served
+// large requests alone until then (settled; its small pool has no memory of its own): the
+// small request's page may pass between the pools at each iteration (docs/ccalloc-policy.md,
+// rule 2). The first iterations (untimed) create what the loop reuses.
+template <const char* kPreset>
+void BM_LargeAndSmallLoop(benchmark::State& state) {
+  ccalloc::sim::SimDriver gpu;
+  ccalloc::Allocator allocator(gpu, ccalloc::Config::parse(kPreset));
+  constexpr std::size_t kLarge = 1 << 20, kSmall = 512;
+  constexpr ccalloc::StreamId kStream = 7;
+  for (int i = 0; i < 64; ++i)
+    allocator.free(allocator.malloc(kLarge, kStream));
+  const auto iteration = [&] {
+    const ccalloc::DevicePtr large = allocator.malloc(kLarge, kStream);
+    const ccalloc::DevicePtr small = allocator.malloc(kSmall, kStream);
+    benchmark::DoNotOptimize(small);
+    allocator.free(large);
+    allocator.free(small);
+  };
+  for (int i = 0; i < 16; ++i)
+    iteration();
+  for (auto _ : state)
+    iteration();
+  state.SetItemsProcessed(state.iterations());
+  state.counters["ns_per_iteration"] =
+      benchmark::Counter(static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 constexpr char kNative[] = "pytorch";
 constexpr char kStitch[] = "ccalloc";
 
@@ -86,6 +115,8 @@ BENCHMARK(BM_CacheHitPair<kNative>)->Name("native")->Arg(512)->Arg(1 << 20)->Use
 BENCHMARK(BM_CacheHitPair<kStitch>)->Name("stitch")->Arg(512)->Arg(1 << 20)->UseRealTime();
 BENCHMARK(BM_RandomMix<kNative>)->Name("native_random")->UseRealTime();
 BENCHMARK(BM_RandomMix<kStitch>)->Name("stitch_random")->UseRealTime();
+BENCHMARK(BM_LargeAndSmallLoop<kNative>)->Name("native_large_and_small")->UseRealTime();
+BENCHMARK(BM_LargeAndSmallLoop<kStitch>)->Name("stitch_large_and_small")->UseRealTime();
 BENCHMARK(BM_CacheHitPair<kNative>)
     ->Name("native")
     ->Arg(512)

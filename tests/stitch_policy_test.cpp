@@ -273,6 +273,59 @@ TEST(StitchPolicy, ThePageOfASmallBlockFreedAndAllocatedInALoopStaysAnIslandUnti
   EXPECT_EQ(f.gpu.counters().physical_creates, creates);
 }
 
+// A kept island stays the small pool's across a large request that lands where it would if
+// the island went back (merged with its free neighbours): a loop of a large and a small
+// request then hits the cache. A large request that would land elsewhere returns it first.
+TEST(StitchPolicy, AKeptIslandStaysAcrossALargeRequestThatLandsWhereItWouldAnyway) {
+  Fixture f;
+  settle_an_8_mib_range(f);
+  const auto island_blocks = [&f] {
+    std::vector<std::pair<DevicePtr, bool>> out;  // (address, allocated)
+    for (const auto& seg : f.engine.snapshot().segments) {
+      for (const auto& b : seg.blocks) {
+        if (b.island) out.emplace_back(b.address, b.state == ccalloc::BlockState::kActiveAllocated);
+      }
+    }
+    return out;
+  };
+  using Islands = std::vector<std::pair<DevicePtr, bool>>;
+  const auto creates = f.gpu.counters().physical_creates;
+  // A 1 MiB large block in front: the small request's island is the free tail's first
+  // whole page, [2, 4) MiB; from the fourth round on it is kept.
+  const DevicePtr front = f.engine.malloc(kMiB, 0);
+  ASSERT_EQ(front, kVa);
+  for (int i = 0; i < 4; ++i)
+    f.engine.free(f.engine.malloc(kSmallRequest, 0));
+  ASSERT_EQ(island_blocks(), (Islands{{kVa + 2 * kMiB, false}}));
+  // The loop: a 1 MiB request fits the free MiB below the island exactly, where it would
+  // land were the island merged back into [1, 8) MiB; the island stays, and the small
+  // request hits it.
+  f.engine.free(front);
+  for (int i = 0; i < 3; ++i) {
+    const DevicePtr large = f.engine.malloc(kMiB, 0);
+    EXPECT_EQ(large, kVa) << "round " << i;
+    EXPECT_EQ(island_blocks(), (Islands{{kVa + 2 * kMiB, false}})) << "round " << i;
+    const DevicePtr small = f.engine.malloc(kSmallRequest, 0);
+    EXPECT_EQ(small, kVa + 2 * kMiB) << "round " << i;
+    f.engine.free(large);
+    f.engine.free(small);
+    EXPECT_EQ(island_blocks(), (Islands{{kVa + 2 * kMiB, false}})) << "round " << i;
+  }
+  // 1.5 MiB still fits below it. 3 MiB does not: without the island it would land in the
+  // 4 MiB above, but returned, the island merges into one free [0, 8) MiB block that takes
+  // it at its front: the island goes back first.
+  const DevicePtr below = f.engine.malloc(3 * kMiB / 2, 0);
+  EXPECT_EQ(below, kVa);
+  EXPECT_EQ(island_blocks(), (Islands{{kVa + 2 * kMiB, false}}));
+  f.engine.free(below);
+  const DevicePtr mid = f.engine.malloc(3 * kMiB, 0);
+  EXPECT_EQ(mid, kVa);
+  EXPECT_EQ(island_blocks(), Islands{});
+  f.engine.free(mid);
+  EXPECT_EQ(f.gpu.counters().physical_creates, creates);
+  EXPECT_EQ(f.engine.stats().reserved_bytes[ccalloc::kSmallPool].current, 0);
+}
+
 // A kept island goes back to the large pool when the cache is released, and its page is
 // unmapped with the rest of the free range.
 TEST(StitchPolicy, EmptyCacheReleasesAKeptIsland) {

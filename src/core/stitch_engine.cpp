@@ -129,11 +129,13 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   arena.mutex.assert_held();
   const std::size_t rounded = round_size(size, config_);  // under the lock: see reconfigure()
   const bool small = rounded <= kSmallPoolMax;
-  // A large request sees the large pool as if the small pool kept no island.
-  if (!small && arena.keeps_island) [[unlikely]]
-    return_kept_islands(arena);
   Pool& pool = arena.pool(small);
   auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
+  // A large request lands where it would if the small pool kept no island.
+  if (!small && arena.keeps_island && !kept_island_stays(arena, pos, rounded)) [[unlikely]] {
+    return_kept_islands(arena);
+    pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
+  }
   if (pos == pool.end()) {
     // An island (grow()'s first step for the small pool) needs only the stream's lock.
     Block* island = small ? take_island(arena) : nullptr;
@@ -573,6 +575,33 @@ StitchEngine::Block* StitchEngine::island_to_large_pool(Arena& arena, Block* b) 
   arena.pool(true).erase(b);
   b->small = b->space->small;
   return pool_free(arena, b);  // merged with the large free blocks around it
+}
+
+bool StitchEngine::kept_island_stays(Arena& arena, Pool::iterator pos, std::size_t rounded) {
+  Pool& large = arena.pool(false);
+  Pool& small = arena.pool(true);
+  if (pos == large.end() || small.size() != 1) return false;
+  const Block* kept = *small.begin();
+  if (!whole_free_island(kept)) return false;
+  const auto free_large = [](Block* n) {
+    return n != nullptr && n->kind == Block::Kind::kFree && !n->small ? n : nullptr;
+  };
+  const Block* prev = free_large(kept->prev);
+  const Block* next = free_large(kept->next);
+  // Returned, the island would merge with its free neighbours into one block at `start`.
+  const std::size_t merged = kept->size + (prev ? prev->size : 0) + (next ? next->size : 0);
+  const DevicePtr start = prev != nullptr ? prev->ptr : kept->ptr;
+  auto other = pos;  // the best fit among the blocks the return leaves as they are
+  while (other != large.end() && (*other == prev || *other == next))
+    ++other;
+  const bool merged_wins =
+      merged >= rounded &&
+      (other == large.end() || BySizeThenAddress{}(BySizeThenAddress::Key{merged, start}, *other));
+  if (!merged_wins) return other == pos;
+  // The merged block's front is the free neighbour below's: the request lands there when
+  // that neighbour is the best fit, and its block is as long when the rest splits off.
+  const std::size_t rest = (*pos)->size - rounded;
+  return *pos == prev && (rest == 0 || rest >= kMinBlockSize);
 }
 
 void StitchEngine::return_kept_islands(Arena& arena) {

@@ -356,6 +356,12 @@ class StitchEngine final : public Backend {
   // Returns whole free island b to the large pool; the large free block it joins.
   Block* island_to_large_pool(Arena& arena, Block* b) REQUIRES(arena.mutex);
   void return_kept_islands(Arena& arena) REQUIRES(arena.mutex);
+  // Whether the island the small pool keeps may stay its own across a large request of
+  // `rounded` bytes whose best fit is `pos`: the request lands at the same address as it
+  // would were the island returned (merged with its free neighbours), and the island is
+  // the small pool's only free block.
+  bool kept_island_stays(Arena& arena, Pool::iterator pos, std::size_t rounded)
+      REQUIRES(arena.mutex);
   // Small-pool growth without a driver call: a one-piece handle that the small pool created
   // and lent to the large pool, now wholly inside a large free block, goes back to the
   // small page that still maps it (dead there since the lend). Returns the free block that
