@@ -238,10 +238,9 @@ Json oom_events_json(const Model& m, const std::string& conf) {
     const bool small = rounded <= core::small_pool_max(config);
     // The stitching policy, at a limit, grows by exactly the pages a request lacks (a page
     // for the small pool) instead of a segment.
-    const std::size_t segment =
-        !core::stitches(config) ? core::segment_size_for(rounded, config)
-        : small                 ? core::kSmallBuffer
-                : (rounded + core::kRoundLarge - 1) / core::kRoundLarge * core::kRoundLarge;
+    const std::size_t segment = !core::stitches(config) ? core::segment_size_for(rounded, config)
+                                : small                 ? core::kSmallBuffer
+                                                        : core::round_up_large(rounded);
     out.push_back(
         {{"event", e}, {"rounded", rounded}, {"segment_size", segment}, {"small", small}});
   }

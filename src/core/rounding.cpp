@@ -29,7 +29,7 @@ std::size_t round_size(std::size_t size, const Config& config) {
 std::size_t segment_size_for(std::size_t rounded, const Config& config) {
   if (is_small_size(rounded)) return kSmallBuffer;
   if (rounded < kMinLargeAlloc) return config.large_segment_size;
-  return kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+  return round_up_large(rounded);
 }
 
 bool should_split(std::size_t block_size, std::size_t rounded, bool fine, const Config& config) {

@@ -40,6 +40,12 @@ inline std::size_t small_pool_max(const Config& config) {
   return stitches(config) ? kStitchSmallSize : kSmallSize;
 }
 
+// `rounded` up to a multiple of kRoundLarge: a large request's own segment, and what the
+// stitching policy grows by at a limit.
+inline std::size_t round_up_large(std::size_t rounded) {
+  return kRoundLarge * ((rounded + kRoundLarge - 1) / kRoundLarge);
+}
+
 // Size of the segment to allocate from the device for a rounded request.
 std::size_t segment_size_for(std::size_t rounded, const Config& config);
 
