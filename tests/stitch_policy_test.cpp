@@ -230,6 +230,18 @@ void settle_an_8_mib_range(Fixture& f) {
   f.engine.free(f.engine.malloc(4 * kMiB, 0));
 }
 
+// The blocks of the small pool's islands, as (address, allocated), in address order.
+using Islands = std::vector<std::pair<DevicePtr, bool>>;
+Islands islands_of(Fixture& f) {
+  Islands out;
+  for (const auto& seg : f.engine.snapshot().segments) {
+    for (const auto& b : seg.blocks) {
+      if (b.island) out.emplace_back(b.address, b.state == ccalloc::BlockState::kActiveAllocated);
+    }
+  }
+  return out;
+}
+
 // A small block freed and allocated in a loop, with nothing else of the small pool free:
 // its page bounces between the pools (freed whole, the island goes back to the large pool;
 // the next request takes it back). From the third bounce on the small pool keeps it, and
@@ -237,16 +249,7 @@ void settle_an_8_mib_range(Fixture& f) {
 TEST(StitchPolicy, ThePageOfASmallBlockFreedAndAllocatedInALoopStaysAnIslandUntilALargeRequest) {
   Fixture f;
   settle_an_8_mib_range(f);
-  const auto island_blocks = [&f] {
-    std::vector<std::pair<DevicePtr, bool>> out;  // (address, allocated)
-    for (const auto& seg : f.engine.snapshot().segments) {
-      for (const auto& b : seg.blocks) {
-        if (b.island) out.emplace_back(b.address, b.state == ccalloc::BlockState::kActiveAllocated);
-      }
-    }
-    return out;
-  };
-  using Islands = std::vector<std::pair<DevicePtr, bool>>;
+  const auto island_blocks = [&f] { return islands_of(f); };
   const auto creates = f.gpu.counters().physical_creates;
   for (int i = 1; i <= 6; ++i) {
     const DevicePtr s = f.engine.malloc(kSmallRequest, 0);
@@ -279,16 +282,7 @@ TEST(StitchPolicy, ThePageOfASmallBlockFreedAndAllocatedInALoopStaysAnIslandUnti
 TEST(StitchPolicy, AKeptIslandStaysAcrossALargeRequestThatLandsWhereItWouldAnyway) {
   Fixture f;
   settle_an_8_mib_range(f);
-  const auto island_blocks = [&f] {
-    std::vector<std::pair<DevicePtr, bool>> out;  // (address, allocated)
-    for (const auto& seg : f.engine.snapshot().segments) {
-      for (const auto& b : seg.blocks) {
-        if (b.island) out.emplace_back(b.address, b.state == ccalloc::BlockState::kActiveAllocated);
-      }
-    }
-    return out;
-  };
-  using Islands = std::vector<std::pair<DevicePtr, bool>>;
+  const auto island_blocks = [&f] { return islands_of(f); };
   const auto creates = f.gpu.counters().physical_creates;
   // A 1 MiB large block in front: the small request's island is the free tail's first
   // whole page, [2, 4) MiB; from the fourth round on it is kept.
