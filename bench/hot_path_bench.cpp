@@ -89,7 +89,7 @@ void BM_LargeAndSmallLoop(benchmark::State& state) {
     allocator.free(allocator.malloc(kLarge, kStream));
   const auto iteration = [&] {
     const ccalloc::DevicePtr large = allocator.malloc(kLarge, kStream);
-    const ccalloc::DevicePtr small = allocator.malloc(kSmall, kStream);
+    ccalloc::DevicePtr small = allocator.malloc(kSmall, kStream);  // DoNotOptimize: not const
     benchmark::DoNotOptimize(small);
     allocator.free(large);
     allocator.free(small);
