@@ -313,6 +313,87 @@ TEST(Snapshot, SettingsAndAnnotationsAndMetadata) {
   EXPECT_EQ(t.back().user_metadata, "");
 }
 
+// PyTorch's context levels under every backend: live blocks keep their allocation's stack
+// from "state" on (with history enabled "state" or "all"); entries carry stacks from
+// "alloc" on (device allocations and mappings that of the malloc that made them; frees at
+// "alloc" that of the allocation, at "all" their own); one snapshot entry per snapshot.
+class HistoryLevels : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HistoryLevels, EveryBackendPutsStacksWherePyTorchDoes) {
+  using Context = HistoryOptions::Context;
+  const std::string preset = GetParam();
+  const bool async = preset.find("cudaMallocAsync") != std::string::npos;
+  for (const char* enabled : {"state", "all"}) {
+    for (const char* context : {"none", "state", "alloc", "all"}) {
+      SCOPED_TRACE(std::string("enabled=") + enabled + " context=" + context);
+      ccalloc::sim::SimDriver gpu;
+      Allocator alloc(gpu, Config::parse(preset));
+      alloc.record_history(options(enabled, context, "cpp"));
+      const Context level = HistoryOptions::parse_context(context);
+      const DevicePtr keep = AllocateFromKnownFunction(alloc, 4096);
+      FreeFromKnownFunction(alloc, AllocateFromKnownFunction(alloc, 4096));
+      // A large request, which a device allocation or a mapping serves.
+      FreeFromKnownFunction(alloc, AllocateFromKnownFunction(alloc, 24 * kMiB));
+      const Snapshot s = alloc.snapshot();
+      if (!async) {
+        int live = 0;
+        for (const auto& seg : s.segments) {
+          for (const auto& b : seg.blocks) {
+            if (b.state != BlockState::kActiveAllocated) continue;
+            ++live;
+            EXPECT_EQ(b.address, keep);
+            EXPECT_EQ(has_frame(b.frames, "AllocateFromKnownFunction"), level >= Context::kState);
+          }
+        }
+        EXPECT_EQ(live, 1);
+      }
+      const auto& t =
+          s.device_traces.empty() ? std::vector<ccalloc::SnapshotTraceEntry>{} : s.device_traces[0];
+      if (std::string(enabled) == "state") {
+        EXPECT_TRUE(t.empty());
+        continue;
+      }
+      int snapshots = 0, maps = 0, frees = 0;
+      for (const auto& e : t) {
+        SCOPED_TRACE(std::string(ccalloc::to_string(e.action)));
+        const bool by_alloc = has_frame(e.frames, "AllocateFromKnownFunction");
+        const bool by_free = has_frame(e.frames, "FreeFromKnownFunction");
+        switch (e.action) {
+          case TraceAction::kSnapshot:
+            ++snapshots;
+            EXPECT_FALSE(e.frames);
+            break;
+          case TraceAction::kSegmentAlloc:
+          case TraceAction::kSegmentMap:
+            ++maps;
+            [[fallthrough]];
+          case TraceAction::kAlloc:
+            EXPECT_EQ(by_alloc, level >= Context::kAlloc);
+            break;
+          case TraceAction::kFreeRequested:
+          case TraceAction::kFreeCompleted:
+            ++frees;
+            EXPECT_EQ(by_alloc, level == Context::kAlloc);
+            EXPECT_EQ(by_free, level == Context::kAll);
+            break;
+          default:
+            ADD_FAILURE() << "unexpected entry";
+        }
+      }
+      EXPECT_EQ(snapshots, 1);
+      EXPECT_EQ(frees, 4);
+      if (!async) {
+        EXPECT_GE(maps, 2);
+      }
+      alloc.free(keep);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, HistoryLevels,
+                         ::testing::Values("pytorch", "pytorch,expandable_segments:True", "ccalloc",
+                                           "backend:cudaMallocAsync"));
+
 TEST(History, OptionValuesAreValidated) {
   EXPECT_THROW(HistoryOptions::parse_enabled("yes"), ccalloc::ConfigError);
   EXPECT_THROW(HistoryOptions::parse_context("python"), ccalloc::ConfigError);

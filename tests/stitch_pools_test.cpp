@@ -402,6 +402,45 @@ TEST(StitchPools, HistoryOfBothEnginesIsOneTimeline) {
   EXPECT_EQ(allocs, (std::vector<DevicePtr>{x, y, z}));
 }
 
+// A snapshot of both engines reads as one allocator's: one snapshot entry counting the
+// active bytes of both, and a history no longer than one ring of the requested length.
+TEST(StitchPools, OneSnapshotEntryAndOneRingLengthForBothEngines) {
+  Fixture f;
+  HistoryOptions o;
+  o.stacks = HistoryOptions::Stacks::kNone;
+  o.max_entries = 5;
+  f.alloc.record_history(o);
+  const DevicePtr x = f.alloc.malloc(4096, 0);
+  f.begin(kGraph, 1);
+  const DevicePtr y = f.alloc.malloc(8192, 1);
+  f.end(kGraph, 1);
+  const DevicePtr z = f.alloc.malloc(3 * kMiB, 0);
+  {
+    const Snapshot snap = f.alloc.snapshot();
+    const auto& trace = snap.device_traces.at(0);
+    std::vector<std::pair<TraceAction, DevicePtr>> got;
+    for (const SnapshotTraceEntry& e : trace)
+      got.emplace_back(e.action, e.addr);
+    // The newest five: the mappings of z's growth, its alloc, the snapshot.
+    ASSERT_EQ(trace.size(), 5u);
+    EXPECT_EQ(got[0].first, TraceAction::kSegmentMap);
+    EXPECT_EQ(got[3], std::make_pair(TraceAction::kAlloc, z));
+    EXPECT_EQ(trace.back().action, TraceAction::kSnapshot);
+    EXPECT_EQ(trace.back().size, 4096 + 8192 + 3 * kMiB);
+    EXPECT_TRUE(snap.allocator_settings.trace_alloc_overflowed);
+  }
+  for (const DevicePtr p : {x, y, z})
+    f.alloc.free(p);
+  const Snapshot again = f.alloc.snapshot();
+  const auto& trace = again.device_traces.at(0);
+  ASSERT_EQ(trace.size(), 5u);
+  int snapshots = 0;
+  for (const SnapshotTraceEntry& e : trace)
+    snapshots += e.action == TraceAction::kSnapshot ? 1 : 0;
+  EXPECT_EQ(snapshots, 1);  // the first snapshot's entry is older than the newest five
+  EXPECT_EQ(trace.back().size, 0u);
+}
+
 TEST(StitchPools, BadPointersAreReportedByName) {
   Fixture f;
   const DevicePtr p = f.alloc.malloc(4096, 0);

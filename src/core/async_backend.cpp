@@ -67,7 +67,7 @@ DevicePtr AsyncBackend::malloc(std::size_t size, StreamId stream) {
     const bool over_limit = limit_ && (size > *limit_ || used_bytes_ > *limit_ - size);
     const DevicePtr ptr = over_limit ? 0 : driver_.allocate_async(size, stream);
     if (ptr != 0) {
-      ptr_info_.emplace(ptr, PtrUsage{size, stream, {}});
+      ptr_info_.emplace(ptr, PtrUsage{size, stream, {}, stack});
       used_bytes_ += size;
       allocations_.increase(1);
       record_trace(TraceAction::kAlloc, ptr, size, stream, stack);
@@ -110,8 +110,10 @@ void AsyncBackend::free(DevicePtr ptr) {
     used_bytes_ -= usage.size;
     allocations_.decrease(1);
     // The pool owns the memory from here: the free is requested and complete at once.
-    record_trace(TraceAction::kFreeRequested, ptr, usage.size, usage.creation_stream, stack);
-    record_trace(TraceAction::kFreeCompleted, ptr, usage.size, usage.creation_stream, stack);
+    // The free's own stack (context "all"), else the allocation's.
+    const Origin& origin = stack ? stack : usage.stack;
+    record_trace(TraceAction::kFreeRequested, ptr, usage.size, usage.creation_stream, origin);
+    record_trace(TraceAction::kFreeCompleted, ptr, usage.size, usage.creation_stream, origin);
     ptr_info_.erase(it);
   }
   after_operation();
@@ -279,11 +281,12 @@ void AsyncBackend::record_trace(TraceAction action, DevicePtr addr, std::size_t 
                                 StreamId stream, const Origin& stack) {
   if (!history_on_ && trace_observers_.empty()) return;
   const std::int64_t now = driver_.now_us();
+  const Origin& origin = stacks_on_entries_ ? stack : OperationContext::none();
   if (history_on_) {
-    history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
+    history_.push(HistoryEntry{action, addr, size, stream, now, origin, current_metadata()});
   }
-  const TraceEntry entry{action, addr, size, stream, now,
-                         stack.context ? &stack.context : nullptr};
+  const TraceEntry entry{action, addr, size,
+                         stream, now,  origin.context ? &origin.context : nullptr};
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }
@@ -308,18 +311,18 @@ void AsyncBackend::raise_oom(std::unique_lock<std::mutex>& lock, std::size_t siz
 // alloc and oom entries from context `alloc` up, and on free entries with context `all`.
 void AsyncBackend::record_history(const HistoryOptions& options) {
   using O = HistoryOptions;
+  const HistorySwitches sw = history_switches(options);
   const bool on = options.enabled != O::Enabled::kNone;
-  const bool cpp = options.stacks == O::Stacks::kCpp;
-  const bool caller = static_cast<bool>(options.capture_context);
-  const bool stacks = on && (cpp || caller) && options.context >= O::Context::kAlloc;
   std::lock_guard lock(mutex_);
-  history_on_ = on && options.enabled == O::Enabled::kAll;
+  history_on_ = sw.history;
+  stacks_on_entries_ = sw.stacks_on_entries;
   contexts_.set(options.capture_context);
-  capture_cpp_.store(cpp, std::memory_order_relaxed);
-  capture_caller_.store(caller, std::memory_order_relaxed);
-  capture_on_malloc_.store(stacks && history_on_, std::memory_order_relaxed);
-  capture_on_free_.store(stacks && history_on_ && options.context == O::Context::kAll,
-                         std::memory_order_relaxed);
+  capture_cpp_.store(sw.cpp, std::memory_order_relaxed);
+  capture_caller_.store(sw.caller, std::memory_order_relaxed);
+  // No block keeps a stack here (snapshots list no segments), but a free at context
+  // "alloc" is traced with its allocation's.
+  capture_on_malloc_.store(sw.stacks_on_entries, std::memory_order_relaxed);
+  capture_on_free_.store(sw.capture_on_free && sw.history, std::memory_order_relaxed);
   history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
                      options.clear || !on);
   if (!on || options.clear) annotations_.clear();

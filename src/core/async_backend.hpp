@@ -93,6 +93,7 @@ class AsyncBackend final : public Backend {
     std::size_t size = 0;  // as requested
     StreamId creation_stream = 0;
     std::vector<StreamId> recorded_streams;  // other streams that used it
+    Origin stack;                            // of its allocation, while history wants it
   };
 
   // All require mutex_.
@@ -138,6 +139,7 @@ class AsyncBackend final : public Backend {
   std::vector<Allocator::OomObserver> oom_observers_;
   std::vector<Allocator::FreeMemoryCallback> free_memory_callbacks_;
   bool history_on_ = false;
+  bool stacks_on_entries_ = false;  // entries carry stacks (context "alloc" on)
   HistoryRing history_;
   std::vector<Annotation> annotations_;
 };

@@ -235,6 +235,10 @@ class Engine final : public Backend {
   void record_history(const HistoryOptions& options) override;
   void annotate(std::string_view name, bool start) override;
   Snapshot snapshot() override;
+  // The snapshot, with or without its trace entry; the entry counts `other_active_bytes`
+  // beside this engine's active bytes (a backend that runs engines side by side records
+  // one entry for the device: core/stitch_backend.cpp).
+  Snapshot snapshot(bool trace_entry, std::int64_t other_active_bytes);
 
  private:
   // Holds every arena lock (and the registry, so no arena appears meanwhile).

@@ -168,22 +168,34 @@ std::size_t HistoryRing::capacity() const {
   return c;
 }
 
+HistorySwitches history_switches(const HistoryOptions& options) {
+  using O = HistoryOptions;
+  HistorySwitches sw;
+  const bool on = options.enabled != O::Enabled::kNone;
+  sw.cpp = options.stacks == O::Stacks::kCpp;
+  sw.caller = static_cast<bool>(options.capture_context);
+  const bool stacks = on && (sw.cpp || sw.caller) && options.context != O::Context::kNone;
+  sw.history = options.enabled == O::Enabled::kAll;
+  sw.stacks_on_blocks = stacks;
+  sw.stacks_on_entries = stacks && options.context >= O::Context::kAlloc;
+  sw.capture_on_free = stacks && options.context == O::Context::kAll;
+  return sw;
+}
+
 // ---------------------------------------------------------------------------------------
 // The engine's side
 
 void Engine::record_history(const HistoryOptions& options) {
   using O = HistoryOptions;
-  unsigned flags = trace_flags_.load() & kTraceObservers;
+  const HistorySwitches sw = history_switches(options);
   const bool on = options.enabled != O::Enabled::kNone;
-  const bool cpp = options.stacks == O::Stacks::kCpp;
-  const bool caller = static_cast<bool>(options.capture_context);
-  const bool stacks = (cpp || caller) && options.context != O::Context::kNone;
-  if (on && options.enabled == O::Enabled::kAll) flags |= kTraceHistory;
-  if (on && stacks) flags |= kCaptureOnMalloc | kStacksOnBlocks;
-  if (on && stacks && cpp) flags |= kCppStacks;
-  if (on && stacks && caller) flags |= kCallerContexts;
-  if (on && stacks && options.context >= O::Context::kAlloc) flags |= kStacksOnEntries;
-  if (on && stacks && options.context == O::Context::kAll) flags |= kCaptureOnFree;
+  unsigned flags = trace_flags_.load() & kTraceObservers;
+  if (sw.history) flags |= kTraceHistory;
+  if (sw.stacks_on_blocks) flags |= kCaptureOnMalloc | kStacksOnBlocks;
+  if (sw.stacks_on_blocks && sw.cpp) flags |= kCppStacks;
+  if (sw.stacks_on_blocks && sw.caller) flags |= kCallerContexts;
+  if (sw.stacks_on_entries) flags |= kStacksOnEntries;
+  if (sw.capture_on_free) flags |= kCaptureOnFree;
   // PyTorch keeps one entry unless everything is recorded; stopping clears the history.
   // The callback is in place before any operation can see the flags that ask for it.
   contexts_.set(options.capture_context);
@@ -204,6 +216,10 @@ void Engine::annotate(std::string_view name, bool start) {
 }
 
 Snapshot Engine::snapshot() {
+  return snapshot(/*trace_entry=*/true, 0);
+}
+
+Snapshot Engine::snapshot(bool trace_entry, std::int64_t other_active_bytes) {
   Snapshot s;
   std::vector<StackTable::Id> ids;
   std::vector<std::pair<SnapshotBlock*, Origin>> block_stacks;
@@ -216,7 +232,10 @@ Snapshot Engine::snapshot() {
       all.held(*arena);
       active_bytes += arena->stats.active_bytes[kAggregate].current;
     }
-    record_trace(TraceAction::kSnapshot, 0, static_cast<std::size_t>(active_bytes), 0, nullptr);
+    if (trace_entry) {
+      record_trace(TraceAction::kSnapshot, 0,
+                   static_cast<std::size_t>(active_bytes + other_active_bytes), 0, nullptr);
+    }
 
     std::vector<std::pair<SnapshotSegment, std::vector<Origin>>> built;
     for (Arena* arena : all.by_stream()) {

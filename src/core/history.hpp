@@ -99,6 +99,20 @@ class HistoryRing {
   bool overflowed_ = false;
 };
 
+// What recording at a HistoryOptions' levels asks of a backend, as PyTorch's
+// _record_memory_history defines the levels; every backend applies the same.
+struct HistorySwitches {
+  bool history = false;            // entries go to the history ring (enabled "all")
+  bool cpp = false;                // stacks are C++ stacks
+  bool caller = false;             // stacks take the caller's context
+  bool stacks_on_blocks = false;   // each malloc captures its stack, which its block keeps
+                                   // while live (context "state" on; enabled "state" or "all")
+  bool stacks_on_entries = false;  // entries carry stacks (context "alloc" on): an entry with
+                                   // no operation stack of its own takes its block's
+  bool capture_on_free = false;    // frees and empty_cache capture their own (context "all")
+};
+HistorySwitches history_switches(const HistoryOptions& options);
+
 // The origin of the allocator operation starting in the caller (malloc, free, ...): its C++
 // stack without the allocator's frames if `cpp`, and the caller's context from `caller` if
 // not null. Not inlined, so the frames it skips are exactly itself and the operation.
@@ -117,6 +131,8 @@ class OperationContext {
   OperationContext& operator=(const OperationContext&) = delete;
   // The running operation's origin (empty outside one).
   static const Origin& current() { return current_ != nullptr ? *current_ : kNone; }
+  // An empty origin.
+  static const Origin& none() { return kNone; }
   // Whether an operation is running on this thread: one nested in it (the private pools'
   // empty_cache within the device's, a free-memory callback's call within a malloc) takes
   // the running operation's origin rather than capturing its own.

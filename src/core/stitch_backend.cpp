@@ -221,9 +221,15 @@ void StitchBackend::annotate(std::string_view name, bool start) {
   stitch_->annotate(name, start);
 }
 
+// One snapshot of the device, as one engine would give: the private pools' engine records no
+// snapshot entry, the policy's counts both engines' active bytes, and the merged history
+// keeps the newest entries one ring of the same length would.
 Snapshot StitchBackend::snapshot() {
-  Snapshot snap = stitch_->snapshot();
-  Snapshot pooled = pools_->snapshot();
+  Snapshot pooled = pools_->snapshot(/*trace_entry=*/false, 0);
+  std::int64_t pooled_active = 0;
+  for (const SnapshotSegment& seg : pooled.segments)
+    pooled_active += seg.active_size;
+  Snapshot snap = stitch_->snapshot(pooled_active);
   snap.segments.insert(snap.segments.end(), std::make_move_iterator(pooled.segments.begin()),
                        std::make_move_iterator(pooled.segments.end()));
   std::stable_sort(snap.segments.begin(), snap.segments.end(),
@@ -244,6 +250,15 @@ Snapshot StitchBackend::snapshot() {
                        [](const SnapshotTraceEntry& a, const SnapshotTraceEntry& b) {
                          return a.seq < b.seq;
                        });
+  }
+  AllocatorSettings& settings = snap.allocator_settings;
+  settings.trace_alloc_overflowed =
+      settings.trace_alloc_overflowed || pooled.allocator_settings.trace_alloc_overflowed;
+  const auto capacity = static_cast<std::size_t>(settings.trace_alloc_max_entries);
+  for (auto& trace : snap.device_traces) {
+    if (trace.size() <= capacity) continue;
+    trace.erase(trace.begin(), trace.end() - static_cast<std::ptrdiff_t>(capacity));
+    settings.trace_alloc_overflowed = true;
   }
   return snap;
 }

@@ -159,6 +159,10 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
                                     std::size_t size, std::size_t rounded, bool small,
                                     const Origin& stack) {
   arena.mutex.assert_held();
+  // The mappings this malloc makes, and the unmappings of its OOM ladder, are traced with
+  // its stack (unless it runs within another operation, whose stack they take).
+  std::optional<OperationContext> operation;
+  if (!OperationContext::active()) operation.emplace(stack);
   Block* block = nullptr;
   Grow g = Grow::kDone;
   // Nothing goes back to the device while a capture is underway: no GC, no waiting for
@@ -275,7 +279,9 @@ void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
     arena.stats.allocation[t].decrease(1);
     arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
   });
-  record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, arena.stream, stack);
+  // The free's own stack (context "all"), else the allocation's.
+  record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, arena.stream,
+               stack ? stack : b->stack);
   if (stack) b->stack = stack;
   if (b->stream_uses.empty()) {
     free_block(arena, b);
@@ -1010,7 +1016,8 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
       ++h->mappings[i];
       s->pages[start + k + i] = Page{h, i};
     }
-    record_trace(TraceAction::kSegmentMap, va, len * page_, arena.stream, Origin{});
+    record_trace(TraceAction::kSegmentMap, va, len * page_, arena.stream,
+                 OperationContext::current());
     k += len;
   }
   Pool& pool = arena.pool(small);
@@ -1440,11 +1447,13 @@ void StitchEngine::record_trace_entry(TraceAction action, DevicePtr addr, std::s
                                       StreamId stream, const Origin& stack) {
   Lock lock(trace_mutex_);
   const std::int64_t now = driver_.now_us();
+  // Blocks keep their stacks from context "state" on; entries carry them from "alloc" on.
+  const Origin& origin = stacks_on_entries_ ? stack : OperationContext::none();
   if (history_on_) {
-    history_.push(HistoryEntry{action, addr, size, stream, now, stack, current_metadata()});
+    history_.push(HistoryEntry{action, addr, size, stream, now, origin, current_metadata()});
   }
-  const TraceEntry entry{action, addr, size, stream, now,
-                         stack.context ? &stack.context : nullptr};
+  const TraceEntry entry{action, addr, size,
+                         stream, now,  origin.context ? &origin.context : nullptr};
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }
@@ -1497,19 +1506,17 @@ void StitchEngine::raise_oom(const OomReport& report) {
 
 void StitchEngine::record_history(const HistoryOptions& options) {
   using O = HistoryOptions;
+  const HistorySwitches sw = history_switches(options);
   const bool on = options.enabled != O::Enabled::kNone;
-  const bool cpp = options.stacks == O::Stacks::kCpp;
-  const bool caller = static_cast<bool>(options.capture_context);
-  const bool stacks = on && (cpp || caller) && options.context >= O::Context::kAlloc;
   Lock lock(trace_mutex_);
-  history_on_ = on && options.enabled == O::Enabled::kAll;
+  history_on_ = sw.history;
+  stacks_on_entries_ = sw.stacks_on_entries;
   tracing_.store(history_on_ || !trace_observers_.empty(), std::memory_order_relaxed);
   contexts_.set(options.capture_context);
-  capture_cpp_.store(cpp, std::memory_order_relaxed);
-  capture_caller_.store(caller, std::memory_order_relaxed);
-  capture_on_malloc_.store(stacks && history_on_, std::memory_order_relaxed);
-  capture_on_free_.store(stacks && history_on_ && options.context == O::Context::kAll,
-                         std::memory_order_relaxed);
+  capture_cpp_.store(sw.cpp, std::memory_order_relaxed);
+  capture_caller_.store(sw.caller, std::memory_order_relaxed);
+  capture_on_malloc_.store(sw.stacks_on_blocks, std::memory_order_relaxed);
+  capture_on_free_.store(sw.capture_on_free && sw.history, std::memory_order_relaxed);
   history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
                      options.clear || !on);
   if (!on || options.clear) annotations_.clear();
@@ -1674,6 +1681,10 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
 }
 
 Snapshot StitchEngine::snapshot() {
+  return snapshot(0);
+}
+
+Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
   Snapshot s;
   std::vector<HistoryEntry> entries;
   std::vector<std::pair<SnapshotSegment, std::vector<Origin>>> segs;
@@ -1684,7 +1695,8 @@ Snapshot StitchEngine::snapshot() {
       all.held(*arena);
       active_bytes += arena->stats.active_bytes[kAggregate].current;
     }
-    record_trace(TraceAction::kSnapshot, 0, static_cast<std::size_t>(active_bytes), 0, Origin{});
+    record_trace(TraceAction::kSnapshot, 0,
+                 static_cast<std::size_t>(active_bytes + other_active_bytes), 0, Origin{});
     entries = history_.entries();
     s.allocator_settings = settings_of(config_);
     s.allocator_settings.trace_alloc_overflowed = history_.overflowed();

@@ -138,6 +138,9 @@ class StitchEngine final : public Backend {
   void add_trace_observer(TraceObserver observer) override;
   void record_history(const HistoryOptions& options) override;
   Snapshot snapshot() override;
+  // The snapshot; its trace entry counts `other_active_bytes` beside this engine's active
+  // bytes (the private pools' engine beside it: core/stitch_backend.cpp).
+  Snapshot snapshot(std::int64_t other_active_bytes);
   void annotate(std::string_view name, bool start) override;
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
@@ -498,6 +501,7 @@ class StitchEngine final : public Backend {
   mutable Mutex trace_mutex_;
   std::vector<TraceObserver> trace_observers_ GUARDED_BY(trace_mutex_);
   bool history_on_ GUARDED_BY(trace_mutex_) = false;
+  bool stacks_on_entries_ GUARDED_BY(trace_mutex_) = false;
   std::atomic<bool> tracing_{false};  // history_on_ or observers attached
   HistoryRing history_;               // locks itself
   std::vector<Annotation> annotations_ GUARDED_BY(trace_mutex_);

@@ -153,6 +153,22 @@ emit(**{level: record(level, "python") for level in ("state", "alloc", "all")})
         assert_same(pytorch[level], ccalloc[level], "context=" + level)
 
 
+def test_context_levels_under_the_default_preset():
+    # The default policy maps and splits memory its own way, so segment entries and free
+    # blocks differ; the allocations' and frees' entries and the live blocks' frames do not.
+    pytorch, ccalloc = both(CONTEXT_LEVEL + """
+out = {}
+for level in ("state", "alloc", "all"):
+    r = record(level, "python")
+    out[level] = {"entries": [e for e in r["entries"] if not e[0].startswith("segment")],
+                  "blocks": [b for b in r["blocks"] if b[0] != "inactive"]}
+emit(**out)
+""", preset="ccalloc")
+    assert all(has and named for _, has, named in pytorch["state"]["blocks"])
+    for level in ("state", "alloc", "all"):
+        assert_same(pytorch[level], ccalloc[level], "context=" + level + " (default preset)")
+
+
 def test_stacks_choice_gathers_the_same_kinds_of_frames():
     pytorch, ccalloc = both(CONTEXT_LEVEL + """
 out = {}
