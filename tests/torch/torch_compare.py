@@ -9,7 +9,9 @@ A script is Python source run after this prelude:
 Both runs get the same allocator configuration: PyTorch's defaults (CCALLOC_CONF=pytorch for
 ccalloc; no PYTORCH_CUDA_ALLOC_CONF for either) unless the test passes `conf`. With
 preset="ccalloc" ccalloc runs its own default preset instead (CCALLOC_CONF=ccalloc), against
-PyTorch's defaults.
+PyTorch's defaults. CCALLOC_PRESET_OVERRIDE=ccalloc in the environment runs every comparison
+under the default preset: a survey, where the figures that depend on the policy (segments,
+per-pool statistics, segment trace entries) differ by design and the rest should not.
 """
 
 import json
@@ -101,6 +103,7 @@ def environment(allocator, conf=None, preset="pytorch"):
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
     # Set for both: PyTorch's allocator ignores it, and a ccalloc process the script starts
     # (test_ipc's children) runs the test's configuration, not ccalloc's default.
+    preset = os.environ.get("CCALLOC_PRESET_OVERRIDE", preset)
     env["CCALLOC_CONF"] = preset + ("," + conf if conf else "")
     env["PYTHONUNBUFFERED"] = "1"
     return env
