@@ -326,6 +326,8 @@ TEST(StitchPools, ReservedPeaksAreTheDevicesNotTheSumOfTheEngines) {
 
 TEST(StitchPools, AUseOnOomPoolLendsItsFreeBlockToADefaultRequest) {
   Fixture f(64 * kMiB);
+  int observed = 0;
+  f.alloc.add_oom_observer([&observed](int, std::size_t, std::size_t, std::size_t) { ++observed; });
   f.alloc.create_pool(kPool);
   f.alloc.set_pool_use_on_oom(kPool, true);
   f.begin(kPool, 0);
@@ -335,16 +337,48 @@ TEST(StitchPools, AUseOnOomPoolLendsItsFreeBlockToADefaultRequest) {
   const DevicePtr p = f.alloc.malloc(30 * kMiB, 0);  // 24 MiB left on the device
   EXPECT_EQ(f.alloc.segment_pool(p), kPool);
   EXPECT_EQ(p, held);
-  EXPECT_EQ(f.alloc.stats().num_ooms, 1);  // the stitching engine's ladder ran out first
+  // An OOM the pool averts is none: not counted, not observed (as PyTorch's ladder).
+  EXPECT_EQ(f.alloc.stats().num_ooms, 0);
+  EXPECT_EQ(observed, 0);
   f.alloc.free(p);
   // Without use_on_oom the same request is an OOM that leaves the allocator usable.
   f.alloc.set_pool_use_on_oom(kPool, false);
   EXPECT_THROW(f.alloc.malloc(30 * kMiB, 0), OutOfMemoryError);
+  EXPECT_EQ(f.alloc.stats().num_ooms, 1);
+  EXPECT_EQ(observed, 1);
   const DevicePtr small = f.alloc.malloc(4096, 0);
   EXPECT_EQ(f.alloc.segment_pool(small), PoolId{});
   f.alloc.free(small);
   for (int n = f.alloc.pool_use_count(kPool); n > 0; --n)
     f.alloc.release_pool(kPool);
+  f.alloc.empty_cache();
+  EXPECT_EQ(f.reserved(), 0);
+}
+
+// A default-pool request the policy cannot serve first has the private pools' cached
+// segments released (a graph pool no longer in use): the request is then served by the
+// policy, and no OOM is counted, traced or observed.
+TEST(StitchPools, ReleasingAFreedGraphPoolsCacheAvertsAnOom) {
+  Fixture f(64 * kMiB);
+  int observed = 0;
+  f.alloc.add_oom_observer([&observed](int, std::size_t, std::size_t, std::size_t) { ++observed; });
+  HistoryOptions o;
+  o.stacks = HistoryOptions::Stacks::kNone;
+  f.alloc.record_history(o);
+  f.begin(kGraph, 0);
+  const DevicePtr captured = f.alloc.malloc(40 * kMiB, 0);
+  f.end(kGraph, 0);
+  f.alloc.free(captured);
+  f.alloc.release_pool(kGraph);  // its cached segment waits for a release of the cache
+  ASSERT_GE(f.reserved(), static_cast<std::int64_t>(40 * kMiB));
+  const DevicePtr p = f.alloc.malloc(30 * kMiB, 0);
+  EXPECT_EQ(f.alloc.segment_pool(p), PoolId{});
+  EXPECT_EQ(f.alloc.stats().num_ooms, 0);
+  EXPECT_EQ(observed, 0);
+  const Snapshot snap = f.alloc.snapshot();
+  for (const SnapshotTraceEntry& e : snap.device_traces.at(0))
+    EXPECT_NE(e.action, TraceAction::kOom);
+  f.alloc.free(p);
   f.alloc.empty_cache();
   EXPECT_EQ(f.reserved(), 0);
 }

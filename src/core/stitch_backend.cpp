@@ -42,6 +42,19 @@ StitchBackend::StitchBackend(Driver& driver, Config config)
   pools_->set_device_reserved(&device_reserved_);
   stitch_->set_joint_settlement(&joint_);
   pools_->set_joint_settlement(&joint_);
+  // A default-pool request that the policy cannot serve: the private pools' cached
+  // segments go back to the device (the policy then searches and grows again), then a
+  // use_on_oom pool's free block serves it.
+  StitchEngine::OomFallbacks fallbacks;
+  fallbacks.release_cache = [this] {
+    const std::size_t before = pools_->published_reserved().load(std::memory_order_relaxed);
+    pools_->empty_cache();
+    return pools_->published_reserved().load(std::memory_order_relaxed) < before;
+  };
+  fallbacks.serve = [this](std::size_t size, StreamId stream) {
+    return pools_->malloc_on_oom(size, stream);
+  };
+  stitch_->set_oom_fallbacks(std::move(fallbacks));
 }
 
 void StitchBackend::settle_pending() const {
@@ -73,35 +86,15 @@ DevicePtr StitchBackend::malloc(std::size_t size, StreamId stream) {
   } else {
     pools_->poll_events();  // the private pools' cross-stream frees, as PyTorch's malloc
     try {
+      // The engine's ladder ends with the private pools' (see the constructor).
       ptr = stitch_->malloc(size, stream);
     } catch (const OutOfMemoryError&) {
-      ptr = malloc_default_after_oom(size, stream);
-      if (ptr == 0) {
-        settle_pending();
-        throw;
-      }
+      settle_pending();
+      throw;
     }
   }
   settle_pending();
   return ptr;
-}
-
-// The stitching engine has run its whole ladder; what the private pools can give is left:
-// their cached segments back to the device (not during a capture), then a use_on_oom pool's
-// free block, as PyTorch's ladder ends.
-DevicePtr StitchBackend::malloc_default_after_oom(std::size_t size, StreamId stream) {
-  if (!stitch_->capturing()) {
-    const std::size_t before = pools_->published_reserved().load(std::memory_order_relaxed);
-    pools_->empty_cache();
-    if (pools_->published_reserved().load(std::memory_order_relaxed) < before) {
-      try {
-        return stitch_->malloc(size, stream);
-      } catch (const OutOfMemoryError&) {
-        // fall through to the use_on_oom pools
-      }
-    }
-  }
-  return pools_->malloc_on_oom(size, stream);
 }
 
 void StitchBackend::free(DevicePtr ptr) {

@@ -107,7 +107,6 @@ class StitchBackend final : public Backend {
  private:
   // Whether a begin_allocate_to_pool underway takes `stream`.
   bool capture_takes(StreamId stream) const EXCLUDES(captures_mutex_);
-  DevicePtr malloc_default_after_oom(std::size_t size, StreamId stream);
   // Settles both engines' peak debts together when an operation left one pending (none of
   // either engine's locks held): the stitching engine's arena locks, then the private
   // pools' engine's.

@@ -189,7 +189,7 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
   // The count is stable while any arena lock is held (begin_capture takes them all).
   const bool capture_now = capturing();
   bool gc_done = capture_now, callbacks_done = false, synchronized = capture_now,
-       released = capture_now;
+       released = capture_now, others_released = capture_now;
   // The first round answers grow()'s result above; later ones search and grow again.
   bool retry = false;
   for (;; retry = true) {
@@ -221,7 +221,7 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
       all = std::make_unique<AllArenasLock>(*this);
       device.lock();
       all->held(arena);
-      if (capturing()) gc_done = synchronized = released = true;  // begun meanwhile
+      if (capturing()) gc_done = synchronized = released = others_released = true;
       if (freed) continue;
     }
     if (!synchronized && (pending_events_.load(std::memory_order_relaxed) > 0 ||
@@ -235,6 +235,29 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
       ++stats_.num_alloc_retries;
       release_cache(*all);
       continue;
+    }
+    // What the engines beside this one hold comes last, as PyTorch's ladder ends: their
+    // cached memory back to the device, then a free block of a use_on_oom pool. An OOM they
+    // avert is no OOM: not counted, traced or observed.
+    if (!others_released && oom_fallbacks_.release_cache) {
+      others_released = true;
+      device.unlock();
+      all.reset();
+      const bool freed = oom_fallbacks_.release_cache();
+      all = std::make_unique<AllArenasLock>(*this);
+      device.lock();
+      all->held(arena);
+      if (freed) continue;
+    }
+    if (oom_fallbacks_.serve) {
+      device.unlock();
+      all.reset();
+      if (const DevicePtr elsewhere = oom_fallbacks_.serve(size, arena.stream)) {
+        return elsewhere;
+      }
+      all = std::make_unique<AllArenasLock>(*this);
+      device.lock();
+      all->held(arena);
     }
     const OomReport report = prepare_oom(*all, arena, size, rounded, small, stack);
     device.unlock();

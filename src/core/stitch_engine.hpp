@@ -138,6 +138,16 @@ class StitchEngine final : public Backend {
   void add_trace_observer(TraceObserver observer) override;
   void record_history(const HistoryOptions& options) override;
   Snapshot snapshot() override;
+  // The last steps of malloc's OOM ladder, for a backend that runs another engine beside
+  // this one (core/stitch_backend.cpp): `release_cache` gives that engine's cached memory
+  // back to the device (true if any went back; not called during a capture), then `serve`
+  // may hand out a block of its own (0: none). Each is called with no lock of this engine
+  // held. Set once, before the engine is used.
+  struct OomFallbacks {
+    std::function<bool()> release_cache;
+    std::function<DevicePtr(std::size_t size, StreamId stream)> serve;
+  };
+  void set_oom_fallbacks(OomFallbacks fallbacks) { oom_fallbacks_ = std::move(fallbacks); }
   // The snapshot; its trace entry counts `other_active_bytes` beside this engine's active
   // bytes (the private pools' engine beside it: core/stitch_backend.cpp).
   Snapshot snapshot(std::int64_t other_active_bytes);
@@ -500,6 +510,7 @@ class StitchEngine final : public Backend {
 
   mutable Mutex trace_mutex_;
   std::vector<TraceObserver> trace_observers_ GUARDED_BY(trace_mutex_);
+  OomFallbacks oom_fallbacks_;  // set before use, then read-only
   bool history_on_ GUARDED_BY(trace_mutex_) = false;
   bool stacks_on_entries_ GUARDED_BY(trace_mutex_) = false;
   std::atomic<bool> tracing_{false};  // history_on_ or observers attached
