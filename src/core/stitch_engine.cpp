@@ -253,6 +253,7 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
       device.unlock();
       all.reset();
       if (const DevicePtr elsewhere = oom_fallbacks_.serve(size, arena.stream)) {
+        after_operation();
         return elsewhere;
       }
       all = std::make_unique<AllArenasLock>(*this);
