@@ -48,6 +48,13 @@ struct Fixture {
     driver.end_capture(stream);
     alloc.end_allocate_to_pool(pool);
   }
+  // History of every action, without stacks.
+  void record_history(std::size_t max_entries = HistoryOptions{}.max_entries) {
+    HistoryOptions o;
+    o.stacks = HistoryOptions::Stacks::kNone;
+    o.max_entries = max_entries;
+    alloc.record_history(o);
+  }
   std::int64_t reserved() const { return alloc.stats().reserved_bytes[kAggregate].current; }
   std::int64_t allocations() const { return alloc.stats().allocation[kAggregate].current; }
   // Reserved bytes recounted from the segments (the stitching engine keeps no spare pieces
@@ -362,9 +369,7 @@ TEST(StitchPools, ReleasingAFreedGraphPoolsCacheAvertsAnOom) {
   Fixture f(64 * kMiB);
   int observed = 0;
   f.alloc.add_oom_observer([&observed](int, std::size_t, std::size_t, std::size_t) { ++observed; });
-  HistoryOptions o;
-  o.stacks = HistoryOptions::Stacks::kNone;
-  f.alloc.record_history(o);
+  f.record_history();
   f.begin(kGraph, 0);
   const DevicePtr captured = f.alloc.malloc(40 * kMiB, 0);
   f.end(kGraph, 0);
@@ -412,9 +417,7 @@ TEST(StitchPools, ASleepablePoolSleepsAndWakesBesideStitchedMemory) {
 
 TEST(StitchPools, HistoryOfBothEnginesIsOneTimeline) {
   Fixture f;
-  HistoryOptions o;
-  o.stacks = HistoryOptions::Stacks::kNone;
-  f.alloc.record_history(o);
+  f.record_history();
   const DevicePtr x = f.alloc.malloc(4096, 0);
   f.begin(kGraph, 1);
   const DevicePtr y = f.alloc.malloc(4096, 1);
@@ -440,10 +443,7 @@ TEST(StitchPools, HistoryOfBothEnginesIsOneTimeline) {
 // active bytes of both, and a history no longer than one ring of the requested length.
 TEST(StitchPools, OneSnapshotEntryAndOneRingLengthForBothEngines) {
   Fixture f;
-  HistoryOptions o;
-  o.stacks = HistoryOptions::Stacks::kNone;
-  o.max_entries = 5;
-  f.alloc.record_history(o);
+  f.record_history(/*max_entries=*/5);
   const DevicePtr x = f.alloc.malloc(4096, 0);
   f.begin(kGraph, 1);
   const DevicePtr y = f.alloc.malloc(8192, 1);

@@ -285,8 +285,8 @@ void AsyncBackend::record_trace(TraceAction action, DevicePtr addr, std::size_t 
   if (history_on_) {
     history_.push(HistoryEntry{action, addr, size, stream, now, origin, current_metadata()});
   }
-  const TraceEntry entry{action, addr, size,
-                         stream, now,  origin.context ? &origin.context : nullptr};
+  const ContextHandle* context = origin.context ? &origin.context : nullptr;
+  const TraceEntry entry{action, addr, size, stream, now, context};
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }

@@ -239,26 +239,23 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
     // What the engines beside this one hold comes last, as PyTorch's ladder ends: their
     // cached memory back to the device, then a free block of a use_on_oom pool. An OOM they
     // avert is no OOM: not counted, traced or observed.
-    if (!others_released && oom_fallbacks_.release_cache) {
-      others_released = true;
-      device.unlock();
-      all.reset();
-      const bool freed = oom_fallbacks_.release_cache();
-      all = std::make_unique<AllArenasLock>(*this);
-      device.lock();
-      all->held(arena);
-      if (freed) continue;
-    }
     if (oom_fallbacks_.serve) {
       device.unlock();
       all.reset();
-      if (const DevicePtr elsewhere = oom_fallbacks_.serve(size, arena.stream)) {
-        after_operation();
-        return elsewhere;
+      // Released memory is searched and grown into again before anything is served.
+      const bool freed =
+          !others_released && oom_fallbacks_.release_cache && oom_fallbacks_.release_cache();
+      others_released = true;
+      if (!freed) {
+        if (const DevicePtr elsewhere = oom_fallbacks_.serve(size, arena.stream)) {
+          after_operation();
+          return elsewhere;
+        }
       }
       all = std::make_unique<AllArenasLock>(*this);
       device.lock();
       all->held(arena);
+      if (freed) continue;
     }
     const OomReport report = prepare_oom(*all, arena, size, rounded, small, stack);
     device.unlock();
@@ -1476,8 +1473,8 @@ void StitchEngine::record_trace_entry(TraceAction action, DevicePtr addr, std::s
   if (history_on_) {
     history_.push(HistoryEntry{action, addr, size, stream, now, origin, current_metadata()});
   }
-  const TraceEntry entry{action, addr, size,
-                         stream, now,  origin.context ? &origin.context : nullptr};
+  const ContextHandle* context = origin.context ? &origin.context : nullptr;
+  const TraceEntry entry{action, addr, size, stream, now, context};
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }
