@@ -31,13 +31,15 @@ CCALLOC_TEST_KEEP_FRAME void FreeFromKnownFunction(ccalloc::Allocator& a, ccallo
   a.free(p);
   asm volatile("" ::: "memory");
 }
+CCALLOC_TEST_KEEP_FRAME void EmptyCacheFromKnownFunction(ccalloc::Allocator& a) {
+  a.empty_cache();
+  asm volatile("" ::: "memory");
+}
 
 }  // namespace history_test
 
 namespace {
 
-using history_test::AllocateFromKnownFunction;
-using history_test::FreeFromKnownFunction;
 using ccalloc::Allocator;
 using ccalloc::BlockState;
 using ccalloc::Config;
@@ -45,6 +47,9 @@ using ccalloc::DevicePtr;
 using ccalloc::HistoryOptions;
 using ccalloc::Snapshot;
 using ccalloc::TraceAction;
+using history_test::AllocateFromKnownFunction;
+using history_test::EmptyCacheFromKnownFunction;
+using history_test::FreeFromKnownFunction;
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
@@ -313,10 +318,12 @@ TEST(Snapshot, SettingsAndAnnotationsAndMetadata) {
   EXPECT_EQ(t.back().user_metadata, "");
 }
 
-// PyTorch's context levels under every backend: live blocks keep their allocation's stack
-// from "state" on (with history enabled "state" or "all"); entries carry stacks from
-// "alloc" on (device allocations and mappings that of the malloc that made them; frees at
-// "alloc" that of the allocation, at "all" their own); one snapshot entry per snapshot.
+// PyTorch's context levels under every backend: live blocks keep their allocation's stack,
+// and segments that of the malloc that allocated or first mapped them, from "state" on
+// (with history enabled "state" or "all"); entries carry stacks from "alloc" on (device
+// allocations and mappings that of the malloc that made them; frees at "alloc" that of the
+// allocation, at "all" their own; segment frees and unmaps at "alloc" that of the segment,
+// at "all" that of the empty_cache); one snapshot entry per snapshot.
 class HistoryLevels : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(HistoryLevels, EveryBackendPutsStacksWherePyTorchDoes) {
@@ -346,6 +353,11 @@ TEST_P(HistoryLevels, EveryBackendPutsStacksWherePyTorchDoes) {
           }
         }
         EXPECT_EQ(live, 1);
+        EXPECT_EQ(s.segments.size(), 2u);  // a small and a large one
+        for (const auto& seg : s.segments) {
+          EXPECT_EQ(has_frame(seg.frames, "AllocateFromKnownFunction"), level >= Context::kState)
+              << "segment at " << seg.address;
+        }
       }
       const auto& t =
           s.device_traces.empty() ? std::vector<ccalloc::SnapshotTraceEntry>{} : s.device_traces[0];
@@ -386,6 +398,22 @@ TEST_P(HistoryLevels, EveryBackendPutsStacksWherePyTorchDoes) {
         EXPECT_GE(maps, 2);
       }
       alloc.free(keep);
+      if (async) continue;
+      // Every segment goes back to the device.
+      EmptyCacheFromKnownFunction(alloc);
+      const Snapshot after = alloc.snapshot();
+      EXPECT_TRUE(after.segments.empty());
+      int releases = 0;
+      for (const auto& e : after.device_traces[0]) {
+        if (e.action != TraceAction::kSegmentFree && e.action != TraceAction::kSegmentUnmap) {
+          continue;
+        }
+        SCOPED_TRACE(std::string(ccalloc::to_string(e.action)) + " at " + std::to_string(e.addr));
+        ++releases;
+        EXPECT_EQ(has_frame(e.frames, "AllocateFromKnownFunction"), level == Context::kAlloc);
+        EXPECT_EQ(has_frame(e.frames, "EmptyCacheFromKnownFunction"), level == Context::kAll);
+      }
+      EXPECT_GE(releases, 2);
     }
   }
 }

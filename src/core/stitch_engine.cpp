@@ -1030,7 +1030,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     const std::size_t len = pieces_of(h);
     const DevicePtr va = page_va(*s, start + k);
     driver_.map_range(va, len * page_, h->id, 0);
-    s->mappings.emplace(start + k, Mapping{len, h, 0});
+    s->mappings.emplace(start + k, Mapping{len, h, 0, OperationContext::current()});
     move_handle_stats(*h, small);
     for (std::uint32_t i = 0; i < len; ++i) {
       h->live_at[i] = va + i * page_;
@@ -1203,8 +1203,9 @@ void StitchEngine::release_cache(const AllArenasLock& all) {
           }
           const DevicePtr va = page_va(s, first);
           driver_.unmap(va, n * page_);
+          const Origin& unmapping = OperationContext::current();
           record_trace(TraceAction::kSegmentUnmap, va, n * page_, arena->stream,
-                       OperationContext::current());
+                       unmapping ? unmapping : m->second.stack);
           for (std::size_t i = 0; i < n; ++i) {
             Page& page = s.pages[first + i];
             Handle* h = page.handle;
@@ -1594,6 +1595,16 @@ void append_piece(std::vector<PieceRun>& runs, const Space& space, std::size_t p
   runs.push_back(PieceRun{p.handle->id, p.piece, 1});
 }
 
+// The origin of the mapping that holds `ptr` of `space` (empty when none was recorded).
+template <class Space>
+const Origin& mapped_by(const Space& space, DevicePtr ptr, std::size_t page_size) {
+  const std::size_t page = (ptr - space.base) / page_size;
+  auto it = space.mappings.upper_bound(page);
+  if (it == space.mappings.begin()) return OperationContext::none();
+  --it;
+  return page < it->first + it->second.pages ? it->second.stack : OperationContext::none();
+}
+
 SegmentInfo& segment_of(SegmentInfo& s) {
   return s;
 }
@@ -1687,6 +1698,7 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
           if (seg == nullptr) {
             seg = &out.emplace_back();
             start_segment(*seg, device(), *b, arena->stream, s->small);
+            seg->context = mapped_by(*s, b->ptr, page_).context;
           }
           const BlockState state = count_block(*seg, *b);
           seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, state,
@@ -1744,6 +1756,7 @@ Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
             if (seg == nullptr) {
               seg = &segs.emplace_back().first;
               start_segment(*seg, device(), *b, arena->stream, sp->small);
+              segs.back().second.push_back(mapped_by(*sp, b->ptr, page_));
             }
             SnapshotBlock block;
             block.address = b->ptr;
@@ -1771,11 +1784,17 @@ Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   const auto frames = stack_table().symbolize(ids);
+  // stacks: the segment's own (its first page's mapping), then one per block.
+  const auto frames_of = [&frames](const Origin& o) -> Frames {
+    const auto f = frames.find(o.cpp);
+    return o.cpp != 0 && f != frames.end() ? f->second : nullptr;
+  };
   for (auto& [seg, stacks] : segs) {
+    seg.frames = frames_of(stacks[0]);
+    seg.context = std::move(stacks[0].context);
     for (std::size_t i = 0; i < seg.blocks.size(); ++i) {
-      const auto f = frames.find(stacks[i].cpp);
-      if (stacks[i].cpp != 0 && f != frames.end()) seg.blocks[i].frames = f->second;
-      seg.blocks[i].context = std::move(stacks[i].context);
+      seg.blocks[i].frames = frames_of(stacks[i + 1]);
+      seg.blocks[i].context = std::move(stacks[i + 1].context);
     }
     s.segments.push_back(std::move(seg));
   }

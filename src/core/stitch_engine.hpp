@@ -255,6 +255,9 @@ class StitchEngine final : public Backend {
     std::size_t pages = 0;
     Handle* handle = nullptr;
     std::uint32_t first_piece = 0;
+    // The operation that mapped it, with history on (a segment starting here reports it, and
+    // its unmap carries it when the unmapping operation has none, as PyTorch's segments).
+    Origin stack;
   };
   struct Space {
     Arena* arena = nullptr;

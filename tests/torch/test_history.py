@@ -134,9 +134,20 @@ def record(context, stacks):
     blocks = sorted([b["state"], bool(b.get("frames")),
                      named(b.get("frames"), "allocate_in_named_function")]
                     for seg in s["segments"] for b in seg["blocks"])
+    # Whether segments carry frames, and those of the malloc that allocated (or first
+    # mapped) them; then what the segment frees or unmaps of empty_cache carry.
+    segments = sorted({(bool(seg.get("frames")),
+                        named(seg.get("frames"), "allocate_in_named_function"))
+                       for seg in s["segments"]})
     del keep
+    torch.cuda.memory._record_memory_history(context=context, stacks=stacks, max_entries=1000)
     torch.cuda.empty_cache()
-    return {"entries": entries, "blocks": blocks}
+    after = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    releases = sorted({(bool(e.get("frames")), named(e.get("frames"), "allocate_in_named_function"))
+                       for e in after["device_traces"][0]
+                       if e["action"] in ("segment_free", "segment_unmap")})
+    return {"entries": entries, "blocks": blocks, "segments": segments, "releases": releases}
 """
 
 
@@ -161,10 +172,17 @@ out = {}
 for level in ("state", "alloc", "all"):
     r = record(level, "python")
     out[level] = {"entries": [e for e in r["entries"] if not e[0].startswith("segment")],
-                  "blocks": [b for b in r["blocks"] if b[0] != "inactive"]}
+                  "blocks": [b for b in r["blocks"] if b[0] != "inactive"],
+                  "segments": r["segments"], "releases": r["releases"]}
 emit(**out)
 """, preset="ccalloc")
     assert all(has and named for _, has, named in pytorch["state"]["blocks"])
+    # Segments name their malloc from "state" on; releases carry it at "alloc", the
+    # empty_cache's own frames at "all".
+    assert pytorch["state"]["segments"] == [[True, True]]
+    assert pytorch["state"]["releases"] == [[False, False]]
+    assert pytorch["alloc"]["releases"] == [[True, True]]
+    assert pytorch["all"]["releases"] == [[True, False]]
     for level in ("state", "alloc", "all"):
         assert_same(pytorch[level], ccalloc[level], "context=" + level + " (default preset)")
 
