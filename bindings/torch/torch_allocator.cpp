@@ -263,6 +263,7 @@ class History {
         e.context != nullptr ? gathered(*e.context) : nullptr;
     std::lock_guard lock(mutex_);
     trackers = trackers_;
+    if (context && loses_segment_context(e)) context = nullptr;
     track_segment_heads(e);
     TraceEntry te(to_c10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
                   reinterpret_cast<void*>(e.stream), MempoolId_t{0, 0}, 0,
@@ -331,14 +332,23 @@ class History {
   // head when an allocation at the head splits it: from then on the segment reports no
   // context (the engine keeps it on the head). The split is PyTorch's rule for 512-byte
   // rounding.
+  // The same holds for the segment's release: a segment free or unmap that carries the
+  // segment's context (no context of its own, below ALL) carries none once the head has
+  // been split. ccalloc's own snapshots and traces keep it.
   void track_segment_heads(const ccalloc::TraceEntry& e) {
     using A = ccalloc::TraceAction;
+    const void* context = e.context != nullptr ? e.context->get() : nullptr;
     switch (e.action) {
       case A::kSegmentAlloc:
         unsplit_heads_[e.addr] = e.size;
+        segment_contexts_[e.addr] = context;
         break;
       case A::kSegmentMap:  // the range's first mapping is the segment's
         unsplit_heads_.emplace(e.addr, e.size);
+        segment_contexts_.emplace(e.addr, context);
+        break;
+      case A::kSegmentUnmap:
+        segment_contexts_.erase(e.addr);
         break;
       case A::kAlloc: {
         const auto it = unsplit_heads_.find(e.addr);
@@ -347,10 +357,21 @@ class History {
       }
       case A::kSegmentFree:
         unsplit_heads_.erase(e.addr);
+        segment_contexts_.erase(e.addr);
         break;
       default:
         break;
     }
+  }
+
+  // Whether `e`, a segment's release carrying the context the segment was allocated (or
+  // first mapped) with, loses it as on PyTorch: the segment's head has been split.
+  bool loses_segment_context(const ccalloc::TraceEntry& e) const {
+    using A = ccalloc::TraceAction;
+    if (e.action != A::kSegmentFree && e.action != A::kSegmentUnmap) return false;
+    const auto it = segment_contexts_.find(e.addr);
+    return it != segment_contexts_.end() && it->second != nullptr && e.context != nullptr &&
+           it->second == e.context->get() && unsplit_heads_.count(e.addr) == 0;
   }
 
   // Whether PyTorch splits a free block of `block` bytes for a request of `requested`
@@ -401,6 +422,9 @@ class History {
   ccalloc::HistoryOptions engine_options_ = engine_options(false, nullptr, RecordContext::NEVER);
   // Segment addresses whose head PyTorch has not split since the segment was allocated.
   std::unordered_map<ccalloc::DevicePtr, std::size_t> unsplit_heads_;
+  // The context each segment (or mapped range) was recorded with when allocated or first
+  // mapped, by address, for identity only: the engine keeps it alive while the segment is.
+  std::unordered_map<ccalloc::DevicePtr, const void*> segment_contexts_;
 };
 thread_local std::vector<std::string> History::t_compile_context;
 thread_local std::string History::t_user_metadata;

@@ -160,6 +160,7 @@ emit(**{level: record(level, "python") for level in ("state", "alloc", "all")})
     assert not any(has for _, has, _, _ in pytorch["state"]["entries"])
     assert any(freed for a, _, _, freed in pytorch["all"]["entries"] if a == "free_requested")
     assert not any(freed for a, _, _, freed in pytorch["alloc"]["entries"])
+    assert pytorch["all"]["releases"] == [[True, False]]
     for level in ("state", "alloc", "all"):
         assert_same(pytorch[level], ccalloc[level], "context=" + level)
 
@@ -172,19 +173,55 @@ out = {}
 for level in ("state", "alloc", "all"):
     r = record(level, "python")
     out[level] = {"entries": [e for e in r["entries"] if not e[0].startswith("segment")],
-                  "blocks": [b for b in r["blocks"] if b[0] != "inactive"],
-                  "segments": r["segments"], "releases": r["releases"]}
+                  "blocks": [b for b in r["blocks"] if b[0] != "inactive"]}
+    out[level + "_segments"] = {"segments": r["segments"], "releases": r["releases"]}
 emit(**out)
 """, preset="ccalloc")
     assert all(has and named for _, has, named in pytorch["state"]["blocks"])
-    # Segments name their malloc from "state" on; releases carry it at "alloc", the
-    # empty_cache's own frames at "all".
-    assert pytorch["state"]["segments"] == [[True, True]]
-    assert pytorch["state"]["releases"] == [[False, False]]
-    assert pytorch["alloc"]["releases"] == [[True, True]]
-    assert pytorch["all"]["releases"] == [[True, False]]
     for level in ("state", "alloc", "all"):
         assert_same(pytorch[level], ccalloc[level], "context=" + level + " (default preset)")
+    # Segments are the policy's own (whether PyTorch would have split a segment's head
+    # depends on its layout), but their frames follow the same levels: a segment's own or
+    # none, its releases' none at "state", the segment's or none at "alloc", the
+    # empty_cache caller's at "all".
+    own_or_none = {(False, False), (True, True)}
+    for level in ("state", "alloc", "all"):
+        mine = ccalloc[level + "_segments"]
+        assert {tuple(x) for x in mine["segments"]} <= own_or_none, level
+    assert ccalloc["state_segments"]["releases"] == [[False, False]]
+    assert {tuple(x) for x in ccalloc["alloc_segments"]["releases"]} <= own_or_none
+    assert ccalloc["all_segments"]["releases"] == [[True, False]]
+
+
+def test_a_segment_never_split_keeps_its_context_as_on_pytorch():
+    # 20 MiB: one whole large segment, which no allocation splits; its snapshot entry and
+    # its segment free at "alloc" carry the frames of the malloc that allocated it.
+    pytorch, ccalloc = both(CONTEXT_LEVEL + """
+def allocate_whole_segment():
+    return torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+
+out = {}
+for level in ("state", "alloc", "all"):
+    torch.cuda.memory._record_memory_history(context=level, stacks="python", max_entries=1000)
+    x = allocate_whole_segment()
+    s = torch.cuda.memory._snapshot()
+    del x
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    out[level] = {
+        "segments": [[seg["total_size"], named(seg.get("frames"), "allocate_whole_segment")]
+                     for seg in s["segments"]],
+        "releases": [[e["action"], bool(e.get("frames")),
+                      named(e.get("frames"), "allocate_whole_segment")]
+                     for e in after["device_traces"][0]
+                     if e["action"] in ("segment_free", "segment_unmap")]}
+emit(**out)
+""")
+    assert pytorch["state"]["segments"] == [[20 << 20, True]]
+    assert pytorch["alloc"]["releases"] == [["segment_free", True, True]]
+    for level in ("state", "alloc", "all"):
+        assert_same(pytorch[level], ccalloc[level], "context=" + level)
 
 
 def test_stacks_choice_gathers_the_same_kinds_of_frames():
