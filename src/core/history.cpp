@@ -110,7 +110,7 @@ std::vector<SnapshotTraceEntry> snapshot_trace(
     te.stream = e.stream;
     te.time_us = e.time_us;
     te.seq = e.seq;
-    if (const auto f = frames.find(e.stack.cpp); f != frames.end()) te.frames = f->second;
+    te.frames = StackTable::frames_of(frames, e.stack.cpp);
     te.context = e.stack.context;
     if (e.metadata != 0) {
       auto it = metadata.find(e.metadata);
@@ -300,16 +300,12 @@ Snapshot Engine::snapshot(bool trace_entry, std::int64_t other_active_bytes) {
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   const auto frames = stack_table().symbolize(ids);
-  const auto frames_of = [&frames](StackTable::Id id) -> Frames {
-    const auto it = frames.find(id);
-    return it == frames.end() ? nullptr : it->second;
-  };
   for (const auto& [seg, origin] : segment_stacks) {
-    seg->frames = frames_of(origin.cpp);
+    seg->frames = StackTable::frames_of(frames, origin.cpp);
     seg->context = origin.context;
   }
   for (const auto& [block, origin] : block_stacks) {
-    block->frames = frames_of(origin.cpp);
+    block->frames = StackTable::frames_of(frames, origin.cpp);
     block->context = origin.context;
   }
 

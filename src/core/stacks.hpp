@@ -29,6 +29,12 @@ class StackTable {
   // Symbolized frames of each id in `ids`; identical ids share one list. Ids not in the
   // table map to null.
   std::unordered_map<Id, Frames> symbolize(const std::vector<Id>& ids) const;
+  // The frames of `id` in what symbolize() returned; null for 0 (no stack) or an id it
+  // was not asked for.
+  static Frames frames_of(const std::unordered_map<Id, Frames>& symbolized, Id id) {
+    const auto it = symbolized.find(id);
+    return it == symbolized.end() ? nullptr : it->second;
+  }
 
  private:
   struct Hash {

@@ -1785,15 +1785,11 @@ Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   const auto frames = stack_table().symbolize(ids);
   // stacks: the segment's own (its first page's mapping), then one per block.
-  const auto frames_of = [&frames](const Origin& o) -> Frames {
-    const auto f = frames.find(o.cpp);
-    return o.cpp != 0 && f != frames.end() ? f->second : nullptr;
-  };
   for (auto& [seg, stacks] : segs) {
-    seg.frames = frames_of(stacks[0]);
+    seg.frames = StackTable::frames_of(frames, stacks[0].cpp);
     seg.context = std::move(stacks[0].context);
     for (std::size_t i = 0; i < seg.blocks.size(); ++i) {
-      seg.blocks[i].frames = frames_of(stacks[i + 1]);
+      seg.blocks[i].frames = StackTable::frames_of(frames, stacks[i + 1].cpp);
       seg.blocks[i].context = std::move(stacks[i + 1].context);
     }
     s.segments.push_back(std::move(seg));
