@@ -239,14 +239,14 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
     // What the engines beside this one hold comes last, as PyTorch's ladder ends: their
     // cached memory back to the device, then a free block of a use_on_oom pool. An OOM they
     // avert is no OOM: not counted, traced or observed.
-    if (oom_fallbacks_.serve) {
+    if (oom_fallbacks_.serve || (oom_fallbacks_.release_cache && !others_released)) {
       device.unlock();
       all.reset();
       // Released memory is searched and grown into again before anything is served.
       const bool freed =
           !others_released && oom_fallbacks_.release_cache && oom_fallbacks_.release_cache();
       others_released = true;
-      if (!freed) {
+      if (!freed && oom_fallbacks_.serve) {
         if (const DevicePtr elsewhere = oom_fallbacks_.serve(size, arena.stream)) {
           after_operation();
           return elsewhere;
