@@ -366,9 +366,8 @@ ipc::SharedRegion StitchEngine::shared_region(DevicePtr ptr) const {
   r.allocation = b->ptr;
   r.allocation_size = b->size;
   Lock device(device_mutex_);
-  auto it = s.mappings.upper_bound(p0);
-  if (it == s.mappings.begin()) throw_not_live("shared_region", ptr);
-  --it;
+  auto it = s.mapping_at(p0);
+  if (it == s.mappings.end()) throw_not_live("shared_region", ptr);
   r.base = page_va(s, it->first);
   for (; it != s.mappings.end() && it->first < p1; ++it) {
     const Mapping& m = it->second;
@@ -1598,11 +1597,8 @@ void append_piece(std::vector<PieceRun>& runs, const Space& space, std::size_t p
 // The origin of the mapping that holds `ptr` of `space` (empty when none was recorded).
 template <class Space>
 const Origin& mapped_by(const Space& space, DevicePtr ptr, std::size_t page_size) {
-  const std::size_t page = (ptr - space.base) / page_size;
-  auto it = space.mappings.upper_bound(page);
-  if (it == space.mappings.begin()) return OperationContext::none();
-  --it;
-  return page < it->first + it->second.pages ? it->second.stack : OperationContext::none();
+  const auto it = space.mapping_at((ptr - space.base) / page_size);
+  return it != space.mappings.end() ? it->second.stack : OperationContext::none();
 }
 
 SegmentInfo& segment_of(SegmentInfo& s) {

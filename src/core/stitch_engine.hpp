@@ -268,6 +268,13 @@ class StitchEngine final : public Backend {
     std::map<std::size_t, Mapping> mappings;  // by first page
     Block* first = nullptr;
     Block* last = nullptr;
+    // The mapping that holds `page`, or mappings.end().
+    std::map<std::size_t, Mapping>::const_iterator mapping_at(std::size_t page) const {
+      auto it = mappings.upper_bound(page);
+      if (it == mappings.begin()) return mappings.end();
+      --it;
+      return page < it->first + it->second.pages ? it : mappings.end();
+    }
   };
   struct PendingEvent {
     EventId event = 0;
