@@ -40,6 +40,7 @@ def main():
     result = {"workload": args.workload, "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
               "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
               "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+              "peak_requested_bytes": torch.cuda.memory_stats()["requested_bytes.all.peak"],
               "num_device_alloc": torch.cuda.memory_stats()["num_device_alloc"],
               "outputs": outputs}
     if args.record:

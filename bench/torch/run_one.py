@@ -52,9 +52,12 @@ def main():
         import ccalloc_torch
         assert ccalloc_torch._native_library() is not None, "libccalloc_torch.so was not built"
     import torch
+    import probes
     import workloads
 
     workloads.deterministic()
+    workloads.step_probe = probes.driver_calls(
+        "ccalloc" if args.allocator == "ccalloc" else "pytorch")
     if args.gated:
         workloads.step_gate = StdinGate()
 
@@ -73,6 +76,8 @@ def main():
         "median_step_s": statistics.median(times),
         "step_times_s": times,
         "step_cpu_s": list(workloads.step_cpu_s),
+        "step_probes": list(workloads.step_probes),
+        "peak_requested_bytes": stats["requested_bytes.all.peak"],
         "outputs": outputs,
         "peak_reserved_bytes": stats["reserved_bytes.all.peak"],
         "peak_allocated_bytes": stats["allocated_bytes.all.peak"],

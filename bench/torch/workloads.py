@@ -51,6 +51,12 @@ step_gate = None
 # final synchronize may spin, so a step that waits for the GPU counts that wait in both.
 step_cpu_s = []
 
+# When set, a function called after every step, outside the timed region, whose result is
+# kept in step_probes (one per step, warm-up included): scale.py reads the allocator's
+# driver-call counters there.
+step_probe = None
+step_probes = []
+
 
 def _run_steps(steps, warmup, make_step, output=float):
     """Runs warmup + steps steps. make_step(step) prepares a step's inputs (untimed) and
@@ -58,6 +64,7 @@ def _run_steps(steps, warmup, make_step, output=float):
     Returns (times of the steps after the warm-up, outputs of every step)."""
     times, outputs = [], []
     step_cpu_s.clear()
+    step_probes.clear()
     for step in range(warmup + steps):
         if step == warmup and on_timed_start is not None:
             on_timed_start()
@@ -73,6 +80,8 @@ def _run_steps(steps, warmup, make_step, output=float):
             times.append(t)
             step_cpu_s.append(cpu)
         outputs.append(output(out))
+        if step_probe is not None:
+            step_probes.append(step_probe())
     return times, outputs
 
 
@@ -381,8 +390,91 @@ def efficientnet_varres(steps=16, warmup=2, batch=48):
     return _run_steps(steps, warmup, make_step)
 
 
+def llama_train_dyn(steps=12, warmup=2):
+    """Training a Llama-style decoder of about 350 M parameters (24 layers, 1024 wide, built
+    from a transformers LlamaConfig; fp32 weights, bf16 autocast, AdamW, eager attention)
+    without activation checkpointing, batch 1-8 and sequence length 128-1024 varying per
+    step: the largest steps hold well over 10 GB of activations."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=2048)
+    torch.manual_seed(12)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(12)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+
+    def make_step(step):
+        batch, seq = rng.randint(1, 8), rng.randint(128, 1024)
+        ids = torch.randint(3, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+
+        return _train_step(opt, lambda: model(input_ids=ids, labels=ids).loss)
+
+    return _run_steps(steps, warmup, make_step)
+
+
+def gpt2_sidestreams(steps=20, warmup=3):
+    """GPT-2 small training (batch 4-8, sequence 128-1024 varying per step, AdamW) with two
+    side streams used as input pipelines and metric code use them: the next step's batch
+    is copied from pinned host memory on a prefetch stream while the current step runs, and
+    used on the main stream (record_stream); the step's accuracy and log-partition are
+    computed from the logits on a metrics stream (record_stream on the logits and the
+    batch), whose temporaries and results are allocated there."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
+    torch.manual_seed(13)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(13)
+    host_gen = torch.Generator().manual_seed(13)
+    main = torch.cuda.current_stream()
+    prefetch, metrics = torch.cuda.Stream(), torch.cuda.Stream()
+    state = {}
+
+    def load():
+        batch, seq = rng.randint(4, 8), rng.randint(128, 1024)
+        host = torch.randint(0, config.vocab_size, (batch, seq), generator=host_gen).pin_memory()
+        with torch.cuda.stream(prefetch):
+            ids = host.to("cuda", non_blocking=True)
+        return ids, prefetch.record_event()
+
+    state["next"] = load()
+
+    def make_step(step):
+        def run():
+            ids, ready = state["next"]
+            main.wait_event(ready)
+            ids.record_stream(main)
+            state["next"] = load()  # overlaps this step
+            out = model(input_ids=ids, labels=ids)
+            done = main.record_event()
+            with torch.cuda.stream(metrics):
+                metrics.wait_event(done)
+                out.logits.record_stream(metrics)
+                ids.record_stream(metrics)
+                logits = out.logits.detach()
+                accuracy = (logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean()
+                partition = torch.logsumexp(logits, dim=-1).mean()
+                state["metrics"] = torch.stack([accuracy, partition])
+            loss = out.loss
+            del out, logits
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return run
+
+    return _run_steps(steps, warmup, make_step)
+
+
 WORKLOADS = {"resnet50": resnet50, "gpt2_varlen": gpt2_varlen, "llama_generate": llama_generate,
              "llama_serve": llama_serve,
              "finetune_bf16": finetune_bf16, "t5_beam": t5_beam,
              "llama_train_ckpt": llama_train_ckpt, "efficientnet_varres": efficientnet_varres,
-             "compiled_gpt2": compiled_gpt2, "compiled_mlp": compiled_mlp}
+             "compiled_gpt2": compiled_gpt2, "compiled_mlp": compiled_mlp,
+             "llama_train_dyn": llama_train_dyn, "gpt2_sidestreams": gpt2_sidestreams}

@@ -50,6 +50,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -158,6 +159,13 @@ struct Options {
   DevicePtr base_address = DevicePtr{0x7f0000000000};
   std::size_t alignment = std::size_t{2} << 20;
   bool events_complete_immediately = false;
+  // A GPU that runs behind the host: an event recorded on a stream below
+  // `lagged_streams_end` completes, with the work queued before it, once the time
+  // (set_time_us) has passed its recording by `gpu_lag_us`; negative: only when the caller
+  // completes it. The replay of a recorded trace uses it for the allocator's own events on
+  // the trace's streams (docs/simulated-gpu.md, "Events").
+  std::int64_t gpu_lag_us = -1;
+  StreamId lagged_streams_end = ~StreamId{0};
   // Virtual memory: the granularity of reservations, physical allocations and mappings,
   // and of the stream-ordered pool's pages (a power of two, at least 1 MiB).
   std::size_t vm_granularity = std::size_t{2} << 20;
@@ -307,6 +315,8 @@ class SimDriver final : public Driver {
   struct StreamState {
     std::uint64_t recorded = 0;   // events (and pool frees) recorded so far
     std::uint64_t completed = 0;  // events completed so far (a prefix)
+    // With Options::gpu_lag_us: (time recorded, position) of events not yet completed.
+    std::deque<std::pair<std::int64_t, std::uint64_t>> lagging;
     // Streams this one waited on (stream_wait_event), with the furthest position waited for.
     std::unordered_map<StreamId, std::uint64_t> waited;
   };
@@ -374,6 +384,8 @@ class SimDriver final : public Driver {
                            PhysicalHandle handle);
   std::size_t device_used() const;
   bool event_done(const Event& e) const;
+  // Completes what Options::gpu_lag_us says the GPU has run by now on `stream`. mutex_ held.
+  void catch_up(StreamState& stream);
   Event& event_ref(EventId event);
   FreeMark mark_free(StreamId stream);
   bool mark_done(const FreeMark& m) const;

@@ -87,6 +87,8 @@ StitchEngine::~StitchEngine() {
       all.held(*arena);
       for (const PendingEvent& p : arena->pending)
         driver_.destroy_event(p.event);
+      for (const Fence& f : arena->fences)
+        driver_.destroy_event(f.event);
       for (const auto& spaces : arena->spaces) {
         for (const auto& s : spaces) {
           for (const auto& [first, m] : s->mappings)
@@ -195,7 +197,8 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
   for (;; retry = true) {
     if (retry) {
       block = find_free(arena, small, rounded);
-      g = block != nullptr ? Grow::kDone : grow(arena, small, rounded, !gc_done, &block);
+      g = block != nullptr ? Grow::kDone
+                           : grow(arena, small, rounded, !gc_done, &block, true, all.get());
     } else if ((block = find_free(arena, small, rounded)) != nullptr) {
       g = Grow::kDone;  // freed by another thread meanwhile
     }
@@ -409,7 +412,9 @@ StitchEngine::Arena& StitchEngine::arena_for(StreamId stream) {
       arenas_.push_back(std::make_unique<Arena>(stream, index));
       a = arenas_.back().get();
       arena_table_.set(a->owner, a);
+      arena_count_.store(arenas_.size(), std::memory_order_release);
       arena_by_stream_.emplace(stream, a);
+      if (index == 1) begin_sharing();
     }
   }
   ThreadArenaCache<Arena>::put(uid_, stream, a);
@@ -529,6 +534,7 @@ void StitchEngine::free_block(Arena& arena, Block* b) {
   record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
   b->kind = Block::Kind::kFree;
   b->stack = {};
+  if (sharing_.load(std::memory_order_relaxed)) [[unlikely]] note_free(arena, *b);
   pool_free(arena, b);
 }
 
@@ -695,23 +701,6 @@ void StitchEngine::merge_void_around(Arena& arena, Space& s, Block* b) {
 // ---------------------------------------------------------------------------------------
 // Growth: spare pieces, then lent pages, then new memory
 
-template <typename F>
-bool StitchEngine::find_whole_handle(const Block& b, F&& f) const {
-  const DevicePtr hi = align_down(b.end(), page_);
-  const Space& bs = *b.space;
-  for (DevicePtr va = align_up(b.ptr, page_); va < hi;) {
-    const Page& p = bs.pages[(va - bs.base) / page_];
-    const std::size_t n = p.handle->live_at.size();
-    if (p.piece == 0 && va + n * page_ <= hi) {
-      if (f(va, p.handle)) return true;
-      va += n * page_;
-    } else {
-      va += page_;
-    }
-  }
-  return false;
-}
-
 StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
   // The candidates as growth would lend them: smallest large free block first, then by
   // address; the large space's last block included (it is not the growing space's tail).
@@ -739,6 +728,7 @@ StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
       return false;
     });
     if (h == nullptr) continue;
+    const std::uint64_t stamp = stamp_of(*b->space, from, 1);  // its latest uses are there
     make_void(arena, *b->space, b, from, from + page_);  // b may be split or absorbed
     Block* v = small_space->first;
     while (v->end() <= at)
@@ -748,6 +738,8 @@ StitchEngine::Block* StitchEngine::revive_small_piece(Arena& arena) {
     if (v->end() > at + page_) v = split_off_front(arena, v, page_);
     v->kind = Block::Kind::kFree;
     h->live_at[0] = at;
+    Page& revived = small_space->pages[(at - small_space->base) / page_];
+    revived.freed = std::max(revived.freed, stamp);
     move_handle_stats(*h, true);
     return pool_free(arena, v);
   }
@@ -822,7 +814,7 @@ StitchEngine::Space& StitchEngine::new_space(Arena& arena, bool small) {
 }
 
 StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size, bool gc_allowed,
-                                      Block** out, bool try_island) {
+                                      Block** out, bool try_island, const AllArenasLock* all) {
   if (!small && arena.keeps_island) {
     return_kept_islands(arena);
     if (Block* b = find_free(arena, false, size)) {
@@ -853,11 +845,6 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   // CUDA maps a handle only whole, so the frontier receives whole handles: spare ones, then
   // lent ones, then new ones. Whole handles may pass what the request lacks; the rest
   // extends the new free block.
-  struct Lend {
-    Handle* handle;
-    Block* block;
-    DevicePtr lo;
-  };
   std::vector<Handle*> from_spare;
   std::vector<Lend> lends;
   std::size_t have = 0;  // pages of the spare and lent handles
@@ -904,6 +891,9 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
       have += pieces_of(l.handle);
     }
   };
+  // Other streams' arenas whose free pages this growth may take (plan_borrow), locked until
+  // it returns.
+  std::vector<std::unique_lock<ArenaMutex>> donors;
   std::size_t lacking = 0, created = 0;
   for (;;) {
     if (fresh) tail = nullptr;
@@ -925,6 +915,12 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
         return true;
       });
       lacking = pages - have;
+    }
+    // Then other streams' free pages whose uses are all done, where they spare creating.
+    if (lacking > 0) {
+      const std::size_t least = small ? 0 : least_large_growth(arena);
+      have += plan_borrow(arena, small, lacking, least, all, donors, lends);
+      lacking = have < pages ? pages - have : 0;
     }
     created = 0;
     if (lacking > 0) {
@@ -992,16 +988,29 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   // Commit.
   if (fresh) s = &new_space(arena, small);
   std::vector<Handle*> order;  // as mapped at the frontier
+  // The stamp each one's pages take there (Arena::epoch): a handle moved within the
+  // stream keeps its pages' latest; one with its uses done (spare, another stream's, new)
+  // comes with none.
+  std::vector<std::uint64_t> stamps;
   for (Handle* h : from_spare) {
     for (std::uint32_t i = 0; i < pieces_of(h); ++i)
       spare_.erase({h->id, i});
     order.push_back(h);
+    stamps.push_back(0);
   }
   // In address order, so that each lend's block still starts at or below its range:
   // make_void keeps the block object for the free part above the voided range.
   std::sort(lends.begin(), lends.end(), [](const Lend& x, const Lend& y) { return x.lo < y.lo; });
   for (const Lend& l : lends) {
-    make_void(arena, *l.block->space, l.block, l.lo, l.lo + pieces_of(l.handle) * page_);
+    Arena& owner = *l.block->space->arena;
+    owner.mutex.assert_held();  // this arena's, or a donor's (plan_borrow)
+    const std::size_t n = pieces_of(l.handle);
+    stamps.push_back(&owner == &arena ? stamp_of(*l.block->space, l.lo, n) : 0);
+    if (&owner != &arena) {
+      ++borrowed_handles_;
+      borrowed_pieces_ += n;
+    }
+    make_void(owner, *l.block->space, l.block, l.lo, l.lo + n * page_);
     order.push_back(l.handle);
   }
   for (std::size_t j = 0; j < ids.size(); ++j) {
@@ -1012,6 +1021,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     h->live_at.assign(sizes[j], 0);
     h->mappings.assign(sizes[j], 0);
     order.push_back(h.get());
+    stamps.push_back(0);
     handles_.emplace(ids[j], std::move(h));
   }
   if (created > 0) {
@@ -1025,7 +1035,8 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   const std::size_t mapped = have + created;
   s->pages.resize(start + mapped);
   std::size_t k = 0;
-  for (Handle* h : order) {
+  for (std::size_t j = 0; j < order.size(); ++j) {
+    Handle* h = order[j];
     const std::size_t len = pieces_of(h);
     const DevicePtr va = page_va(*s, start + k);
     driver_.map_range(va, len * page_, h->id, 0);
@@ -1034,7 +1045,7 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     for (std::uint32_t i = 0; i < len; ++i) {
       h->live_at[i] = va + i * page_;
       ++h->mappings[i];
-      s->pages[start + k + i] = Page{h, i};
+      s->pages[start + k + i] = Page{h, i, stamps[j]};
     }
     record_trace(TraceAction::kSegmentMap, va, len * page_, arena.stream,
                  OperationContext::current());
@@ -1431,6 +1442,12 @@ StitchEngine::PieceCounts StitchEngine::piece_counts() const {
   for (const auto& [id, h] : handles_)
     c.total += h->live_at.size();
   c.spare = spare_.size();
+  c.fences = fences_recorded_.load(std::memory_order_relaxed);
+  c.borrow_waits = borrow_waits_.load(std::memory_order_relaxed);
+  c.fence_latency_us = fence_latency_us_.load(std::memory_order_relaxed);
+  c.fence_latency_samples = fence_latency_samples_.load(std::memory_order_relaxed);
+  c.borrowed_handles = borrowed_handles_;
+  c.borrowed_pieces = borrowed_pieces_;
   for (Arena* arena : all.arenas()) {
     all.held(*arena);
     for (const auto& spaces : arena->spaces) {
@@ -1978,6 +1995,11 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
         std::size_t pages_with_piece = 0;
         for (std::size_t p = 0; p < s.pages.size(); ++p) {
           const Page& pg = s.pages[p];
+          if (pg.freed > arena->epoch) {
+            violated("page " + hex_address(page_va(s, p)) + " is stamped " +
+                     std::to_string(pg.freed) + ", past its stream's epoch " +
+                     std::to_string(arena->epoch));
+          }
           if (pg.handle == nullptr) continue;
           ++pages_with_piece;
           if (pg.handle->live_at[pg.piece] != page_va(s, p)) continue;
@@ -2006,6 +2028,24 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           violated("the free block " + hex_address(b->ptr) + " has lost its place in its pool");
         }
       }
+    }
+    // Sharing (stitch_share.cpp): the fences in flight close increasing epochs after the
+    // safe one and before the current one; nothing is stamped or fenced before sharing.
+    std::uint64_t closed = arena->safe_epoch;
+    for (const Fence& f : arena->fences) {
+      if (f.epoch <= closed || f.epoch >= arena->epoch) {
+        violated("stream " + std::to_string(arena->stream) + " has a fence of epoch " +
+                 std::to_string(f.epoch) + " after epoch " + std::to_string(closed) +
+                 " with its current epoch " + std::to_string(arena->epoch));
+      }
+      closed = f.epoch;
+    }
+    if (arena->safe_epoch >= arena->epoch) {
+      violated("stream " + std::to_string(arena->stream) + " is safe up to its current epoch");
+    }
+    if (!sharing_.load(std::memory_order_relaxed) &&
+        (!arena->fences.empty() || arena->unfenced || arena->epoch != 1)) {
+      violated("stream " + std::to_string(arena->stream) + " fences frees with one stream");
     }
   }
   std::size_t pooled = 0;

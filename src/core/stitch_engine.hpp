@@ -84,7 +84,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -202,6 +204,14 @@ class StitchEngine final : public Backend {
     std::size_t total = 0;
     std::size_t spare = 0;
     std::size_t dead_pages = 0;
+    // Sharing between streams (stitch_share.cpp): fences recorded, and the handles (and
+    // their pieces) that a stream's growth took from another stream's free pages.
+    std::size_t fences = 0;
+    std::size_t borrow_waits = 0;  // growths that waited on the device for a donor's fence
+    std::size_t borrowed_handles = 0;
+    std::size_t borrowed_pieces = 0;
+    std::int64_t fence_latency_us = 0;  // recent average; 0 before the first sample
+    std::size_t fence_latency_samples = 0;
   };
   PieceCounts piece_counts() const EXCLUDES(registry_mutex_, device_mutex_);
 
@@ -250,6 +260,9 @@ class StitchEngine final : public Backend {
   struct Page {
     Handle* handle = nullptr;  // nullptr: unmapped
     std::uint32_t piece = 0;
+    // Its arena's epoch when a block on its piece was last freed there (0: none since the
+    // piece came to the arena with its uses done); see Arena::epoch.
+    std::uint64_t freed = 0;
   };
   struct Mapping {
     std::size_t pages = 0;
@@ -279,6 +292,13 @@ class StitchEngine final : public Backend {
   struct PendingEvent {
     EventId event = 0;
     Block* block = nullptr;
+  };
+  // An event recorded on an arena's stream once pages had been freed there: when it has
+  // completed, the uses of every page stamped at or below `epoch` are done (stitch_share.cpp).
+  struct Fence {
+    EventId event = 0;
+    std::uint64_t epoch = 0;
+    std::int64_t at_us = 0;  // Driver::now_us() when recorded
   };
   // Everything of one stream; see the header comment for what its lock covers.
   struct alignas(64) Arena {
@@ -322,6 +342,19 @@ class StitchEngine final : public Backend {
     DevicePtr last_returned_island GUARDED_BY(mutex) = 0;
     std::size_t island_bounces GUARDED_BY(mutex) = 0;
     std::atomic<std::int64_t> pending_events{0};  // pending.size(), read without the lock
+    // Sharing with other streams (stitch_share.cpp), once more than one stream allocates: a
+    // block freed now stamps its pages with `epoch`; a fence recorded on the stream takes
+    // the epoch and the next one begins. Once a fence has completed, `safe_epoch` is its
+    // epoch: a page stamped at or below it has no use left in flight on any stream (its own
+    // stream's are before the fence, other streams' were waited for before the free), so
+    // another stream may take its handle without waiting.
+    std::uint64_t epoch GUARDED_BY(mutex) = 1;
+    std::uint64_t safe_epoch GUARDED_BY(mutex) = 0;
+    bool unfenced GUARDED_BY(mutex) = false;  // a page stamped `epoch`: no fence covers it
+    // The last refresh_fences by a free (none yet: far in the past).
+    std::int64_t fences_polled_us GUARDED_BY(mutex) = std::numeric_limits<std::int64_t>::min() / 2;
+    std::deque<Fence> fences GUARDED_BY(mutex);           // in flight, oldest first
+    std::int64_t fences_queried_us GUARDED_BY(mutex) = std::numeric_limits<std::int64_t>::min() / 2;
   };
   enum class Grow { kDone, kOutOfMemory, kNeedsGc };
 
@@ -351,8 +384,10 @@ class StitchEngine final : public Backend {
   DevicePtr malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> lock, std::size_t size,
                         std::size_t rounded, bool small, const Origin& stack);
   Block* find_free(Arena& arena, bool small, std::size_t size) REQUIRES(arena.mutex);
+  // `all`: every arena lock is held (the OOM ladder's retries); else only the arena's.
   Grow grow(Arena& arena, bool small, std::size_t size, bool gc_allowed, Block** out,
-            bool try_island = true) REQUIRES(arena.mutex, device_mutex_);
+            bool try_island = true, const AllArenasLock* all = nullptr)
+      REQUIRES(arena.mutex, device_mutex_);
   // The least pieces a growth of the stream's large pool creates: the chunk, or 1/64 of the
   // reserved bytes when less, once the stream has settled (see grow()).
   std::size_t least_large_growth(const Arena& arena) const REQUIRES(arena.mutex, device_mutex_);
@@ -396,6 +431,38 @@ class StitchEngine final : public Backend {
   // page holds the largest block the large pool has handed out. Returns the small free
   // block holding it, or nullptr where no such page is free.
   Block* take_island(Arena& arena) REQUIRES(arena.mutex);
+  // Sharing between streams (stitch_share.cpp). Stamps the pages of the block `b`, just
+  // freed, with its arena's epoch and keeps fences in flight.
+  void note_free(Arena& arena, const Block& b) REQUIRES(arena.mutex);
+  // Moves the arena's safe epoch past its completed fences, and records a fence where pages
+  // were freed since the last one and that one is kFenceIntervalUs old. `polled`: only when
+  // the last poll by a free is that old too (the free path's rate limit).
+  void refresh_fences(Arena& arena, bool polled) REQUIRES(arena.mutex);
+  // Moves the safe epoch past the fences that have completed, oldest first.
+  void complete_fences(Arena& arena) REQUIRES(arena.mutex);
+  // Records a fence now, closing the arena's epoch; returns its event.
+  EventId record_fence(Arena& arena) REQUIRES(arena.mutex);
+  // The first stream beside the first: from now on frees stamp their pages, and the first
+  // stream's free pages so far count as freed now. Under registry_mutex_.
+  void begin_sharing() REQUIRES(registry_mutex_);
+  // The greatest stamp of the `n` pages from `va` in space `s`.
+  std::uint64_t stamp_of(const Space& s, DevicePtr va, std::size_t n) const;
+  // Where a growth of `arena` lacks `lacking` pieces that it would create, the handles of
+  // other streams' free blocks of the same pool whose pages' uses are all done (their
+  // fences completed), smallest block first, as many as spare creating memory: enough to
+  // cover the lack, or, where the growth would create more than `least` anyway, up to the
+  // lack less `least`. Each one's arena is locked in `held` (try_lock: one that is busy is
+  // skipped), unless `all` holds every arena already. Appends to `out`; returns the pieces.
+  // A handle that growth takes from a free block (the stream's own, or another's), whose
+  // whole pages from `lo` it backs.
+  struct Lend {
+    Handle* handle;
+    Block* block;
+    DevicePtr lo;
+  };
+  std::size_t plan_borrow(Arena& arena, bool small, std::size_t lacking, std::size_t least,
+                          const AllArenasLock* all, std::vector<std::unique_lock<ArenaMutex>>& held,
+                          std::vector<Lend>& out) REQUIRES(arena.mutex, device_mutex_);
   // The handles live wholly inside the whole pages of the free block `b`, in address order:
   // f(address, handle) for each, until f returns true (then returns true).
   template <typename F>
@@ -493,6 +560,13 @@ class StitchEngine final : public Backend {
   std::vector<std::unique_ptr<Arena>> arenas_ GUARDED_BY(registry_mutex_);
   std::unordered_map<StreamId, Arena*> arena_by_stream_ GUARDED_BY(registry_mutex_);
   OwnerTable<Arena> arena_table_;  // written under registry_mutex_
+  std::atomic<std::size_t> arena_count_{0};  // arenas in arena_table_ (owners 1 .. count)
+  std::atomic<bool> sharing_{false};         // more than one stream allocates: begin_sharing()
+  std::atomic<std::size_t> fences_recorded_{0};
+  std::atomic<std::size_t> borrow_waits_{0};  // growths that waited for a fence recorded then
+  // How long fences take to complete: an average of recent samples (complete_fences).
+  std::atomic<std::int64_t> fence_latency_us_{0};
+  std::atomic<std::size_t> fence_latency_samples_{0};
   SegmentMap owners_;              // spaces' reservations; written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
@@ -510,6 +584,8 @@ class StitchEngine final : public Backend {
   std::map<PhysicalHandle, std::unique_ptr<Handle>> handles_ GUARDED_BY(device_mutex_);
   // pieces live nowhere
   std::set<std::pair<PhysicalHandle, std::uint32_t>> spare_ GUARDED_BY(device_mutex_);
+  std::size_t borrowed_handles_ GUARDED_BY(device_mutex_) = 0;
+  std::size_t borrowed_pieces_ GUARDED_BY(device_mutex_) = 0;
   // segment, reserved_bytes and the counters; the block statistics are the arenas'
   DeviceStats stats_ GUARDED_BY(device_mutex_);
 
@@ -527,5 +603,22 @@ class StitchEngine final : public Backend {
   HistoryRing history_;               // locks itself
   std::vector<Annotation> annotations_ GUARDED_BY(trace_mutex_);
 };
+
+template <typename F>
+bool StitchEngine::find_whole_handle(const Block& b, F&& f) const {
+  const DevicePtr hi = b.end() / page_ * page_;
+  const Space& bs = *b.space;
+  for (DevicePtr va = (b.ptr + page_ - 1) / page_ * page_; va < hi;) {
+    const Page& p = bs.pages[(va - bs.base) / page_];
+    const std::size_t n = p.handle->live_at.size();
+    if (p.piece == 0 && va + n * page_ <= hi) {
+      if (f(va, p.handle)) return true;
+      va += n * page_;
+    } else {
+      va += page_;
+    }
+  }
+  return false;
+}
 
 }  // namespace ccalloc::core

@@ -35,6 +35,12 @@ struct Options {
   bool keep_snapshot = false;
   // Run the allocator's invariant checker after every operation (slow: for tests).
   bool check_invariants = false;
+  // How far the GPU runs behind the trace's clock: an event the allocator records on a
+  // stream of the trace completes this long after it was recorded (sim::Options::gpu_lag_us;
+  // the replay's side streams, which stand for other streams' uses, complete at the trace's
+  // free_completed rows as before). Unset: kDefaultGpuLagUs, or, run() on a whole trace,
+  // observed_gpu_lag_us() of it where the trace shows one.
+  std::optional<std::int64_t> gpu_lag_us;
   sim::CostModel cost;
 };
 
@@ -70,6 +76,25 @@ struct Recorded {
 };
 
 Recorded recorded_figures(const std::vector<io::TraceRecord>& trace);
+
+// The replay's GPU lag where neither the caller nor the trace gives one.
+inline constexpr std::int64_t kDefaultGpuLagUs = 100'000;
+
+// How far behind its host the recorded run's GPU ran, as the trace shows it: the longest
+// wait between a free_requested and its free_completed among frees that waited for other
+// streams' events (the recording allocator saw the event complete by then). 0 where no
+// free waited.
+class LagCounter {
+ public:
+  void add(const TraceEntry& e);
+  std::int64_t lag_us() const { return lag_; }
+
+ private:
+  std::unordered_map<DevicePtr, std::pair<std::int64_t, std::uint64_t>> requested_;
+  std::uint64_t index_ = 0;
+  std::int64_t lag_ = 0;
+};
+std::int64_t observed_gpu_lag_us(const std::vector<io::TraceRecord>& trace);
 
 // recorded_figures() one record at a time, for a trace that is streamed.
 class RecordedCounter {

@@ -2,7 +2,8 @@
 //
 //   ccalloc replay FILE [--conf STRING]... [--capacity SIZE] [--address-oracle]
 //                       [--emit-trace FILE] [--snapshot-out FILE] [--json] [--max-entries N]
-//   ccalloc fit FILE [--conf STRING]... [--json]
+//                       [--device N] [--gpu-lag-us N]
+//   ccalloc fit FILE [--conf STRING]... [--json] [--device N]
 //   ccalloc summary FILE [--device N]
 //   ccalloc stats FILE [--device N]
 //   ccalloc convert IN OUT [--device N]
@@ -192,29 +193,54 @@ nlohmann::json to_json(const Result& r) {
   return j;
 }
 
+// The device whose trace a file holds: `device` where it is given (>= 0), else the first
+// of a snapshot's devices with entries (a rank's recording holds its own device's), else 0.
+int trace_device(const std::string& path, int device, const ccalloc::io::ReadLimits& limits) {
+  if (device >= 0) return device;
+  constexpr int kDevicesTried = 16;
+  for (int d = 0; d < kDevicesTried; ++d) {
+    ccalloc::io::TraceReader reader(path, d, limits);
+    ccalloc::io::TraceRecord r;
+    if (reader.next(r)) return d;
+    const auto kind = reader.kind();
+    if (kind != ccalloc::io::FileKind::kSnapshotPickle && kind != ccalloc::io::FileKind::kSnapshotJson) {
+      break;  // one device only
+    }
+  }
+  return 0;
+}
+
 // The trace is streamed once per config, so memory follows the allocator's live state,
 // not the file's length.
 int run_replay(const std::string& trace_path, const std::vector<std::string>& confs,
                const std::string& capacity_text, bool oracle, const std::string& emit_path,
-               const std::string& snapshot_path, bool json, std::uint64_t max_entries) {
+               const std::string& snapshot_path, bool json, std::uint64_t max_entries,
+               int device_arg, std::int64_t gpu_lag_us) {
   ccalloc::io::ReadLimits limits = ccalloc::io::ReadLimits::from_environment();
   if (max_entries != 0) limits.max_entries = max_entries;
+  const int device = trace_device(trace_path, device_arg, limits);
   ccalloc::replay::Options options;
   options.capacity = ccalloc::replay::parse_size(capacity_text);
   options.address_oracle = oracle;
   options.keep_trace = !emit_path.empty();
   options.keep_snapshot = !snapshot_path.empty();
 
+  // A first pass for the oracle's addresses and the GPU's lag, where they are asked for.
   std::vector<ccalloc::sim::OracleEntry> segments;
-  if (oracle) {
-    ccalloc::io::TraceReader reader(trace_path, 0, limits);
+  ccalloc::replay::LagCounter lag;
+  if (oracle || gpu_lag_us < 0) {
+    ccalloc::io::TraceReader reader(trace_path, device, limits);
     ccalloc::io::TraceRecord r;
     while (reader.next(r)) {
-      if (r.entry.action == ccalloc::TraceAction::kSegmentAlloc) {
+      if (oracle && r.entry.action == ccalloc::TraceAction::kSegmentAlloc) {
         segments.push_back({r.entry.addr, r.entry.size});
       }
+      lag.add(r.entry);
     }
   }
+  options.gpu_lag_us = gpu_lag_us >= 0 ? gpu_lag_us
+                       : lag.lag_us() > 0 ? lag.lag_us()
+                                          : ccalloc::replay::kDefaultGpuLagUs;
   Recorded recorded;
   std::uint64_t rows = 0;
   std::vector<Result> results;
@@ -222,7 +248,7 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
   for (std::size_t i = 0; i < configs.size(); ++i) {
     options.conf = configs[i];
     try {
-      ccalloc::io::TraceReader reader(trace_path, 0, limits);
+      ccalloc::io::TraceReader reader(trace_path, device, limits);
       results.push_back(
           ccalloc::replay::run([&reader](ccalloc::io::TraceRecord& r) { return reader.next(r); },
                                options, segments, i == 0 ? &recorded : nullptr));
@@ -257,8 +283,10 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
 
 // Per config, the smallest simulated device (a multiple of 2 MiB) that replays the trace
 // with no OOM; each answer is verified by replaying at it and at 2 MiB less.
-int run_fit(const std::string& trace_path, const std::vector<std::string>& confs, bool json) {
-  const auto trace = ccalloc::io::read_any_trace(trace_path);
+int run_fit(const std::string& trace_path, const std::vector<std::string>& confs, bool json,
+            int device) {
+  const auto trace = ccalloc::io::read_any_trace(
+      trace_path, trace_device(trace_path, device, ccalloc::io::ReadLimits::from_environment()));
   const bool tty = isatty(STDERR_FILENO) != 0;
   std::vector<ccalloc::replay::FitResult> results;
   const std::vector<std::string> configs = confs.empty() ? std::vector<std::string>{""} : confs;
@@ -551,6 +579,15 @@ int main(int argc, char** argv) {
                      "Write the replay's final snapshot with its history (.pickle or .json, "
                      "optionally .gz; numbered per config if several)");
   replay->add_flag("--json", json, "Print a JSON array, one object per config");
+  int replay_device = -1;
+  replay->add_option("--device", replay_device,
+                     "Device of a snapshot whose trace to replay (default: the first with "
+                     "entries)");
+  std::int64_t gpu_lag_us = -1;
+  replay->add_option("--gpu-lag-us", gpu_lag_us,
+                     "How far the simulated GPU runs behind the trace's clock, for the "
+                     "allocator's own events (default: the longest wait of a cross-stream free "
+                     "in the trace, else 100000)");
   std::uint64_t max_entries = 0;
   replay->add_option("--max-entries", max_entries,
                      "Fail on a trace with more entries than this (default: CCALLOC_MAX_ENTRIES "
@@ -566,6 +603,9 @@ int main(int argc, char** argv) {
   fit->add_option("trace", fit_path, "Trace CSV, snapshot or RMM log; plain or gzip")->required();
   fit->add_option("--conf", fit_confs, "Config string; repeat for several");
   fit->add_flag("--json", fit_json, "Print a JSON array, one object per config");
+  int fit_device = -1;
+  fit->add_option("--device", fit_device,
+                  "Device of a snapshot whose trace to fit (default: the first with entries)");
 
   std::string file;
   int device = 0;
@@ -594,9 +634,9 @@ int main(int argc, char** argv) {
   try {
     if (replay->parsed()) {
       return run_replay(trace_path, confs, capacity, oracle, emit_path, snapshot_path, json,
-                        max_entries);
+                        max_entries, replay_device, gpu_lag_us);
     }
-    if (fit->parsed()) return run_fit(fit_path, fit_confs, fit_json);
+    if (fit->parsed()) return run_fit(fit_path, fit_confs, fit_json, fit_device);
     if (summary->parsed()) return run_summary(file, device);
     if (stats->parsed()) return run_stats(file, device);
     if (convert->parsed()) return run_convert(file, out, device);

@@ -175,6 +175,9 @@ void SimDriver::record_event(EventId event, StreamId stream) {
   e.stream = stream;
   e.sequence = ++s.recorded;
   if (options_.events_complete_immediately) s.completed = s.recorded;
+  if (options_.gpu_lag_us >= 0 && stream < options_.lagged_streams_end) {
+    s.lagging.emplace_back(time_us_.load(std::memory_order_relaxed), e.sequence);
+  }
   ++counters_.event_records;
   driver_us_ += options_.cost.event_record_us;
 }
@@ -185,7 +188,16 @@ bool SimDriver::query_event(EventId event) {
   const Event& e = event_ref(event);
   ++counters_.event_queries;
   driver_us_ += options_.cost.event_query_us;
+  if (e.recorded) catch_up(streams_.at(e.stream));
   return event_done(e);
+}
+
+void SimDriver::catch_up(StreamState& stream) {
+  const std::int64_t now = time_us_.load(std::memory_order_relaxed);
+  while (!stream.lagging.empty() && stream.lagging.front().first + options_.gpu_lag_us <= now) {
+    stream.completed = std::max(stream.completed, stream.lagging.front().second);
+    stream.lagging.pop_front();
+  }
 }
 
 void SimDriver::begin_capture(StreamId stream) {

@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""The at-scale benchmark: sharded and data-parallel training on several GPUs, dynamic-shape
+LLM training, a training run with side streams and serving, each on PyTorch's native
+allocator, PyTorch with expandable_segments:True and ccalloc's default preset.
+
+    python3 bench/torch/scale.py [--cases fsdp2,fsdp2_avoid_rs,ddp,llama_train,gpt2_side,serve]
+        [--allocators native,expandable,ccalloc] [--rounds 4] [--cpus 0-7] [--json out.json]
+    python3 bench/torch/scale.py --record DIR --allocators native   # recordings, as data/traces
+
+Every run is a fresh process (torchrun with one process per GPU for the distributed
+cases). Round k runs the allocators in the given order when k is even and in the reverse
+order when k is odd (A B C, C B A, A B C, ...), so that drift of the machine reaches every
+allocator alike; all processes are pinned to the same CPUs. For each case and allocator
+the table gives:
+  - peak reserved and peak requested bytes, per rank (the largest rank's) and their ratio;
+  - the step time: the median over rounds of each round's median step (the slowest rank's
+    time per step for the distributed cases);
+  - against native: the median over rounds of (this allocator's round median / native's
+    round median), with the smallest and largest round ratio (the spread);
+  - driver calls per step after the warm-up (PyTorch: cudaMalloc + cudaFree, or maps +
+    unmaps of expandable segments; ccalloc: every creation, map, access grant, unmap and
+    release, and the time spent in them), the largest rank's;
+  - whether the outputs (losses, token hashes) equal native's, rank by rank.
+With --record DIR each case first runs once on --record-on (native) with its allocation
+history recorded (not timed): DIR/CASE.pickle.gz, or DIR/CASE.rankR.pickle.gz per rank, and
+DIR/measured.json with every run's peaks."""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# kind "dist": run_dist.py under torchrun on `gpus` GPUs; kind "one": run_one.py.
+CASES = {
+    "fsdp2": {"kind": "dist", "workload": "fsdp2_lm", "steps": 16,
+              "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}},
+    "fsdp2_avoid_rs": {"kind": "dist", "workload": "fsdp2_lm", "steps": 16,
+                       "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}},
+    "ddp": {"kind": "dist", "workload": "ddp_lm", "steps": 16,
+            "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}},
+    "llama_train": {"kind": "one", "workload": "llama_train_dyn", "steps": 12},
+    "gpt2_side": {"kind": "one", "workload": "gpt2_sidestreams", "steps": 20},
+    "serve": {"kind": "one", "workload": "llama_generate", "steps": 24},
+}
+WARMUP = {"fsdp2_lm": 3, "ddp_lm": 3, "llama_train_dyn": 2, "gpt2_sidestreams": 3,
+          "llama_generate": 2}
+ALLOCATORS = {
+    "native": ("pytorch", {}),
+    "expandable": ("pytorch", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+    "ccalloc": ("ccalloc", {"CCALLOC_CONF": "ccalloc"}),
+}
+# Keys of a driver-call probe that are counts (the rest, *_ns, are times).
+TIME_SUFFIX = "_ns"
+
+
+def parse_cpus(text):
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def environment(allocator, case):
+    env = dict(os.environ)
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "CCALLOC_CONF", "TORCH_NCCL_AVOID_RECORD_STREAMS"):
+        env.pop(key, None)
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(ALLOCATORS[allocator][1])
+    env.update(case.get("env", {}))
+    return env
+
+
+def command(name, allocator, gpus, record_dir=None):
+    case = CASES[name]
+    which = ALLOCATORS[allocator][0]
+    if case["kind"] == "dist":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={gpus}", os.path.join(HERE, "run_dist.py"), case["workload"],
+               "--allocator", which, "--steps", str(case["steps"])]
+        if record_dir:
+            cmd += ["--record", "--out", record_dir, "--name", name]
+        return cmd
+    if record_dir:
+        return [sys.executable, os.path.join(HERE, "record.py"), case["workload"], "--record",
+                "--out", record_dir, "--name", name, "--args", json.dumps({"steps": case["steps"]})]
+    return [sys.executable, os.path.join(HERE, "run_one.py"), case["workload"], "--allocator",
+            which, "--steps", str(case["steps"])]
+
+
+def run(name, allocator, gpus, cpus, timeout, record_dir=None):
+    """One process (or torchrun) of case `name` on `allocator`: its result with every rank
+    under "ranks" (one rank for a single-GPU case), or {"error": ...}."""
+    cmd = command(name, allocator, gpus, record_dir)
+    try:
+        proc = subprocess.run(cmd, env=environment(allocator, CASES[name]), capture_output=True,
+                              text=True, timeout=timeout,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"timed out after {timeout} s", "tail": str(e.stdout)[-2000:]}
+    text = proc.stdout
+    for line in text.splitlines():
+        # record.py prints its JSON as the last line; the others prefix it with RESULT.
+        body = line[len("RESULT "):] if line.startswith("RESULT ") else line
+        if not body.startswith("{"):
+            continue
+        try:
+            result = json.loads(body)
+        except json.JSONDecodeError:
+            continue
+        if "ranks" not in result:
+            result = {"ranks": [dict(result, rank=0)]}
+        return result
+    return {"error": f"exit {proc.returncode}", "tail": (text[-2000:] + proc.stderr[-4000:])}
+
+
+def steps_of(result, warmup):
+    """Per timed step, the slowest rank's time; per rank, calls per step after the warm-up."""
+    ranks = result["ranks"]
+    n = min(len(r["step_times_s"]) for r in ranks)
+    times = [max(r["step_times_s"][i] for r in ranks) for i in range(n)]
+    calls = []
+    for r in ranks:
+        probes = r.get("step_probes") or []
+        if len(probes) <= warmup:
+            continue
+        first, last = probes[warmup - 1], probes[-1]
+        steps = len(probes) - warmup
+        calls.append({k: (last[k] - first[k]) / steps for k in last})
+    return times, calls
+
+
+def summarize(name, runs, allocators):
+    """runs: {allocator: [result per round]} -> one row of figures per allocator."""
+    warmup = WARMUP[CASES[name]["workload"]]
+    rows = {}
+    base = runs.get(allocators[0], [])
+    for a in allocators:
+        ok = [r for r in runs[a] if "error" not in r]
+        if not ok:
+            rows[a] = {"error": runs[a][0]["error"] if runs[a] else "not run"}
+            continue
+        medians = [statistics.median(steps_of(r, warmup)[0]) for r in ok]
+        first = ok[0]["ranks"]
+        reserved = max(r["peak_reserved_bytes"] for r in first)
+        requested = max(r.get("peak_requested_bytes", 0) for r in first)
+        calls = steps_of(ok[0], warmup)[1]
+        per_step = {}
+        for c in calls:
+            for k, v in c.items():
+                per_step[k] = max(per_step.get(k, 0.0), v)
+        same_memory = all(max(x["peak_reserved_bytes"] for x in r["ranks"]) == reserved for r in ok)
+        row = {"rounds": len(ok), "peak_reserved_bytes": reserved,
+               "peak_requested_bytes": requested,
+               "per_rank_reserved": [r["peak_reserved_bytes"] for r in first],
+               "per_rank_requested": [r.get("peak_requested_bytes", 0) for r in first],
+               "reserved_over_requested": reserved / requested if requested else None,
+               "peaks_repeat": same_memory,
+               "round_medians_s": medians, "median_step_s": statistics.median(medians),
+               "driver_calls_per_step": per_step}
+        if base and a != allocators[0]:
+            pairs = [(r, b) for r, b in zip(runs[a], base) if "error" not in r and "error" not in b]
+            ratios = [statistics.median(steps_of(r, warmup)[0]) /
+                      statistics.median(steps_of(b, warmup)[0]) for r, b in pairs]
+            if ratios:
+                row.update(ratio_vs_first=statistics.median(ratios),
+                           ratio_spread=[min(ratios), max(ratios)], round_ratios=ratios)
+            if pairs:
+                row["outputs_equal_first"] = all(
+                    [x["outputs"] for x in r["ranks"]] == [x["outputs"] for x in b["ranks"]]
+                    for r, b in pairs)
+        rows[a] = row
+    return rows
+
+
+def table(summary, allocators):
+    lines = ["", "== at scale: peak reserved / requested per rank, step time against "
+             f"{allocators[0]} (median over rounds [spread]), driver calls per step"]
+    head = (f"{'case':15s} {'allocator':11s} {'reserved MB':>12s} {'requested MB':>13s} "
+            f"{'ratio':>6s} {'step ms':>9s} {'vs ' + allocators[0]:>22s} {'calls/step':>11s} "
+            f"{'us/step':>8s} outputs")
+    lines.append(head)
+    for name, rows in summary.items():
+        for a in allocators:
+            r = rows.get(a)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"{name:15s} {a:11s} FAILED: {r['error']}")
+                continue
+            calls = r["driver_calls_per_step"]
+            count = sum(v for k, v in calls.items() if not k.endswith(TIME_SUFFIX))
+            us = sum(v for k, v in calls.items() if k.endswith(TIME_SUFFIX)) / 1e3
+            vs = ""
+            if "ratio_vs_first" in r:
+                lo, hi = r["ratio_spread"]
+                vs = f"{r['ratio_vs_first']:.3f} [{lo:.3f},{hi:.3f}]"
+            same = r.get("outputs_equal_first")
+            lines.append(
+                f"{name:15s} {a:11s} {r['peak_reserved_bytes'] / 1e6:12.1f} "
+                f"{r['peak_requested_bytes'] / 1e6:13.1f} "
+                f"{(r['reserved_over_requested'] or 0):6.3f} {r['median_step_s'] * 1e3:9.2f} "
+                f"{vs:>22s} {count:11.2f} {us:8.1f} "
+                f"{'' if same is None else ('equal' if same else 'DIFFER')}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--allocators", default="native,expandable,ccalloc")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs of the distributed cases")
+    parser.add_argument("--cpus", help="pin every process to these CPUs, e.g. 0-15")
+    parser.add_argument("--timeout", type=int, default=400, help="seconds per process")
+    parser.add_argument("--record", metavar="DIR", help="first record each case once")
+    parser.add_argument("--record-on", default="native", choices=list(ALLOCATORS),
+                        help="the allocator of the recordings (default: native)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    cases = args.cases.split(",")
+    allocators = args.allocators.split(",")
+    cpus = parse_cpus(args.cpus) if args.cpus else None
+    report = {"cases": {}, "recorded": {}}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+
+    if args.record:
+        os.makedirs(args.record, exist_ok=True)
+        for name in cases:
+            r = run(name, args.record_on, args.gpus, cpus, args.timeout, record_dir=args.record)
+            report["recorded"][name] = r
+            print(f"recorded {name} on {args.record_on}: " +
+                  (r["error"] + "\n" + r.get("tail", "") if "error" in r else
+                   ", ".join(f"rank {x['rank']} reserved {x['peak_reserved_bytes']:,} "
+                             f"requested {x.get('peak_requested_bytes', 0):,}" for x in r["ranks"])),
+                  flush=True)
+            save()
+    for name in cases:
+        runs = {a: [] for a in allocators}
+        for k in range(args.rounds):
+            for a in (allocators if k % 2 == 0 else list(reversed(allocators))):
+                r = run(name, a, args.gpus, cpus, args.timeout)
+                runs[a].append(r)
+                if "error" in r:
+                    print(f"{name} {a} round {k}: {r['error']}\n{r.get('tail', '')}", flush=True)
+                else:
+                    t, _ = steps_of(r, WARMUP[CASES[name]["workload"]])
+                    print(f"{name} {a} round {k}: median step {statistics.median(t) * 1e3:.2f} ms, "
+                          f"reserved {max(x['peak_reserved_bytes'] for x in r['ranks']):,}",
+                          flush=True)
+                report["cases"].setdefault(name, {})["runs"] = runs
+                save()
+        report["cases"][name]["summary"] = summarize(name, runs, allocators)
+        save()
+    print(table({n: c["summary"] for n, c in report["cases"].items() if "summary" in c},
+                allocators))
+    if args.record:
+        measured = {}
+        for name, r in report["recorded"].items():
+            if "error" not in r:
+                measured[name] = {"ranks": [{k: x.get(k) for k in
+                                             ("peak_reserved_bytes", "peak_requested_bytes",
+                                              "peak_allocated_bytes", "num_device_alloc")}
+                                            for x in r["ranks"]]}
+        for name, c in report["cases"].items():
+            for a, row in c.get("summary", {}).items():
+                if "error" not in row:
+                    measured.setdefault(name, {})[a] = {
+                        "per_rank_reserved": row["per_rank_reserved"],
+                        "per_rank_requested": row["per_rank_requested"]}
+        with open(os.path.join(args.record, "measured.json"), "w") as f:
+            json.dump(measured, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+// The stitching policy's sharing of physical memory between streams (docs/ccalloc-policy.md,
+// rule 3.2b). Without it a stream's free pages serve only that stream until the OOM ladder
+// synchronizes: streams that reach their highs at different times (a training step's
+// compute stream, its collectives' streams, side streams) each keep their own high, and the
+// device holds their sum.
+//
+// A page's uses are done on every stream once (a) its own stream has run past its last
+// free there and (b) every other stream that used it (record_stream) has run past that
+// free, which free() waits for with events before the page is freed at all. So only (a)
+// needs tracking: each free stamps its pages with the arena's epoch, and a fence (an event
+// recorded on the stream) closes the epoch. Once the fence has completed (queried, never
+// waited for), every page stamped at or below its epoch may back another stream's growth
+// with no synchronization: the handle is mapped at the borrower's frontier, and its pages
+// in the lender's space become void (dead), as a lend within one stream leaves them.
+//
+// Fences are recorded by frees: a free polls its arena's fences at most once per
+// kFenceIntervalUs, and records one where pages were freed since the last fence and that
+// fence is that old. A growth that would create memory polls every other stream's fences
+// (under that stream's lock if it can take it at once: a busy stream is skipped) before
+// looking for pages to take.
+#include <algorithm>
+#include <limits>
+
+#include "core/stitch_engine.hpp"
+
+namespace ccalloc::core {
+namespace {
+
+// A stream records at most one fence this often, and a free polls its fences at most this
+// often. A fence costs an event record (about 2 us of CPU on an H100); the frees of the
+// last interval before a stream goes quiet wait for the next poll's fence.
+constexpr std::int64_t kFenceIntervalUs = 1000;
+// Fences in flight per stream: where the GPU runs further behind than this many intervals,
+// the stream records the next one when the oldest completes.
+constexpr std::size_t kMaxFences = 16;
+// A fence found complete within this long of the query before it gives a sample of the
+// GPU's lag (see complete_fences).
+constexpr std::int64_t kLatencyBracketUs = 2 * kFenceIntervalUs;
+// Where fences complete within this long on average (after kLatencySamples samples), a
+// growth may take a whole handle beyond what it lacks: the donor, should it need the pages
+// again, gets them back as quickly. Where the GPU runs further behind, the donor would
+// create memory instead, and a growth takes no more than it would create.
+constexpr std::int64_t kQuickFenceUs = 5000;
+constexpr std::size_t kLatencySamples = 8;
+
+}  // namespace
+
+std::uint64_t StitchEngine::stamp_of(const Space& s, DevicePtr va, std::size_t n) const {
+  const std::size_t first = (va - s.base) / page_;
+  std::uint64_t stamp = 0;
+  for (std::size_t p = first; p < first + n; ++p)
+    stamp = std::max(stamp, s.pages[p].freed);
+  return stamp;
+}
+
+void StitchEngine::note_free(Arena& arena, const Block& b) {
+  Space& s = *b.space;
+  const std::size_t p0 = (b.ptr - s.base) / page_;
+  const std::size_t p1 = (b.end() - s.base + page_ - 1) / page_;
+  for (std::size_t p = p0; p < p1; ++p)
+    s.pages[p].freed = arena.epoch;
+  arena.unfenced = true;
+  refresh_fences(arena, /*polled=*/true);
+}
+
+void StitchEngine::refresh_fences(Arena& arena, bool polled) {
+  if (capturing()) return;  // no event may be queried or recorded during a capture
+  const std::int64_t now = driver_.now_us();
+  if (polled) {
+    if (now >= arena.fences_polled_us && now - arena.fences_polled_us < kFenceIntervalUs) return;
+    arena.fences_polled_us = now;
+  }
+  complete_fences(arena);
+  if (!arena.unfenced || arena.fences.size() >= kMaxFences) return;
+  if (!arena.fences.empty() && now >= arena.fences.back().at_us &&
+      now - arena.fences.back().at_us < kFenceIntervalUs) {
+    return;
+  }
+  record_fence(arena);
+}
+
+void StitchEngine::complete_fences(Arena& arena) {
+  if (arena.fences.empty()) return;
+  const std::int64_t now = driver_.now_us();
+  // A fence found complete soon after a query found it pending completed about now: its
+  // age is a sample of how far the GPU runs behind (a fence first queried long after it
+  // completed says nothing).
+  const bool bracketed = now >= arena.fences_queried_us &&
+                         now - arena.fences_queried_us <= kLatencyBracketUs;
+  arena.fences_queried_us = now;
+  // A stream completes its work in order: the oldest fences first.
+  while (!arena.fences.empty() && driver_.query_event(arena.fences.front().event)) {
+    const Fence& f = arena.fences.front();
+    if (bracketed && now >= f.at_us) {
+      // An average over about the last eight samples; concurrent updates may lose one.
+      const std::int64_t old = fence_latency_us_.load(std::memory_order_relaxed);
+      const std::int64_t sample = now - f.at_us;
+      fence_latency_us_.store(fence_latency_samples_.load(std::memory_order_relaxed) == 0
+                                  ? sample
+                                  : old + (sample - old) / 8,
+                              std::memory_order_relaxed);
+      fence_latency_samples_.fetch_add(1, std::memory_order_relaxed);
+    }
+    arena.safe_epoch = f.epoch;
+    event_pool_.put(f.event);
+    arena.fences.pop_front();
+  }
+}
+
+EventId StitchEngine::record_fence(Arena& arena) {
+  const EventId e = event_pool_.get();
+  driver_.record_event(e, arena.stream);
+  arena.fences.push_back(Fence{e, arena.epoch, driver_.now_us()});
+  ++arena.epoch;
+  arena.unfenced = false;
+  fences_recorded_.fetch_add(1, std::memory_order_relaxed);
+  return e;
+}
+
+void StitchEngine::begin_sharing() {
+  // Frees from now on stamp their pages; one that held its arena's lock before sees the flag
+  // set, or has freed its block by the time the loop below takes that lock.
+  sharing_.store(true, std::memory_order_relaxed);
+  for (const auto& a : arenas_) {
+    Lock lock(a->mutex);
+    for (const auto& spaces : a->spaces) {
+      for (const auto& s : spaces) {
+        for (const Block* b = s->first; b != nullptr; b = b->next) {
+          if (b->kind != Block::Kind::kFree) continue;
+          note_free(*a, *b);
+        }
+      }
+    }
+  }
+}
+
+// Donor arenas are locked here and stay locked, in `held`, until the growth returns (or
+// are held by the caller's AllArenasLock): the analysis cannot follow locks kept in a vector.
+std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lacking,
+                                      std::size_t least, const AllArenasLock* all,
+                                      std::vector<std::unique_lock<ArenaMutex>>& held,
+                                      std::vector<Lend>& out) NO_THREAD_SAFETY_ANALYSIS {
+  if (!sharing_.load(std::memory_order_relaxed) || capturing()) return 0;
+  const std::size_t first = out.size();
+  std::vector<Lend> candidates;
+  const std::size_t count = arena_count_.load(std::memory_order_acquire);
+  for (std::size_t owner = 1; owner <= count; ++owner) {
+    Arena* x = arena_table_.get(static_cast<SegmentMap::Owner>(owner));
+    if (x == nullptr || x == &arena) continue;
+    const bool mine = all != nullptr || std::any_of(held.begin(), held.end(), [x](const auto& l) {
+                        return l.mutex() == &x->mutex;
+                      });
+    if (!mine) {
+      // Never wait for another stream's lock here: this thread holds its own arena's and the
+      // device lock, which that stream's growth may be waiting for.
+      if (!x->mutex.try_lock()) continue;
+      held.emplace_back(x->mutex, std::adopt_lock);
+    }
+    // A stream whose fences have all completed has run its queue up to its last fence, and
+    // little or nothing since: its pages freed after that fence may serve too, once this
+    // stream waits (on the device) for a fence recorded now; a busy stream's may not.
+    complete_fences(*x);
+    const std::uint64_t usable = x->fences.empty() ? x->epoch : x->safe_epoch;
+    for (Block* b : x->pool(small)) {
+      if (b->in_island()) continue;  // the small pool's pages in a large space
+      find_whole_handle(*b, [&](DevicePtr va, Handle* h) {
+        if (stamp_of(*b->space, va, h->live_at.size()) <= usable) {
+          candidates.push_back(Lend{h, b, va});
+        }
+        return false;
+      });
+    }
+  }
+  // The smallest free blocks first: the least useful to keep whole (as lending goes).
+  std::sort(candidates.begin(), candidates.end(), [](const Lend& a, const Lend& b) {
+    if (a.block != b.block) return BySizeThenAddress{}(a.block, b.block);
+    return a.lo < b.lo;
+  });
+  // Enough to create nothing, where that fits; else, where the growth creates more than
+  // `least` anyway, pieces that each spare creating one, as long as what is still created
+  // comes to `least`. Where fences complete slowly, only enough to create nothing, and never
+  // more than the growth would create (`lacking`, at least `least`): a donor that needs its
+  // pages again would have to wait long to take them back, and creates memory instead.
+  const std::size_t would_create = std::max(lacking, least);
+  const auto take = [&](std::size_t cap, std::size_t enough) {
+    out.resize(first);
+    std::size_t taken = 0;
+    for (const Lend& l : candidates) {
+      if (taken >= enough) break;
+      const std::size_t n = l.handle->live_at.size();
+      if (taken + n > cap) continue;
+      out.push_back(l);
+      taken += n;
+    }
+    return taken;
+  };
+  const bool quick = fence_latency_samples_.load(std::memory_order_relaxed) >= kLatencySamples &&
+                     fence_latency_us_.load(std::memory_order_relaxed) <= kQuickFenceUs;
+  std::size_t taken = take(quick ? SIZE_MAX : would_create, lacking);
+  if (taken < lacking) taken = quick && lacking > least ? take(lacking - least, lacking - least) : take(0, 0);
+  // Pages freed since their stream's last fence: this stream waits for a fence recorded now.
+  std::vector<Arena*> waited;
+  for (std::size_t i = first; i < out.size(); ++i) {
+    const Lend& l = out[i];
+    Arena* x = l.block->space->arena;
+    if (stamp_of(*l.block->space, l.lo, l.handle->live_at.size()) <= x->safe_epoch ||
+        std::find(waited.begin(), waited.end(), x) != waited.end()) {
+      continue;
+    }
+    waited.push_back(x);
+    driver_.stream_wait_event(arena.stream, record_fence(*x));
+    borrow_waits_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return taken;
+}
+
+}  // namespace ccalloc::core
