@@ -52,6 +52,38 @@ struct Gap {
 };
 const std::map<std::string, Gap>& known_gaps() {
   static const std::map<std::string, Gap> gaps = {
+      // Recorded on two H200s (bench/torch/scale.py); docs/ccalloc-policy.md, "Sharing
+      // between streams".
+      {"ddp_lm.rank0",
+       {true, false, false,
+        "1.0368 x the floor (expandable segments 1.0766): one stream allocates; above "
+        "the 1.03 target, within the 1.05 asked of data-parallel training"}},
+      {"ddp_lm.rank1",
+       {true, false, false, "1.0321 x the floor (expandable segments 1.0773); as rank 0"}},
+      {"fsdp2_lm.rank0",
+       {true, false, true,
+        "1.1656 x the floor (expandable segments 1.2238) at the replay's default GPU lag of "
+        "100 ms (the trace shows none): three streams (compute, all-gather, reduce-scatter) "
+        "reach their highs at different times, and few of the fences that would let one "
+        "take another's free pages complete before its growths; at a lag of 2 ms it is "
+        "1.0599. Its fit is 1.0308"}},
+      {"fsdp2_lm.rank1",
+       {true, false, false,
+        "1.1578 x the floor (expandable segments 1.2264) at the default lag; 1.0383 at "
+        "2 ms"}},
+      {"fsdp2_lm_avoid_rs.rank0",
+       {true, false, false,
+        "1.1656 x the floor, as fsdp2_lm.rank0 (FSDP2 calls no record_stream either way)"}},
+      {"fsdp2_lm_avoid_rs.rank1",
+       {true, false, false, "1.1578 x the floor, as fsdp2_lm.rank1"}},
+      {"gpt2_sidestreams",
+       {true, false, true,
+        "1.0756 x the floor, as expandable segments, at its observed lag of 126 ms: the "
+        "metrics stream's temporaries, as large as the logits, are allocated and freed "
+        "while the main stream is near its high and its work is still queued; at lags of "
+        "1 ms or less it is 1.0157-1.0472. Its fit is not verified: on a small device the "
+        "OOM ladder waits for the side streams' uses, which the recorded run saw complete "
+        "later, so the replay runs at the floor and below it"}},
       {"llama_serve",
        {true, false, false,
         "1.0372 x the floor (expandable segments 1.0790; its fit, 1.0258, is within): "
@@ -113,7 +145,9 @@ class DeviceTrace : public ::testing::TestWithParam<std::string> {
          GetParam() == "llama_generate96" || GetParam() == "t5_beam")) {
       GTEST_SKIP() << "CCALLOC_TEST_SCALE=" << ccalloc_test::test_scale();
     }
-    trace_ = ccalloc::io::read_any_trace((kDir / (GetParam() + ".pickle.gz")).string());
+    const std::string path = (kDir / (GetParam() + ".pickle.gz")).string();
+    trace_ = ccalloc::io::read_any_trace(path, ccalloc::io::first_device_with_entries(path));
+    ASSERT_FALSE(trace_.empty()) << GetParam() << " holds no trace";
     floor_ = ccalloc::replay::recorded_figures(trace_).peak_requested_bytes;
     ASSERT_GT(floor_, 0) << GetParam() << " allocates nothing";
     const auto it = known_gaps().find(GetParam());

@@ -163,4 +163,17 @@ std::vector<TraceRecord> read_any_trace(const std::string& path, int device) {
   return records;
 }
 
+int first_device_with_entries(const std::string& path, const ReadLimits& limits) {
+  constexpr int kDevicesTried = 16;
+  for (int d = 0; d < kDevicesTried; ++d) {
+    TraceReader reader(path, d, limits);
+    TraceRecord r;
+    if (reader.next(r)) return d;
+    if (reader.kind() != FileKind::kSnapshotPickle && reader.kind() != FileKind::kSnapshotJson) {
+      break;  // one device only
+    }
+  }
+  return 0;
+}
+
 }  // namespace ccalloc::io

@@ -60,4 +60,9 @@ void for_each_entry(const std::string& path, int device,
 // All of the file's records in memory (for callers that need random access).
 std::vector<TraceRecord> read_any_trace(const std::string& path, int device = 0);
 
+// The device whose trace `path` holds: the first of a snapshot's devices (up to 16) with
+// entries (a rank's recording holds only its own device's), else 0; 0 for a CSV or RMM log.
+int first_device_with_entries(const std::string& path,
+                              const ReadLimits& limits = ReadLimits::from_environment());
+
 }  // namespace ccalloc::io

@@ -194,20 +194,9 @@ nlohmann::json to_json(const Result& r) {
 }
 
 // The device whose trace a file holds: `device` where it is given (>= 0), else the first
-// of a snapshot's devices with entries (a rank's recording holds its own device's), else 0.
+// with entries.
 int trace_device(const std::string& path, int device, const ccalloc::io::ReadLimits& limits) {
-  if (device >= 0) return device;
-  constexpr int kDevicesTried = 16;
-  for (int d = 0; d < kDevicesTried; ++d) {
-    ccalloc::io::TraceReader reader(path, d, limits);
-    ccalloc::io::TraceRecord r;
-    if (reader.next(r)) return d;
-    const auto kind = reader.kind();
-    if (kind != ccalloc::io::FileKind::kSnapshotPickle && kind != ccalloc::io::FileKind::kSnapshotJson) {
-      break;  // one device only
-    }
-  }
-  return 0;
+  return device >= 0 ? device : ccalloc::io::first_device_with_entries(path, limits);
 }
 
 // The trace is streamed once per config, so memory follows the allocator's live state,
