@@ -224,6 +224,9 @@ class SimDriver final : public Driver {
   void complete_event(EventId event);
   void complete_stream(StreamId stream);
   void complete_all();
+  // Whether `waiter` has waited (stream_wait_event) for `event`'s position on its stream or
+  // a later one: work queued on `waiter` since then runs after the event's work.
+  bool waited_for(StreamId waiter, EventId event);
   // Sets the virtual clock returned by now_us().
   void set_time_us(std::int64_t t);
 

@@ -313,6 +313,16 @@ void SimDriver::complete_stream(StreamId stream) {
   if (it != streams_.end()) it->second.completed = it->second.recorded;
 }
 
+bool SimDriver::waited_for(StreamId waiter, EventId event) {
+  std::lock_guard lock(mutex_);
+  const Event& e = event_ref(event);
+  if (!e.recorded || e.stream == waiter) return true;
+  const auto s = streams_.find(waiter);
+  if (s == streams_.end()) return false;
+  const auto w = s->second.waited.find(e.stream);
+  return w != s->second.waited.end() && w->second >= e.sequence;
+}
+
 void SimDriver::complete_all() {
   std::lock_guard lock(mutex_);
   for (auto& [id, s] : streams_)

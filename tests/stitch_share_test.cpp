@@ -1,0 +1,229 @@
+// Sharing physical memory between streams under the `ccalloc` preset (src/core/stitch_share.cpp,
+// docs/ccalloc-policy.md rule 3.2b): a stream's growth takes the handles of another stream's
+// free pages once a fence recorded on that stream after their frees has completed, or, where
+// every fence of that stream has completed, behind a device-side wait on a fence recorded
+// then; never while their uses may still run. Exact values on the simulated GPU, whose
+// events complete only when a test completes them.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <vector>
+
+#include "ccalloc/errors.hpp"
+#include "ccalloc/sim.hpp"
+#include "core/stitch_engine.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using ccalloc::Config;
+using ccalloc::DevicePtr;
+using ccalloc::kAggregate;
+using ccalloc::StreamId;
+using ccalloc::core::StitchEngine;
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+// A device too small for a 20 MiB chunk: growth creates exactly what a request lacks, in
+// handles of two pieces (4 MiB).
+struct Fixture {
+  explicit Fixture(std::size_t capacity = 18 * kMiB)
+      : gpu(options(capacity)), engine(gpu, Config::parse("ccalloc")) {
+    engine.set_check_invariants(true);
+  }
+  static ccalloc::sim::Options options(std::size_t capacity) {
+    ccalloc::sim::Options o;
+    o.capacity = capacity;
+    return o;
+  }
+  std::int64_t reserved() const { return engine.stats().reserved_bytes[kAggregate].current; }
+  ccalloc::sim::SimDriver gpu;
+  StitchEngine engine;
+};
+
+TEST(StitchShare, OneStreamRecordsNoFence) {
+  Fixture f;
+  for (int i = 0; i < 20; ++i) {
+    const DevicePtr a = f.engine.malloc(4 * kMiB, 0);
+    const DevicePtr b = f.engine.malloc(1 * kMiB, 0);
+    f.engine.free(a);
+    f.engine.free(b);
+  }
+  EXPECT_EQ(f.engine.piece_counts().fences, 0u);
+  EXPECT_EQ(f.gpu.counters().event_records, 0u);
+  EXPECT_EQ(f.gpu.counters().event_queries, 0u);
+}
+
+TEST(StitchShare, AGrowthTakesAnotherStreamsFreeHandleOnceItsFenceHasCompleted) {
+  Fixture f;
+  const DevicePtr b = f.engine.malloc(4 * kMiB, 0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 1);  // a second stream: sharing begins
+  f.engine.free(a);  // stamps a's pages; the free records stream 1's first fence
+  EXPECT_EQ(f.engine.piece_counts().fences, 1u);
+  f.gpu.complete_stream(1);
+  const DevicePtr c = f.engine.malloc(4 * kMiB, 0);
+  EXPECT_EQ(c, b + 4 * kMiB);  // stream 0's frontier, backed by stream 1's handle
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(8 * kMiB));
+  EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
+  const StitchEngine::PieceCounts counts = f.engine.piece_counts();
+  EXPECT_EQ(counts.borrowed_handles, 1u);
+  EXPECT_EQ(counts.borrowed_pieces, 2u);
+  EXPECT_EQ(counts.borrow_waits, 0u);
+  EXPECT_EQ(counts.dead_pages, 2u);  // a's pages in stream 1's space
+  EXPECT_EQ(f.gpu.counters().stream_waits, 0u);
+  EXPECT_EQ(f.gpu.counters().event_synchronizes + f.gpu.counters().stream_synchronizes, 0u);
+  // Stream 1 has nothing left to give: its next request creates memory.
+  f.engine.malloc(4 * kMiB, 1);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
+}
+
+TEST(StitchShare, PagesWhoseStreamMayStillUseThemAreNotTaken) {
+  Fixture f;
+  f.engine.malloc(4 * kMiB, 0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
+  f.engine.free(a);  // its fence has not completed: stream 1 may still be using a
+  f.engine.malloc(4 * kMiB, 0);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 0u);
+  EXPECT_EQ(f.engine.piece_counts().dead_pages, 0u);
+  EXPECT_EQ(f.gpu.counters().stream_waits, 0u);
+}
+
+TEST(StitchShare, AnIdleStreamsNewerFreesServeBehindAWaitOnAFenceRecordedThen) {
+  Fixture f;
+  f.engine.malloc(2 * kMiB, 0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
+  const DevicePtr x = f.engine.malloc(4 * kMiB, 1);
+  f.engine.free(a);  // fence 1
+  f.gpu.complete_stream(1);
+  f.engine.free(x);  // within the fence interval of the last poll: no fence covers x yet
+  EXPECT_EQ(f.engine.piece_counts().fences, 1u);
+  const std::uint64_t waits = f.gpu.counters().stream_waits;
+  f.engine.malloc(8 * kMiB, 0);
+  // Both of stream 1's handles, x's behind a wait of stream 0 on stream 1's new fence.
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
+  const StitchEngine::PieceCounts counts = f.engine.piece_counts();
+  EXPECT_EQ(counts.borrowed_handles, 2u);
+  EXPECT_EQ(counts.borrow_waits, 1u);
+  EXPECT_EQ(counts.fences, 2u);
+  EXPECT_EQ(f.gpu.counters().stream_waits, waits + 1);
+}
+
+TEST(StitchShare, AStreamWithAFenceInFlightLendsOnlyWhatItsCompletedFencesCover) {
+  Fixture f;
+  f.engine.malloc(2 * kMiB, 0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
+  const DevicePtr x = f.engine.malloc(4 * kMiB, 1);
+  f.gpu.set_time_us(0);
+  f.engine.free(a);  // fence 1, at 0 us
+  f.gpu.complete_stream(1);
+  f.gpu.set_time_us(5000);
+  f.engine.free(x);  // polls: fence 1 completed; records fence 2 over x, pending
+  EXPECT_EQ(f.engine.piece_counts().fences, 2u);
+  f.engine.malloc(8 * kMiB, 0);  // a's handle alone would leave 4 MiB to create: none taken
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 0u);
+  f.engine.malloc(4 * kMiB, 0);  // a's handle covers it
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 1u);
+  EXPECT_EQ(f.engine.piece_counts().borrow_waits, 0u);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(18 * kMiB));
+}
+
+TEST(StitchShare, ACaptureRecordsAndQueriesNoFence) {
+  Fixture f(64 * kMiB);
+  f.engine.malloc(2 * kMiB, 0);
+  f.engine.free(f.engine.malloc(4 * kMiB, 1));
+  const std::size_t fences = f.engine.piece_counts().fences;
+  f.gpu.begin_capture(9);  // every event call throws while a stream captures
+  f.engine.begin_capture();
+  for (StreamId s : {StreamId{0}, StreamId{1}}) {
+    const DevicePtr p = f.engine.malloc(6 * kMiB, s);
+    f.engine.free(p);
+  }
+  f.engine.end_capture();
+  f.gpu.end_capture(9);
+  EXPECT_EQ(f.engine.piece_counts().fences, fences);
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 0u);
+}
+
+// Random work on three streams, with record_stream, completions that come late and the
+// clock moving on: whenever a malloc hands out memory on a handle that another stream's
+// allocations used last, their work (an event the test records, before each free, on every
+// stream that used the allocation) has completed, or the new stream waited for it.
+TEST(StitchShare, NoStreamGetsAHandleWhileAnotherStreamsUseOfItMayStillRun) {
+  Fixture f(96 * kMiB);
+  std::mt19937 rng(37);
+  struct Use {
+    StreamId stream;
+    ccalloc::EventId event;
+  };
+  std::map<ccalloc::PhysicalHandle, std::vector<Use>> used;  // earlier allocations' uses
+  std::map<ccalloc::PhysicalHandle, StreamId> owner;         // the stream that last used it
+  struct Live {
+    DevicePtr ptr;
+    StreamId stream;
+    std::vector<StreamId> uses;
+  };
+  std::vector<Live> live;
+  const std::size_t sizes[] = {128 * 1024, 1 * kMiB, 3 * kMiB, 6 * kMiB, 10 * kMiB, 24 * kMiB};
+  std::int64_t now = 0;
+  int checked = 0;
+  const int ops = static_cast<int>(3000 * ccalloc_test::test_scale());
+  for (int i = 0; i < ops; ++i) {
+    now += static_cast<std::int64_t>(rng() % 3000);
+    f.gpu.set_time_us(now);
+    const unsigned op = rng() % 10;
+    if (op < 5 || live.empty()) {
+      const StreamId s = 1 + rng() % 3;
+      DevicePtr p = 0;
+      try {
+        p = f.engine.malloc(sizes[rng() % std::size(sizes)], s);
+      } catch (const ccalloc::OutOfMemoryError&) {
+        continue;
+      }
+      for (ccalloc::PhysicalHandle h : f.engine.shared_region(p).pages) {
+        auto& uses = used[h];
+        // Within one stream, the rest of a handle serves while part of it waits; a handle
+        // that changed streams was wholly free, and all of its uses must be done.
+        const auto [was, fresh] = owner.try_emplace(h, s);
+        const bool moved = !fresh && was->second != s;
+        was->second = s;
+        for (const Use& u : uses) {
+          if (!moved || u.stream == s) continue;
+          ++checked;
+          EXPECT_TRUE(f.gpu.query_event(u.event) || f.gpu.waited_for(s, u.event))
+              << "op " << i << ": stream " << s << " got handle " << h
+              << " while stream " << u.stream << "'s use may still run";
+        }
+        std::erase_if(uses, [&](const Use& u) { return f.gpu.query_event(u.event); });
+      }
+      live.push_back(Live{p, s, {}});
+    } else if (op < 9) {
+      const std::size_t k = rng() % live.size();
+      Live l = live[k];
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      if (rng() % 4 == 0) {
+        const StreamId other = 1 + (l.stream + rng() % 2) % 3;
+        f.engine.record_stream(l.ptr, other);
+        l.uses.push_back(other);
+      }
+      l.uses.push_back(l.stream);
+      const auto handles = f.engine.shared_region(l.ptr).pages;
+      for (StreamId u : l.uses) {  // before the free: the engine's events come after these
+        const ccalloc::EventId e = f.gpu.create_event();
+        f.gpu.record_event(e, u);
+        for (ccalloc::PhysicalHandle h : handles)
+          used[h].push_back(Use{u, e});
+      }
+      f.engine.free(l.ptr);
+    } else {
+      f.gpu.complete_stream(1 + rng() % 3);
+    }
+  }
+  const StitchEngine::PieceCounts counts = f.engine.piece_counts();
+  EXPECT_GT(counts.borrowed_handles, 0u);
+  EXPECT_GT(counts.borrow_waits, 0u);
+  EXPECT_GT(checked, 0);
+}
+
+}  // namespace
