@@ -67,6 +67,48 @@ TEST(SimDriver, RejectsBaseAddressZeroBecauseZeroMeansOom) {
   EXPECT_THROW(SimDriver{o}, DriverError);
 }
 
+// A GPU behind the host: events on the lagged streams complete, in order, once the clock
+// has passed their recording by the lag; other streams' only when the caller completes them.
+TEST(SimDriver, EventsOnLaggedStreamsCompleteTheLagAfterTheirRecording) {
+  sim::Options o;
+  o.gpu_lag_us = 1000;
+  o.lagged_streams_end = 100;
+  sim::SimDriver gpu(o);
+  const EventId first = gpu.create_event();
+  const EventId second = gpu.create_event();
+  const EventId other = gpu.create_event();
+  gpu.set_time_us(500);
+  gpu.record_event(first, 1);
+  gpu.set_time_us(800);
+  gpu.record_event(second, 1);
+  gpu.record_event(other, 200);
+  gpu.set_time_us(1499);
+  EXPECT_FALSE(gpu.query_event(first));
+  gpu.set_time_us(1500);
+  EXPECT_TRUE(gpu.query_event(first));
+  EXPECT_FALSE(gpu.query_event(second));
+  gpu.set_time_us(1800);
+  EXPECT_TRUE(gpu.query_event(second));
+  gpu.set_time_us(100000);
+  EXPECT_FALSE(gpu.query_event(other));
+  gpu.complete_stream(200);
+  EXPECT_TRUE(gpu.query_event(other));
+}
+
+TEST(SimDriver, WaitedForFollowsStreamWaits) {
+  sim::SimDriver gpu;
+  const EventId e = gpu.create_event();
+  const EventId later = gpu.create_event();
+  gpu.record_event(e, 1);
+  EXPECT_FALSE(gpu.waited_for(2, e));
+  EXPECT_TRUE(gpu.waited_for(1, e));  // its own stream is ordered
+  gpu.record_event(later, 1);
+  gpu.stream_wait_event(2, later);  // a later position covers e too
+  EXPECT_TRUE(gpu.waited_for(2, e));
+  gpu.record_event(e, 1);  // re-recorded past what stream 2 waited for
+  EXPECT_FALSE(gpu.waited_for(2, e));
+}
+
 TEST(SimDriver, VirtualClockStartsAtZeroAndFollowsSetTime) {
   SimDriver d;
   EXPECT_EQ(d.now_us(), 0);
