@@ -74,8 +74,7 @@ const std::map<std::string, Gap>& known_gaps() {
       {"fsdp2_lm_avoid_rs.rank0",
        {true, false, false,
         "1.1656 x the floor, as fsdp2_lm.rank0 (FSDP2 calls no record_stream either way)"}},
-      {"fsdp2_lm_avoid_rs.rank1",
-       {true, false, false, "1.1578 x the floor, as fsdp2_lm.rank1"}},
+      {"fsdp2_lm_avoid_rs.rank1", {true, false, false, "1.1578 x the floor, as fsdp2_lm.rank1"}},
       {"gpt2_sidestreams",
        {true, false, true,
         "1.0756 x the floor, as expandable segments, at its observed lag of 126 ms: the "

@@ -192,8 +192,8 @@ TEST(StitchShare, NoStreamGetsAHandleWhileAnotherStreamsUseOfItMayStillRun) {
           if (!moved || u.stream == s) continue;
           ++checked;
           EXPECT_TRUE(f.gpu.query_event(u.event) || f.gpu.waited_for(s, u.event))
-              << "op " << i << ": stream " << s << " got handle " << h
-              << " while stream " << u.stream << "'s use may still run";
+              << "op " << i << ": stream " << s << " got handle " << h << " while stream "
+              << u.stream << "'s use may still run";
         }
         std::erase_if(uses, [&](const Use& u) { return f.gpu.query_event(u.event); });
       }

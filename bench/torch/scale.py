@@ -10,7 +10,9 @@ allocator, PyTorch with expandable_segments:True and ccalloc's default preset.
 Every run is a fresh process (torchrun with one process per GPU for the distributed
 cases). Round k runs the allocators in the given order when k is even and in the reverse
 order when k is odd (A B C, C B A, A B C, ...), so that drift of the machine reaches every
-allocator alike; all processes are pinned to the same CPUs. For each case and allocator
+allocator alike; all processes are pinned to the same CPUs. With --gated, a round of a
+single-GPU case runs the allocators' processes side by side instead, taking turns step by
+step in alternating order (A B C on one step, C B A on the next). For each case and allocator
 the table gives:
   - peak reserved and peak requested bytes, per rank (the largest rank's) and their ratio;
   - the step time: the median over rounds of each round's median step (the slowest rank's
@@ -19,7 +21,8 @@ the table gives:
     round median), with the smallest and largest round ratio (the spread);
   - driver calls per step after the warm-up (PyTorch: cudaMalloc + cudaFree, or maps +
     unmaps of expandable segments; ccalloc: every creation, map, access grant, unmap and
-    release, and the time spent in them), the largest rank's;
+    release, and the time spent in them), the largest rank's; for ccalloc, its sharing
+    between streams over the whole run (fences, handles taken, waits);
   - whether the outputs (losses, token hashes) equal native's, rank by rank.
 With --record DIR each case first runs once on --record-on (native) with its allocation
 history recorded (not timed): DIR/CASE.pickle.gz, or DIR/CASE.rankR.pickle.gz per rank, and
@@ -53,8 +56,13 @@ ALLOCATORS = {
     "expandable": ("pytorch", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     "ccalloc": ("ccalloc", {"CCALLOC_CONF": "ccalloc"}),
 }
-# Keys of a driver-call probe that are counts (the rest, *_ns, are times).
-TIME_SUFFIX = "_ns"
+# A driver-call probe's keys (probes.py): memory calls counted, the time in them, and the
+# stitching policy's sharing between streams (cumulative, reported for the whole run).
+CALL_KEYS = ("device_alloc", "device_free", "malloc", "free", "create", "release", "map",
+             "set_access", "unmap")
+TIME_KEY = "call_ns"
+SHARING_KEYS = ("fences", "borrowed_handles", "borrowed_pieces", "borrow_waits",
+                "fence_latency_us")
 
 
 def parse_cpus(text):
@@ -119,6 +127,58 @@ def run(name, allocator, gpus, cpus, timeout, record_dir=None):
     return {"error": f"exit {proc.returncode}", "tail": (text[-2000:] + proc.stderr[-4000:])}
 
 
+def run_gated(name, allocators, cpus, timeout, flip):
+    """One process per allocator of a single-GPU case, all up at once, taking turns step by
+    step (run_one.py --gated): each step runs on every allocator back to back, in the given
+    order on even steps and the reverse on odd ones (reversed again by `flip`), and no
+    process works while another's step is timed. Returns {allocator: result}."""
+    case = CASES[name]
+    workers = {}
+    results = {}
+    try:
+        for a in allocators:
+            cmd = command(name, a, 1) + ["--gated"]
+            workers[a] = subprocess.Popen(
+                cmd, env=environment(a, case), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True, bufsize=1,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+
+        def advance(a):
+            for line in workers[a].stdout:
+                if line.startswith("WAIT "):
+                    return "WAIT"
+                if line.startswith("RESULT "):
+                    results[a] = {"ranks": [dict(json.loads(line[len("RESULT "):]), rank=0)]}
+                    return "RESULT"
+            results[a] = {"error": f"exit {workers[a].wait()} before its result"}
+            return "END"
+
+        state = {a: advance(a) for a in allocators}
+        order = list(reversed(allocators)) if flip else list(allocators)
+        while all(v == "WAIT" for v in state.values()):
+            for a in order:
+                workers[a].stdin.write("go\n")
+                workers[a].stdin.flush()
+                line = workers[a].stdout.readline()
+                if not line.startswith("DONE "):
+                    results[a] = {"error": f"expected DONE, read {line[:200]!r}"}
+                    return results
+                state[a] = advance(a)
+            order.reverse()
+        for a in allocators:
+            results.setdefault(a, {"error": f"stopped with the others at {state}"})
+        return results
+    finally:
+        for proc in workers.values():
+            if proc.poll() is None:
+                try:
+                    proc.stdin.close()
+                    proc.wait(timeout=timeout)
+                except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                    proc.kill()
+                    proc.wait()
+
+
 def steps_of(result, warmup):
     """Per timed step, the slowest rank's time; per rank, calls per step after the warm-up."""
     ranks = result["ranks"]
@@ -131,7 +191,7 @@ def steps_of(result, warmup):
             continue
         first, last = probes[warmup - 1], probes[-1]
         steps = len(probes) - warmup
-        calls.append({k: (last[k] - first[k]) / steps for k in last})
+        calls.append({k: (last[k] - first[k]) / steps for k in last if k not in SHARING_KEYS})
     return times, calls
 
 
@@ -155,7 +215,9 @@ def summarize(name, runs, allocators):
             for k, v in c.items():
                 per_step[k] = max(per_step.get(k, 0.0), v)
         same_memory = all(max(x["peak_reserved_bytes"] for x in r["ranks"]) == reserved for r in ok)
-        row = {"rounds": len(ok), "peak_reserved_bytes": reserved,
+        sharing = [{k: (r.get("step_probes") or [{}])[-1].get(k) for k in SHARING_KEYS}
+                   for r in first]
+        row = {"rounds": len(ok), "peak_reserved_bytes": reserved, "sharing": sharing,
                "peak_requested_bytes": requested,
                "per_rank_reserved": [r["peak_reserved_bytes"] for r in first],
                "per_rank_requested": [r.get("peak_requested_bytes", 0) for r in first],
@@ -194,8 +256,8 @@ def table(summary, allocators):
                 lines.append(f"{name:15s} {a:11s} FAILED: {r['error']}")
                 continue
             calls = r["driver_calls_per_step"]
-            count = sum(v for k, v in calls.items() if not k.endswith(TIME_SUFFIX))
-            us = sum(v for k, v in calls.items() if k.endswith(TIME_SUFFIX)) / 1e3
+            count = sum(v for k, v in calls.items() if k in CALL_KEYS)
+            us = calls.get(TIME_KEY, 0.0) / 1e3
             vs = ""
             if "ratio_vs_first" in r:
                 lo, hi = r["ratio_spread"]
@@ -207,6 +269,15 @@ def table(summary, allocators):
                 f"{(r['reserved_over_requested'] or 0):6.3f} {r['median_step_s'] * 1e3:9.2f} "
                 f"{vs:>22s} {count:11.2f} {us:8.1f} "
                 f"{'' if same is None else ('equal' if same else 'DIFFER')}")
+    for name, rows in summary.items():
+        for a in allocators:
+            r = rows.get(a) or {}
+            for rank, sh in enumerate(r.get("sharing") or []):
+                if sh.get("fences") is not None:
+                    lines.append(f"  {name} {a} rank {rank}: {sh['fences']} fences (recent latency "
+                                 f"{sh['fence_latency_us']} us), {sh['borrowed_handles']} handles "
+                                 f"({sh['borrowed_pieces']} pieces) taken from other streams, "
+                                 f"{sh['borrow_waits']} behind a wait")
     return "\n".join(lines)
 
 
@@ -221,9 +292,17 @@ def main():
     parser.add_argument("--record", metavar="DIR", help="first record each case once")
     parser.add_argument("--record-on", default="native", choices=list(ALLOCATORS),
                         help="the allocator of the recordings (default: native)")
+    parser.add_argument("--gated", action="store_true",
+                        help="single-GPU cases: each round runs the allocators' processes side "
+                             "by side, taking turns step by step (their memory is on the GPU at "
+                             "once)")
+    parser.add_argument("--steps", type=int, help="timed steps of every case (default: its own)")
     parser.add_argument("--json")
     args = parser.parse_args()
     cases = args.cases.split(",")
+    if args.steps:
+        for name in cases:
+            CASES[name]["steps"] = args.steps
     allocators = args.allocators.split(",")
     cpus = parse_cpus(args.cpus) if args.cpus else None
     report = {"cases": {}, "recorded": {}}
@@ -247,6 +326,21 @@ def main():
     for name in cases:
         runs = {a: [] for a in allocators}
         for k in range(args.rounds):
+            if args.gated and CASES[name]["kind"] == "one":
+                pair = run_gated(name, allocators, cpus, args.timeout, flip=k % 2 == 1)
+                for a in allocators:
+                    r = pair[a]
+                    runs[a].append(r)
+                    if "error" in r:
+                        print(f"{name} {a} round {k}: {r['error']}", flush=True)
+                    else:
+                        t, _ = steps_of(r, WARMUP[CASES[name]["workload"]])
+                        print(f"{name} {a} round {k} (gated): median step "
+                              f"{statistics.median(t) * 1e3:.2f} ms, reserved "
+                              f"{r['ranks'][0]['peak_reserved_bytes']:,}", flush=True)
+                report["cases"].setdefault(name, {})["runs"] = runs
+                save()
+                continue
             for a in (allocators if k % 2 == 0 else list(reversed(allocators))):
                 r = run(name, a, args.gpus, cpus, args.timeout)
                 runs[a].append(r)

@@ -47,6 +47,8 @@
 #include "ccalloc/snapshot.hpp"
 #include "ccalloc/stats.hpp"
 #include "ccalloc/trace.hpp"
+#include "core/backend_access.hpp"
+#include "core/stitch_backend.hpp"
 #include "pool_bridge.hpp"
 
 namespace {
@@ -1246,6 +1248,43 @@ __attribute__((visibility("default"))) int ccalloc_torch_native_install(char* er
 // 1 when ccalloc is the allocator torch.cuda uses, else 0.
 __attribute__((visibility("default"))) int ccalloc_torch_native_installed(void) {
   return g_allocator != nullptr && c10a::allocator.load() == g_allocator ? 1 : 0;
+}
+
+// What bench/torch/scale.py reads after every step: the device's memory calls since its
+// allocator was made (cudaMalloc, cudaFree, cuMemCreate, cuMemRelease, cuMemMap,
+// cuMemSetAccess, cuMemUnmap, nanoseconds in all of them), then the stitching policy's
+// sharing between streams (fences recorded, handles and pieces one stream took from
+// another, growths that waited on the device for a fence, the fences' recent average
+// latency in microseconds; zeros under another policy). Fills at most `n` values of `out`
+// and returns how many it has (13), or -1 with the reason in `error` (device -1: current).
+__attribute__((visibility("default"))) int ccalloc_torch_memory_calls(int device,
+                                                                      std::uint64_t* out, size_t n,
+                                                                      char* error,
+                                                                      size_t capacity) {
+  try {
+    ccalloc::Allocator& a = ccalloc::torch_bridge::native_allocator(device);
+    std::vector<std::uint64_t> v(13, 0);
+    if (const auto* cuda = dynamic_cast<const ccalloc::cuda::CudaDriver*>(&a.driver())) {
+      const auto c = cuda->memory_calls();
+      v = {c.malloc, c.free, c.create, c.release, c.map, c.set_access, c.unmap, c.ns,
+           0,        0,      0,        0,         0};
+    }
+    if (const auto* stitch = dynamic_cast<const ccalloc::core::StitchBackend*>(
+            &ccalloc::core::BackendAccess::of(a))) {
+      const auto p = stitch->stitch_engine().piece_counts();
+      v[8] = p.fences;
+      v[9] = p.borrowed_handles;
+      v[10] = p.borrowed_pieces;
+      v[11] = p.borrow_waits;
+      v[12] = static_cast<std::uint64_t>(p.fence_latency_us);
+    }
+    for (size_t i = 0; i < n && i < v.size(); ++i)
+      out[i] = v[i];
+    return static_cast<int>(v.size());
+  } catch (const std::exception& e) {
+    copy_error(e.what(), error, capacity);
+  }
+  return -1;
 }
 
 }  // extern "C"

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -110,7 +111,23 @@ class CudaDriver final : public Driver {
   void copy_to_device(DevicePtr dst, const void* src, std::size_t bytes) override;
   std::string name() const override { return name_; }
 
+  // The calls that obtain, map and give back device memory since the driver was made, and
+  // the wall time spent in them: what a benchmark reports per step (bench/torch/scale.py).
+  struct MemoryCalls {
+    std::uint64_t malloc = 0;      // cudaMalloc
+    std::uint64_t free = 0;        // cudaFree
+    std::uint64_t create = 0;      // cuMemCreate
+    std::uint64_t release = 0;     // cuMemRelease
+    std::uint64_t map = 0;         // cuMemMap
+    std::uint64_t set_access = 0;  // cuMemSetAccess
+    std::uint64_t unmap = 0;       // cuMemUnmap
+    std::uint64_t ns = 0;          // in all of them
+  };
+  MemoryCalls memory_calls() const;
+
  private:
+  // One memory call of `count`'s kind, timed into ns_ while it lives.
+  class Counted;
   void* default_pool();  // the configured cudaMemPool_t
 
   int device_;
@@ -123,6 +140,8 @@ class CudaDriver final : public Driver {
   // Descriptors exported per physical allocation, closed when it is released.
   std::mutex fds_mutex_;
   std::unordered_map<PhysicalHandle, int> exported_fds_;
+  std::atomic<std::uint64_t> malloc_calls_{0}, free_calls_{0}, create_calls_{0}, release_calls_{0},
+      map_calls_{0}, set_access_calls_{0}, unmap_calls_{0}, call_ns_{0};
 };
 
 }  // namespace ccalloc::cuda

@@ -534,7 +534,8 @@ void StitchEngine::free_block(Arena& arena, Block* b) {
   record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
   b->kind = Block::Kind::kFree;
   b->stack = {};
-  if (sharing_.load(std::memory_order_relaxed)) [[unlikely]] note_free(arena, *b);
+  if (sharing_.load(std::memory_order_relaxed)) [[unlikely]]
+    note_free(arena, *b);
   pool_free(arena, b);
 }
 

@@ -353,7 +353,7 @@ class StitchEngine final : public Backend {
     bool unfenced GUARDED_BY(mutex) = false;  // a page stamped `epoch`: no fence covers it
     // The last refresh_fences by a free (none yet: far in the past).
     std::int64_t fences_polled_us GUARDED_BY(mutex) = std::numeric_limits<std::int64_t>::min() / 2;
-    std::deque<Fence> fences GUARDED_BY(mutex);           // in flight, oldest first
+    std::deque<Fence> fences GUARDED_BY(mutex);  // in flight, oldest first
     std::int64_t fences_queried_us GUARDED_BY(mutex) = std::numeric_limits<std::int64_t>::min() / 2;
   };
   enum class Grow { kDone, kOutOfMemory, kNeedsGc };

@@ -85,8 +85,8 @@ void StitchEngine::complete_fences(Arena& arena) {
   // A fence found complete soon after a query found it pending completed about now: its
   // age is a sample of how far the GPU runs behind (a fence first queried long after it
   // completed says nothing).
-  const bool bracketed = now >= arena.fences_queried_us &&
-                         now - arena.fences_queried_us <= kLatencyBracketUs;
+  const bool bracketed =
+      now >= arena.fences_queried_us && now - arena.fences_queried_us <= kLatencyBracketUs;
   arena.fences_queried_us = now;
   // A stream completes its work in order: the oldest fences first.
   while (!arena.fences.empty() && driver_.query_event(arena.fences.front().event)) {
@@ -197,7 +197,8 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
   const bool quick = fence_latency_samples_.load(std::memory_order_relaxed) >= kLatencySamples &&
                      fence_latency_us_.load(std::memory_order_relaxed) <= kQuickFenceUs;
   std::size_t taken = take(quick ? SIZE_MAX : would_create, lacking);
-  if (taken < lacking) taken = quick && lacking > least ? take(lacking - least, lacking - least) : take(0, 0);
+  if (taken < lacking)
+    taken = quick && lacking > least ? take(lacking - least, lacking - least) : take(0, 0);
   // Pages freed since their stream's last fence: this stream waits for a fence recorded now.
   std::vector<Arena*> waited;
   for (std::size_t i = first; i < out.size(); ++i) {

@@ -227,7 +227,7 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
       lag.add(r.entry);
     }
   }
-  options.gpu_lag_us = gpu_lag_us >= 0 ? gpu_lag_us
+  options.gpu_lag_us = gpu_lag_us >= 0    ? gpu_lag_us
                        : lag.lag_us() > 0 ? lag.lag_us()
                                           : ccalloc::replay::kDefaultGpuLagUs;
   Recorded recorded;

@@ -188,6 +188,31 @@ def stats(device=None):
     return json.loads(buf.value.decode())
 
 
+_MEMORY_CALLS = ("malloc", "free", "create", "release", "map", "set_access", "unmap", "call_ns",
+                 "fences", "borrowed_handles", "borrowed_pieces", "borrow_waits",
+                 "fence_latency_us")
+
+
+def driver_calls(device=None):
+    """The device's memory calls since its allocator was made (cudaMalloc, cudaFree,
+    cuMemCreate, cuMemRelease, cuMemMap, cuMemSetAccess, cuMemUnmap, and the nanoseconds
+    spent in them: call_ns), and the stitching policy's sharing between streams (fences,
+    borrowed_handles, borrowed_pieces, borrow_waits, fence_latency_us), as a dict. Needs
+    ccalloc installed natively."""
+    lib = _native_lib
+    if lib is None or not _native():
+        raise RuntimeError("ccalloc_torch.driver_calls needs ccalloc installed natively")
+    out = (ctypes.c_uint64 * len(_MEMORY_CALLS))()
+    error = ctypes.create_string_buffer(1024)
+    fn = lib.ccalloc_torch_memory_calls
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+                   ctypes.c_char_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    if fn(_device(device), out, len(out), error, len(error)) < 0:
+        raise RuntimeError("ccalloc_torch.driver_calls: " + error.value.decode(errors="replace"))
+    return dict(zip(_MEMORY_CALLS, (int(x) for x in out)))
+
+
 def memory_summary(device=None, abbreviated=False):
     if _native():
         import torch

@@ -310,9 +310,45 @@ CudaDriver::~CudaDriver() {
     close(fd);
 }
 
+class CudaDriver::Counted {
+ public:
+  // Counts one call of each kind named (cuMemMap and cuMemSetAccess go together).
+  Counted(std::atomic<std::uint64_t>& ns, std::initializer_list<std::atomic<std::uint64_t>*> kinds)
+      : ns_(ns), start_(std::chrono::steady_clock::now()) {
+    for (std::atomic<std::uint64_t>* k : kinds)
+      k->fetch_add(1, std::memory_order_relaxed);
+  }
+  ~Counted() {
+    const auto d = std::chrono::steady_clock::now() - start_;
+    ns_.fetch_add(
+        static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()),
+        std::memory_order_relaxed);
+  }
+  Counted(const Counted&) = delete;
+  Counted& operator=(const Counted&) = delete;
+
+ private:
+  std::atomic<std::uint64_t>& ns_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+CudaDriver::MemoryCalls CudaDriver::memory_calls() const {
+  MemoryCalls c;
+  c.malloc = malloc_calls_.load(std::memory_order_relaxed);
+  c.free = free_calls_.load(std::memory_order_relaxed);
+  c.create = create_calls_.load(std::memory_order_relaxed);
+  c.release = release_calls_.load(std::memory_order_relaxed);
+  c.map = map_calls_.load(std::memory_order_relaxed);
+  c.set_access = set_access_calls_.load(std::memory_order_relaxed);
+  c.unmap = unmap_calls_.load(std::memory_order_relaxed);
+  c.ns = call_ns_.load(std::memory_order_relaxed);
+  return c;
+}
+
 DevicePtr CudaDriver::allocate(std::size_t bytes) {
   DeviceGuard guard(device_);
   const RelaxedCaptureMode relaxed;
+  const Counted counted(call_ns_, {&malloc_calls_});
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
@@ -325,6 +361,7 @@ DevicePtr CudaDriver::allocate(std::size_t bytes) {
 
 void CudaDriver::free(DevicePtr ptr, std::size_t /*bytes*/) {
   DeviceGuard guard(device_);
+  const Counted counted(call_ns_, {&free_calls_});
   check(cudaFree(reinterpret_cast<void*>(ptr)), "cudaFree", device_);
 }
 
@@ -456,7 +493,10 @@ PhysicalHandle CudaDriver::create_physical(std::size_t bytes) {
   prop.requestedHandleTypes = static_cast<CUmemAllocationHandleType>(
       requested_handle_types(exportable_kinds_.load(std::memory_order_relaxed), device_));
   CUmemGenericAllocationHandle handle = 0;
-  const CUresult r = api.create(&handle, bytes, &prop, 0);
+  const CUresult r = [&] {
+    const Counted counted(call_ns_, {&create_calls_});
+    return api.create(&handle, bytes, &prop, 0);
+  }();
   if (r == CUDA_ERROR_OUT_OF_MEMORY) {
     (void)cudaGetLastError();  // OOM is a value: leave no error behind
     return 0;
@@ -477,6 +517,7 @@ void CudaDriver::release_physical(PhysicalHandle handle, std::size_t bytes) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
   const RelaxedCaptureMode relaxed;
+  const Counted counted(call_ns_, {&release_calls_});
   cu_check(api, api.release(static_cast<CUmemGenericAllocationHandle>(handle)),
            "cuMemRelease(handle of " + std::to_string(bytes) + " bytes)", device_);
 }
@@ -486,6 +527,7 @@ void CudaDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
   DeviceGuard guard(device_, /*bind_context=*/true);
   const RelaxedCaptureMode relaxed;
   const auto ptr = static_cast<CUdeviceptr>(va);
+  const Counted counted(call_ns_, {&map_calls_, &set_access_calls_});
   cu_check(api, api.map(ptr, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0),
            "cuMemMap(" + range_args(va, bytes) + ")", device_);
   CUmemAccessDesc access{};
@@ -504,6 +546,7 @@ void CudaDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handl
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
   const auto ptr = static_cast<CUdeviceptr>(va);
+  const Counted counted(call_ns_, {&map_calls_, &set_access_calls_});
   cu_check(api, api.map(ptr, bytes, offset, static_cast<CUmemGenericAllocationHandle>(handle), 0),
            "cuMemMap(" + range_args(va, bytes) + ", offset " + std::to_string(offset) + ")",
            device_);
@@ -521,6 +564,7 @@ void CudaDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handl
 void CudaDriver::unmap(DevicePtr va, std::size_t bytes) {
   const DriverApi& api = driver_api(device_);
   DeviceGuard guard(device_, /*bind_context=*/true);
+  const Counted counted(call_ns_, {&unmap_calls_});
   cu_check(api, api.unmap(static_cast<CUdeviceptr>(va), bytes),
            "cuMemUnmap(" + range_args(va, bytes) + ")", device_);
 }
@@ -768,6 +812,9 @@ RuntimeInfo probe() {
 }
 CudaDriver::CudaDriver(int device) : device_(device), exportable_kinds_(0) {
   unavailable();
+}
+CudaDriver::MemoryCalls CudaDriver::memory_calls() const {
+  return {};
 }
 CudaDriver::~CudaDriver() = default;
 DevicePtr CudaDriver::allocate(std::size_t) {
