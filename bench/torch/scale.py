@@ -47,7 +47,7 @@ CASES = {
             "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}},
     "llama_train": {"kind": "one", "workload": "llama_train_dyn", "steps": 12},
     "gpt2_side": {"kind": "one", "workload": "gpt2_sidestreams", "steps": 20},
-    "serve": {"kind": "one", "workload": "llama_generate", "steps": 24},
+    "serve": {"kind": "one", "workload": "llama_generate", "steps": 12},
 }
 WARMUP = {"fsdp2_lm": 3, "ddp_lm": 3, "llama_train_dyn": 2, "gpt2_sidestreams": 3,
           "llama_generate": 2}
