@@ -129,27 +129,6 @@ TEST(ReplayCrossStream, BlockReturnsOnlyAtTheRecordedFreeCompleted) {
 
 // Without a later malloc the pending block stays pending: it is counted active but not
 // allocated, and nothing was emitted for it.
-// The GPU's lag as a trace shows it: the longest wait between a free_requested and a
-// free_completed that does not follow it directly.
-TEST(ReplayCrossStream, ObservedLagIsTheLongestWaitOfACrossStreamFree) {
-  std::string csv = "action,addr,size,stream,time_us\n";
-  csv += line_of("alloc", kSeg, 1000, 10);
-  csv += line_of("alloc", kSeg + 1024, 1000, 20);
-  csv += line_of("alloc", kSeg + 2048, 1000, 30);
-  csv += line_of("free_requested", kSeg, 1000, 100);         // waits 250 us
-  csv += line_of("free_requested", kSeg + 1024, 1000, 120);  // waits 90 us
-  csv += line_of("free_completed", kSeg + 1024, 1000, 210);
-  csv += line_of("free_completed", kSeg, 1000, 350);
-  csv += line_of("free_requested", kSeg + 2048, 1000, 5000);  // completes at once
-  csv += line_of("free_completed", kSeg + 2048, 1000, 9000);
-  EXPECT_EQ(ccalloc::replay::observed_gpu_lag_us(parse(csv)), 250);
-  std::string none = "action,addr,size,stream,time_us\n";
-  none += line_of("alloc", kSeg, 1000, 10);
-  none += line_of("free_requested", kSeg, 1000, 20);
-  none += line_of("free_completed", kSeg, 1000, 900);
-  EXPECT_EQ(ccalloc::replay::observed_gpu_lag_us(parse(none)), 0);
-}
-
 TEST(ReplayCrossStream, PendingBlockWithoutLaterMallocStaysActive) {
   std::string csv = "action,addr,size,stream,time_us\n";
   csv += line_of("alloc", kSeg, 4096, 1);

@@ -58,25 +58,6 @@ void RecordedCounter::add(const TraceEntry& e) {
   }
 }
 
-void LagCounter::add(const TraceEntry& e) {
-  ++index_;
-  if (e.action == TraceAction::kFreeRequested) {
-    requested_[e.addr] = {e.time_us, index_};
-  } else if (e.action == TraceAction::kFreeCompleted) {
-    const auto it = requested_.find(e.addr);
-    if (it == requested_.end()) return;
-    if (it->second.second + 1 != index_) lag_ = std::max(lag_, e.time_us - it->second.first);
-    requested_.erase(it);
-  }
-}
-
-std::int64_t observed_gpu_lag_us(const std::vector<io::TraceRecord>& trace) {
-  LagCounter counter;
-  for (const io::TraceRecord& rec : trace)
-    counter.add(rec.entry);
-  return counter.lag_us();
-}
-
 Recorded recorded_figures(const std::vector<io::TraceRecord>& trace) {
   RecordedCounter counter;
   for (const io::TraceRecord& rec : trace)
@@ -93,11 +74,6 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
       }
     }
   }
-  Options with_lag = options;
-  if (!with_lag.gpu_lag_us) {
-    const std::int64_t observed = observed_gpu_lag_us(trace);
-    with_lag.gpu_lag_us = observed > 0 ? observed : kDefaultGpuLagUs;
-  }
   std::size_t i = 0;
   return run(
       [&](io::TraceRecord& out) {
@@ -105,7 +81,7 @@ Result run(const std::vector<io::TraceRecord>& trace, const Options& options) {
         out = trace[i++];
         return true;
       },
-      with_lag, std::move(oracle));
+      options, std::move(oracle));
 }
 
 Result run(const TraceSource& source, const Options& options, std::vector<sim::OracleEntry> oracle,

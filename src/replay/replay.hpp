@@ -38,8 +38,7 @@ struct Options {
   // How far the GPU runs behind the trace's clock: an event the allocator records on a
   // stream of the trace completes this long after it was recorded (sim::Options::gpu_lag_us;
   // the replay's side streams, which stand for other streams' uses, complete at the trace's
-  // free_completed rows as before). Unset: kDefaultGpuLagUs, or, run() on a whole trace,
-  // observed_gpu_lag_us() of it where the trace shows one.
+  // free_completed rows as before). Unset: kDefaultGpuLagUs.
   std::optional<std::int64_t> gpu_lag_us;
   sim::CostModel cost;
 };
@@ -77,24 +76,12 @@ struct Recorded {
 
 Recorded recorded_figures(const std::vector<io::TraceRecord>& trace);
 
-// The replay's GPU lag where neither the caller nor the trace gives one.
-inline constexpr std::int64_t kDefaultGpuLagUs = 100'000;
-
-// How far behind its host the recorded run's GPU ran, as the trace shows it: the longest
-// wait between a free_requested and its free_completed among frees that waited for other
-// streams' events (the recording allocator saw the event complete by then). 0 where no
-// free waited.
-class LagCounter {
- public:
-  void add(const TraceEntry& e);
-  std::int64_t lag_us() const { return lag_; }
-
- private:
-  std::unordered_map<DevicePtr, std::pair<std::int64_t, std::uint64_t>> requested_;
-  std::uint64_t index_ = 0;
-  std::int64_t lag_ = 0;
-};
-std::int64_t observed_gpu_lag_us(const std::vector<io::TraceRecord>& trace);
+// The replay's GPU lag where the caller gives none: the middle of the fence latencies that
+// the stitching policy measured on the device (bench/torch/scale.py on two H200s: recent
+// averages of 1.2 and 4.5 ms under FSDP2, 6.7 ms for GPT-2 with side streams). A trace's
+// own cross-stream frees overstate it: their completion is seen only at a later malloc, and
+// they wait for the heaviest kernels (126 ms on the same GPT-2 run).
+inline constexpr std::int64_t kDefaultGpuLagUs = 4'500;
 
 // recorded_figures() one record at a time, for a trace that is streamed.
 class RecordedCounter {

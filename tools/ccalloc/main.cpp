@@ -214,22 +214,18 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
   options.keep_trace = !emit_path.empty();
   options.keep_snapshot = !snapshot_path.empty();
 
-  // A first pass for the oracle's addresses and the GPU's lag, where they are asked for.
+  if (gpu_lag_us >= 0) options.gpu_lag_us = gpu_lag_us;
+
   std::vector<ccalloc::sim::OracleEntry> segments;
-  ccalloc::replay::LagCounter lag;
-  if (oracle || gpu_lag_us < 0) {
+  if (oracle) {
     ccalloc::io::TraceReader reader(trace_path, device, limits);
     ccalloc::io::TraceRecord r;
     while (reader.next(r)) {
-      if (oracle && r.entry.action == ccalloc::TraceAction::kSegmentAlloc) {
+      if (r.entry.action == ccalloc::TraceAction::kSegmentAlloc) {
         segments.push_back({r.entry.addr, r.entry.size});
       }
-      lag.add(r.entry);
     }
   }
-  options.gpu_lag_us = gpu_lag_us >= 0    ? gpu_lag_us
-                       : lag.lag_us() > 0 ? lag.lag_us()
-                                          : ccalloc::replay::kDefaultGpuLagUs;
   Recorded recorded;
   std::uint64_t rows = 0;
   std::vector<Result> results;
@@ -575,8 +571,7 @@ int main(int argc, char** argv) {
   std::int64_t gpu_lag_us = -1;
   replay->add_option("--gpu-lag-us", gpu_lag_us,
                      "How far the simulated GPU runs behind the trace's clock, for the "
-                     "allocator's own events (default: the longest wait of a cross-stream free "
-                     "in the trace, else 100000)");
+                     "allocator's own events (default 4500)");
   std::uint64_t max_entries = 0;
   replay->add_option("--max-entries", max_entries,
                      "Fail on a trace with more entries than this (default: CCALLOC_MAX_ENTRIES "
