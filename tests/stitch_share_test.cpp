@@ -1,5 +1,5 @@
 // Sharing physical memory between streams under the `ccalloc` preset (src/core/stitch_share.cpp,
-// docs/ccalloc-policy.md rule 3.2b): a stream's growth takes the handles of another stream's
+// docs/ccalloc-policy.md rule 9): a stream's growth takes the handles of another stream's
 // free pages once a fence recorded on that stream after their frees has completed, or, where
 // every fence of that stream has completed, behind a device-side wait on a fence recorded
 // then; never while their uses may still run. Exact values on the simulated GPU, whose

@@ -28,6 +28,9 @@
 //   2. lent handles: handles live wholly inside the whole pages of one of the stream's free
 //      blocks, smallest block first (stream order makes their reuse safe without waiting);
 //      their old pages become void;
+//   2b. other streams' handles, likewise, once their uses are done: a fence recorded on
+//      that stream after their frees has completed, or, where all of its fences have, behind
+//      a device-side wait on one recorded then (stitch_share.cpp);
 //   3. new memory of max(lacking pieces, chunk) pieces (chunk: large_segment_size, or 1/64
 //      of the reserved bytes when less once the stream has handed out its large range's
 //      bytes again since the pool last created memory; the small pool creates just what it
@@ -45,6 +48,9 @@
 // releases the cache before creating memory that would pass threshold x limit.
 //
 // Reserved bytes are physical bytes held: pieces x G (address space is not counted).
+//
+// Growth may also take another stream's arena lock, with try_lock only (plan_borrow): it
+// holds its own and the device lock, which that stream may be waiting for.
 //
 // Locking. Each (stream) arena has its own lock (ArenaMutex) over its pools, spaces, blocks,
 // live index, pending events and its share of the block statistics; the device lock

@@ -1,5 +1,5 @@
 // The stitching policy's sharing of physical memory between streams (docs/ccalloc-policy.md,
-// rule 3.2b). Without it a stream's free pages serve only that stream until the OOM ladder
+// rule 9). Without it a stream's free pages serve only that stream until the OOM ladder
 // synchronizes: streams that reach their highs at different times (a training step's
 // compute stream, its collectives' streams, side streams) each keep their own high, and the
 // device holds their sum.
