@@ -9,6 +9,7 @@
 // start at 0x7f0000000000, so each expected address, size and counter below is worked out
 // by hand from the reference; the comments show the arithmetic.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstddef>
@@ -26,6 +27,7 @@
 #include "ccalloc/sim.hpp"
 #include "ccalloc/stats.hpp"
 #include "ccalloc/trace.hpp"
+#include "core/common.hpp"
 
 namespace ccalloc::sim {
 // Readable failure messages for driver counters.
@@ -543,7 +545,49 @@ TEST(OomMessage, FractionRefusalAdvisesTheFraction) {
   EXPECT_TRUE(Contains(m, "60.00 MiB"));   // free
   EXPECT_TRUE(Contains(m, "50.00 MiB"));   // allowed
   EXPECT_TRUE(Contains(m, "per_process_memory_fraction"));
-  EXPECT_FALSE(Contains(m, "expandable_segments:True"));
+  // PyTorch's words always end with its hint; ccalloc's explanation after them does not
+  // suggest expandable segments here.
+  const std::string ours = m.substr(m.find(" The request: "));
+  EXPECT_FALSE(Contains(ours, "expandable_segments:True")) << ours;
+}
+
+// PyTorch's message word for word (tools and PyTorch's own tests match it), with the
+// request for "Tried to allocate" (§7), then ccalloc's explanation.
+TEST(OomMessage, OpensWithPytorchsMessageWordForWord) {
+  Rig rig(MiB(100), "pytorch,per_process_memory_fraction:0.5");  // 50 MiB allowed
+  rig.alloc.malloc(MiB(40));
+  const std::string m = OomMessage(rig, MiB(20));
+  const std::string pytorch =
+      "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 100.00 MiB "
+      "of which 60.00 MiB is free. Including non-PyTorch memory, this process has 40.00 MiB "
+      "memory in use. 50.00 MiB allowed; Of the allocated memory 40.00 MiB is allocated by "
+      "PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but "
+      "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+      "to avoid fragmentation.  See documentation for Memory Management  "
+      "(https://docs.pytorch.org/docs/stable/notes/cuda.html"
+      "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf) The request: 20971520 bytes on "
+      "stream 0";
+  EXPECT_EQ(m.substr(0, pytorch.size()), pytorch) << m;
+}
+
+// Another process on the device is named before this one, as NVML lists them.
+TEST(OomMessage, NamesTheProcessesThatHoldMemoryOnTheDevice) {
+  ccalloc::core::PytorchOomFigures f;
+  f.requested = MiB(3);
+  f.capacity = MiB(100);
+  f.device_free = MiB(1);
+  f.processes = {{4242, MiB(30)}, {static_cast<long>(::getpid()), MiB(69)}};
+  f.allocated = MiB(50);
+  f.private_pools = MiB(4);
+  f.reserved = MiB(60);
+  const std::string m = ccalloc::core::pytorch_oom_text(f);
+  // (1 MiB reads as 1024.00 KiB, as PyTorch's format_size writes it.)
+  EXPECT_TRUE(Contains(m, "of which 1024.00 KiB is free. Process 4242 has 30.00 MiB memory in use. "
+                          "Including non-PyTorch memory, this process has 69.00 MiB memory in "
+                          "use. Of the allocated memory 54.00 MiB is allocated by PyTorch, with "
+                          "4.00 MiB allocated in private pools (e.g., CUDA Graphs), and 6.00 MiB "
+                          "is reserved by PyTorch but unallocated."))
+      << m;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -430,8 +430,8 @@ TEST(SleepWake, ASleepingUseOnOomPoolLendsNothing) {
   // message counts neither the sleeping allocation nor its free blocks as reserved memory.
   const std::string m = message_of<OutOfMemoryError>([&] { f.alloc.malloc(4 * kMiB, 0); });
   EXPECT_NE(m.find("out of memory"), std::string::npos) << m;
-  EXPECT_NE(m.find("Of the 1022.00 MiB reserved by ccalloc, 1022.00 MiB is allocated and 0 bytes "
-                   "is reserved but unallocated"),
+  EXPECT_NE(m.find("Of the allocated memory 1022.00 MiB is allocated by PyTorch, and 0 bytes "
+                   "is reserved by PyTorch but unallocated"),
             std::string::npos)
       << m;
   f.alloc.free(fill);

@@ -69,6 +69,9 @@ class CudaDriver final : public Driver {
   DevicePtr allocate(std::size_t bytes) override;
   void free(DevicePtr ptr, std::size_t bytes) override;
   MemInfo mem_info() override;
+  // From NVML (libnvidia-ml.so.1, loaded on first use): the compute processes on the device
+  // and the memory each uses; empty where NVML is missing or fails.
+  std::vector<ProcessMemory> processes_on_device() override;
   EventId create_event() override;
   void destroy_event(EventId event) override;
   void record_event(EventId event, StreamId stream) override;

@@ -88,6 +88,15 @@ class Driver {
   // Frees memory returned by allocate(). `bytes` is the size that was allocated.
   virtual void free(DevicePtr ptr, std::size_t bytes) = 0;
   virtual MemInfo mem_info() = 0;
+  // The processes that hold memory on the device, with the bytes each holds, as the driver
+  // knows them (NVML on a GPU), this process among them; empty where the driver cannot tell.
+  // Only the out-of-memory message reads it, as PyTorch's does.
+  struct ProcessMemory {
+    long pid = 0;
+    std::size_t bytes = 0;
+    bool operator==(const ProcessMemory&) const = default;
+  };
+  virtual std::vector<ProcessMemory> processes_on_device() { return {}; }
 
   virtual EventId create_event() = 0;
   virtual void destroy_event(EventId event) = 0;

@@ -253,6 +253,8 @@ class SimDriver final : public Driver {
   DevicePtr allocate(std::size_t bytes) override;
   void free(DevicePtr ptr, std::size_t bytes) override;
   MemInfo mem_info() override;
+  // This process alone, holding what the simulated device has in use.
+  std::vector<ProcessMemory> processes_on_device() override;
   EventId create_event() override;
   void destroy_event(EventId event) override;
   void record_event(EventId event, StreamId stream) override;

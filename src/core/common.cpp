@@ -1,5 +1,7 @@
 #include "core/common.hpp"
 
+#include <unistd.h>
+
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -19,11 +21,31 @@ std::string pointer_error(const char* what, DevicePtr ptr, int device) {
   return buf;
 }
 
-std::string oom_opening(std::size_t requested, int device, std::size_t capacity,
-                        std::size_t free_bytes) {
-  return "CUDA out of memory. Tried to allocate " + format_size(requested) + ". GPU " +
-         std::to_string(device) + " has a total capacity of " + format_size(capacity) +
-         " of which " + format_size(free_bytes) + " is free. ";
+std::string pytorch_oom_text(const PytorchOomFigures& f) {
+  std::string m = "CUDA out of memory. Tried to allocate " + format_size(f.requested) + ". GPU " +
+                  std::to_string(f.device) + " has a total capacity of " +
+                  format_size(f.capacity) + " of which " + format_size(f.device_free) +
+                  " is free. ";
+  const long self = static_cast<long>(::getpid());
+  for (const Driver::ProcessMemory& p : f.processes) {
+    m += p.pid == self ? "Including non-PyTorch memory, this process has "
+                       : "Process " + std::to_string(p.pid) + " has ";
+    m += format_size(p.bytes) + " memory in use. ";
+  }
+  if (f.limit) m += format_size(*f.limit) + " allowed; ";
+  const std::size_t held = f.allocated + f.private_pools;
+  m += "Of the allocated memory " + format_size(held) + " is allocated by PyTorch, ";
+  if (f.private_pools > 0) {
+    m += "with " + format_size(f.private_pools) +
+         " allocated in private pools (e.g., CUDA Graphs), ";
+  }
+  m += "and " + format_size(f.reserved > held ? f.reserved - held : 0) +
+       " is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+       "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  "
+       "See documentation for Memory Management  "
+       "(https://docs.pytorch.org/docs/stable/notes/cuda.html"
+       "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)";
+  return m;
 }
 
 std::optional<std::size_t> fraction_limit(double fraction, std::size_t capacity, int device) {

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "ccalloc/config.hpp"
 #include "ccalloc/driver.hpp"
@@ -19,12 +20,27 @@ std::string pointer_error(const char* what, DevicePtr ptr, int device);
 // Throws ConfigError outside [0, 1].
 std::optional<std::size_t> fraction_limit(double fraction, std::size_t capacity, int device);
 
-// The opening of every OutOfMemoryError message of a malloc: PyTorch's first two sentences
-// word for word ("CUDA out of memory. Tried to allocate X. GPU d has a total capacity of T
-// of which F is free. "), which its test suite and tools that read the message match; each
-// engine's details follow. `requested` is the request's size, not the segment's.
-std::string oom_opening(std::size_t requested, int device, std::size_t capacity,
-                        std::size_t free_bytes);
+// What PyTorch's out-of-memory message states, which every OutOfMemoryError of a malloc
+// states first in PyTorch's words (its test suite, and tools that read the message, match
+// them); each engine's explanation follows.
+struct PytorchOomFigures {
+  std::size_t requested = 0;  // the request (PyTorch names the segment it would create)
+  int device = 0;
+  std::size_t capacity = 0;
+  std::size_t device_free = 0;
+  std::vector<Driver::ProcessMemory> processes;  // Driver::processes_on_device()
+  std::optional<std::size_t> limit;              // of a per-process memory fraction
+  std::size_t allocated = 0;      // bytes of live allocations
+  std::size_t private_pools = 0;  // free bytes cached in private pools
+  std::size_t reserved = 0;
+};
+// "CUDA out of memory. Tried to allocate X. GPU d has a total capacity of T of which F is
+// free. [Process p has X memory in use. ...][Including non-PyTorch memory, this process has X
+// memory in use. ][L allowed; ]Of the allocated memory A is allocated by PyTorch, [with P
+// allocated in private pools (e.g., CUDA Graphs), ]and U is reserved by PyTorch but
+// unallocated. If reserved but unallocated memory is large try setting ...", to its
+// documentation link.
+std::string pytorch_oom_text(const PytorchOomFigures& f);
 
 // allocator_settings as a snapshot reports them.
 AllocatorSettings settings_of(const Config& c);

@@ -414,25 +414,33 @@ struct OomFacts {
   std::size_t largest_free_anywhere = 0;
   std::size_t free_other_streams = 0;
   std::size_t free_in_other_pools = 0;  // cached in private pools other than the request's
+  std::size_t free_in_private_pools = 0;  // cached in any private pool
+  std::vector<Driver::ProcessMemory> processes;
   bool expandable = false;
 };
 
 std::string oom_message(const OomFacts& f) {
-  std::string m = oom_opening(f.requested, f.device, f.capacity, f.device_free) +
-                  "The request: " + std::to_string(f.requested) + " bytes on stream " +
-                  std::to_string(f.stream) + ", rounded to " + format_size(f.rounded) +
-                  "; a new segment would take " + format_size(f.segment_size) + " (" +
-                  f.device_name + "). ";
+  PytorchOomFigures p;
+  p.requested = f.requested;
+  p.device = f.device;
+  p.capacity = f.capacity;
+  p.device_free = f.device_free;
+  p.processes = f.processes;
+  p.limit = f.limit;
+  p.allocated = f.allocated;
+  p.private_pools = f.free_in_private_pools;
+  p.reserved = f.reserved;
+  std::string m = pytorch_oom_text(p) + " The request: " + std::to_string(f.requested) +
+                  " bytes on stream " + std::to_string(f.stream) + ", rounded to " +
+                  format_size(f.rounded) + "; a new segment would take " +
+                  format_size(f.segment_size) + " (" + f.device_name + "). ";
   if (f.limit) {
     char buf[128];
     std::snprintf(buf, sizeof buf, "per_process_memory_fraction %.4g allows ", f.fraction);
     m += buf + format_size(*f.limit) + ". ";
   }
   const std::size_t unallocated = f.reserved - f.allocated;
-  m += "Of the " + format_size(f.reserved) + " reserved by ccalloc, " + format_size(f.allocated) +
-       " is allocated and " + format_size(unallocated) +
-       " is reserved but unallocated; the largest free block is " +
-       format_size(f.largest_free_same_stream) + " on this stream";
+  m += "The largest free block is " + format_size(f.largest_free_same_stream) + " on this stream";
   if (f.largest_free_anywhere > f.largest_free_same_stream) {
     m += " (" + format_size(f.largest_free_anywhere) + " on another stream)";
   }
@@ -500,6 +508,7 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
       if (a->pool == arena.pool)
         f.largest_free_anywhere = std::max(f.largest_free_anywhere, largest);
       if (a == &arena && pool->is_small == req.small) f.largest_free_same_stream = largest;
+      if (a->pool != nullptr) f.free_in_private_pools += free_bytes;
       if (a != &arena && a->pool != arena.pool) {
         f.free_in_other_pools += free_bytes;  // never usable by this request
       } else if (a != &arena) {
@@ -515,6 +524,7 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
     f.fraction = fraction_;
   }
   all.reset();
+  f.processes = driver_.processes_on_device();
 
   std::vector<OomObserver> observers;
   {

@@ -1501,6 +1501,7 @@ StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Aren
                                                   std::size_t requested, std::size_t rounded,
                                                   bool small, const Origin& stack) {
   const MemInfo info = driver_.mem_info();
+  const std::vector<Driver::ProcessMemory> processes = driver_.processes_on_device();
   ++stats_.num_ooms;
   record_trace(TraceAction::kOom, info.free_bytes, rounded, arena.stream, stack);
   const Pool& pool = arena.pool(small);
@@ -1510,18 +1511,25 @@ StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Aren
     all.held(*a);
     allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
   }
-  std::string m = oom_opening(requested, device(), info.total_bytes, info.free_bytes) +
-                  "The request: " + std::to_string(requested) + " bytes on stream " +
-                  std::to_string(arena.stream) + ", rounded to " + format_size(rounded) + " (" +
-                  driver_.name() + "). ";
+  PytorchOomFigures p;
+  p.requested = requested;
+  p.device = device();
+  p.capacity = info.total_bytes;
+  p.device_free = info.free_bytes;
+  p.processes = processes;
+  p.limit = limit_;
+  p.allocated = allocated;
+  p.reserved = reserved_;
+  std::string m = pytorch_oom_text(p) + " The request: " + std::to_string(requested) +
+                  " bytes on stream " + std::to_string(arena.stream) + ", rounded to " +
+                  format_size(rounded) + " (" + driver_.name() + "). ";
   if (limit_) {
     char buf[128];
     std::snprintf(buf, sizeof buf, "per_process_memory_fraction %.4g allows ", fraction_);
     m += buf + format_size(*limit_) + ". ";
   }
-  m += "Of the " + format_size(reserved_) + " reserved by ccalloc, " + format_size(allocated) +
-       " is allocated and " + format_size(reserved_ - allocated) +
-       " is reserved but unallocated (in pages shared with live blocks: free pages were "
+  m += "The " + format_size(reserved_ - allocated) +
+       " reserved but unallocated lies in pages shared with live blocks (free pages were "
        "already stitched or returned); the largest free block is " +
        format_size(largest) + " on this stream.";
   if (limit_ && info.free_bytes >= rounded) {

@@ -163,11 +163,15 @@ try:
     got["second_half"] = "allocated"
 except torch.cuda.OutOfMemoryError as e:
     got["second_half"] = "Tried to allocate" in str(e)
+    # Its words, sizes and process ids aside (PyTorch names the segment it would create,
+    # ccalloc the request).
+    message = re.sub(r"[0-9.]+ (bytes|KiB|MiB|GiB)", "N", str(e))
+    words = re.sub(r"Process [0-9]+ has", "Process P has", message)
 del a
 b = torch.empty(size, dtype=torch.int8, device="cuda")
 del b
 torch.cuda.empty_cache()
-emit(got=got, observer_calls=calls)
+emit(got=got, observer_calls=calls, words=words)
 """
 
 
@@ -177,6 +181,11 @@ def test_out_of_memory_messages_types_observers_and_retry(preset):
     pytorch, ccalloc = both(OOM, preset=preset)
     assert pytorch["got"] == {"huge": True, "exabyte": True, "tib_type": True, "usable": True,
                               "second_half": True}
+    # PyTorch's message, word for word, this process's memory and its hint included, opens
+    # ccalloc's; ccalloc's explanation follows.
+    pytorch_words, ccalloc_words = pytorch.pop("words"), ccalloc.pop("words")
+    assert "Including non-PyTorch memory, this process has N memory in use." in pytorch_words
+    assert ccalloc_words.startswith(pytorch_words), (pytorch_words, ccalloc_words)
     assert_same(pytorch, ccalloc, "out-of-memory behaviour")
 
 

@@ -2,6 +2,7 @@
 // time, and libcuda is only opened by the runtime when a device is asked for). The
 // virtual-memory calls are driver API functions that the runtime looks up for us, so
 // libcuda stays a run-time dependency only.
+#include <dlfcn.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -370,6 +371,76 @@ MemInfo CudaDriver::mem_info() {
   MemInfo info;
   check(cudaMemGetInfo(&info.free_bytes, &info.total_bytes), "cudaMemGetInfo", device_);
   return info;
+}
+
+// NVML, loaded on first use (libnvidia-ml.so.1 comes with the driver): the compute processes
+// on a device, for the out-of-memory message. The structure is NVML's nvmlProcessInfo_v2_t,
+// which its _v3 query fills; no NVML header is needed at build time.
+namespace {
+
+struct NvmlProcessInfo {
+  unsigned int pid;
+  unsigned long long used_gpu_memory;
+  unsigned int gpu_instance_id;
+  unsigned int compute_instance_id;
+};
+
+struct Nvml {
+  using Init = int (*)();
+  using HandleByPciBusId = int (*)(const char*, void**);
+  using ComputeProcesses = int (*)(void*, unsigned int*, NvmlProcessInfo*);
+  HandleByPciBusId handle_by_pci_bus_id = nullptr;
+  ComputeProcesses compute_processes = nullptr;
+  bool ok = false;
+};
+
+const Nvml& nvml() {
+  static const Nvml loaded = [] {
+    Nvml n;
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (lib == nullptr) return n;
+    const auto init = reinterpret_cast<Nvml::Init>(dlsym(lib, "nvmlInit_v2"));
+    n.handle_by_pci_bus_id =
+        reinterpret_cast<Nvml::HandleByPciBusId>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    n.compute_processes = reinterpret_cast<Nvml::ComputeProcesses>(
+        dlsym(lib, "nvmlDeviceGetComputeRunningProcesses_v3"));
+    n.ok = init != nullptr && n.handle_by_pci_bus_id != nullptr && n.compute_processes != nullptr &&
+           init() == 0;
+    return n;
+  }();
+  return loaded;
+}
+
+}  // namespace
+
+std::vector<Driver::ProcessMemory> CudaDriver::processes_on_device() {
+  const Nvml& n = nvml();
+  if (!n.ok) return {};
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, device_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {};
+  }
+  void* handle = nullptr;
+  if (n.handle_by_pci_bus_id(bus_id, &handle) != 0) return {};
+  constexpr int kInsufficientSize = 7;  // NVML_ERROR_INSUFFICIENT_SIZE
+  std::vector<NvmlProcessInfo> infos(8);
+  for (int tries = 0; tries < 4; ++tries) {
+    auto count = static_cast<unsigned int>(infos.size());
+    const int r = n.compute_processes(handle, &count, infos.data());
+    if (r == kInsufficientSize) {
+      infos.resize(std::size_t{count} + 8);
+      continue;
+    }
+    if (r != 0) return {};
+    std::vector<ProcessMemory> out;
+    for (unsigned int i = 0; i < count && i < infos.size(); ++i) {
+      out.push_back(ProcessMemory{static_cast<long>(infos[i].pid),
+                                  static_cast<std::size_t>(infos[i].used_gpu_memory)});
+    }
+    return out;
+  }
+  return {};
 }
 
 EventId CudaDriver::create_event() {
@@ -815,6 +886,9 @@ CudaDriver::CudaDriver(int device) : device_(device), exportable_kinds_(0) {
 }
 CudaDriver::MemoryCalls CudaDriver::memory_calls() const {
   return {};
+}
+std::vector<Driver::ProcessMemory> CudaDriver::processes_on_device() {
+  unavailable();
 }
 CudaDriver::~CudaDriver() = default;
 DevicePtr CudaDriver::allocate(std::size_t) {

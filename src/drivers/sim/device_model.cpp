@@ -9,6 +9,8 @@
 //   avoids all three maps);
 //   for every stream, completed <= recorded, and an event (or pool free) recorded on it at
 //   sequence q is complete exactly when q <= completed (work on a stream finishes in order).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -147,6 +149,11 @@ MemInfo SimDriver::mem_info() {
   std::lock_guard lock(mutex_);
   ++counters_.mem_info_calls;
   return MemInfo{options_.capacity - device_used(), options_.capacity};
+}
+
+std::vector<Driver::ProcessMemory> SimDriver::processes_on_device() {
+  std::lock_guard lock(mutex_);
+  return {ProcessMemory{static_cast<long>(::getpid()), device_used()}};
 }
 
 EventId SimDriver::create_event() {
