@@ -33,6 +33,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -492,10 +493,10 @@ class TorchAllocator final : public c10a::CUDAAllocator {
 
   c10a::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     check_device(device);
-    if (ccalloc::Allocator* a = existing(device)) return to_c10(a->stats());
     c10a::DeviceStats out;
+    if (ccalloc::Allocator* a = existing(device)) out = to_c10(a->stats());
     std::lock_guard lock(create_mutex_);
-    out.max_split_size = reported_max_split(config_);
+    out.max_split_size = init_max_split_ ? *init_max_split_ : reported_max_split(config_);
     return out;
   }
 
@@ -541,6 +542,11 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     int expected = device_count_.load();
     while (expected < device_count && !device_count_.compare_exchange_weak(expected, device_count)) {
     }
+    // PyTorch creates every device's allocator here, and memory_stats() reports the
+    // max_split_size of that moment whatever is set later; ccalloc's engines come on first
+    // use, so the value is kept here.
+    std::lock_guard lock(create_mutex_);
+    if (!init_max_split_) init_max_split_ = reported_max_split(config_);
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
@@ -1158,6 +1164,8 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   std::atomic<int> device_count_{0};
   std::mutex create_mutex_;
   ccalloc::Config config_;  // for devices created from now on; guarded by create_mutex_
+  // memory_stats()'s max_split_size: the config's at init(), as PyTorch reports it.
+  std::optional<std::int64_t> init_max_split_;  // guarded by create_mutex_
   // Some config (at start or set live) had expandable_segments:True.
   std::atomic<bool> expandable_seen_{false};
   std::vector<c10a::OutOfMemoryObserver> oom_observers_;  // guarded by create_mutex_

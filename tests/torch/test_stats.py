@@ -199,3 +199,22 @@ emit(expandable=sorted(s["is_expandable"] for s in segments),
     assert_same(pytorch["expandable"], ccalloc["expandable"], "is_expandable of the segments")
     assert_same(pytorch["settings"], ccalloc["settings"], "allocator_settings.expandable_segments")
     assert_same(pytorch["stats"], ccalloc["stats"], "memory_stats() with expandable segments")
+
+
+def test_max_split_size_reports_the_value_the_allocator_was_created_with():
+    # PyTorch creates its device allocators when CUDA initialises and memory_stats() keeps the
+    # max_split_size of that moment; a value set at run time applies (oversize blocks) but is
+    # not reported, before the first allocation or after it.
+    pytorch, ccalloc = both("""
+torch.cuda.init()
+before = torch.cuda.memory_stats().get("max_split_size")
+torch.cuda.memory._set_allocator_settings("max_split_size_mb:40")
+first = torch.cuda.memory_stats().get("max_split_size")
+x = torch.empty(50 << 20, dtype=torch.uint8, device="cuda")
+del x
+y = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")  # may not split the 50 MiB block
+emit(before=before, first=first, after=torch.cuda.memory_stats()["max_split_size"],
+     stats=dict(torch.cuda.memory_stats()))
+""")
+    assert pytorch["before"] == pytorch["first"] == pytorch["after"] == -1, pytorch
+    assert_same(pytorch, ccalloc, "max_split_size and memory_stats() after a run-time change")
