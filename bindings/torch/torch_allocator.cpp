@@ -30,6 +30,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -195,6 +196,30 @@ c10a::DeviceStats to_c10(const ccalloc::DeviceStats& s) {
   out.num_device_free = s.num_device_free;
   out.max_split_size = s.max_split_size;
   return out;
+}
+
+// The backend PyTorch's allocator variable names ("backend:native" or
+// "backend:cudaMallocAsync", in PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF), if any.
+std::optional<std::string> backend_named_by_pytorch() {
+  for (const char* variable : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+    const char* value = std::getenv(variable);
+    if (value == nullptr) continue;
+    std::stringstream in(value);
+    std::string item;
+    std::optional<std::string> named;
+    while (std::getline(in, item, ',')) {
+      const auto colon = item.find(':');
+      if (colon == std::string::npos) continue;
+      const auto trim = [](std::string t) {
+        const auto b = t.find_first_not_of(" \t");
+        const auto e = t.find_last_not_of(" \t");
+        return b == std::string::npos ? std::string() : t.substr(b, e - b + 1);
+      };
+      if (trim(item.substr(0, colon)) == "backend") named = trim(item.substr(colon + 1));
+    }
+    return named;  // the first variable set is the one PyTorch reads
+  }
+  return std::nullopt;
 }
 
 std::int64_t reported_max_split(const ccalloc::Config& c) {
@@ -883,7 +908,11 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     return delta;
   }
 
-  std::string name() override { return "ccalloc"; }
+  // "ccalloc", unless PyTorch's own variable names a backend: PyTorch parses that variable
+  // again at run time (capture, cuDNN, settings changed live) and asserts that the backend
+  // it names is the allocator's name, so ccalloc answers with that name ("native" or
+  // "cudaMallocAsync"; docs/pytorch-behaviour.md, §1.1).
+  std::string name() override { return name_; }
 
   // --- Used by the deleter, the install entry point and the sleep entry points. ---
 
@@ -1162,6 +1191,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
 
   std::atomic<bool> enabled_{true};
   std::atomic<int> device_count_{0};
+  const std::string name_ = backend_named_by_pytorch().value_or("ccalloc");
   std::mutex create_mutex_;
   ccalloc::Config config_;  // for devices created from now on; guarded by create_mutex_
   // memory_stats()'s max_split_size: the config's at init(), as PyTorch reports it.

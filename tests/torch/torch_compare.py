@@ -35,7 +35,12 @@ if ALLOCATOR == "ccalloc":
     assert _how == "native", "ccalloc was installed as " + repr(_how) + ", not natively: build libccalloc_torch.so"
 import torch
 if ALLOCATOR == "ccalloc":
-    assert torch.cuda.get_allocator_backend() == "ccalloc", torch.cuda.get_allocator_backend()
+    # "ccalloc", or the backend PyTorch's own variable names (PyTorch checks the two agree).
+    _conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+    _named = [kv.split(":", 1)[1].strip() for kv in _conf.split(",")
+              if ":" in kv and kv.split(":", 1)[0].strip() == "backend"]
+    assert torch.cuda.get_allocator_backend() == (_named[-1] if _named else "ccalloc"), \
+        torch.cuda.get_allocator_backend()
 _results = {{}}
 def emit(**values):
     _results.update(values)
