@@ -14,7 +14,7 @@
 #include "ccalloc/sim.hpp"
 #include "core/engine.hpp"
 #include "core/format.hpp"
-#include "core/stitch_engine.hpp"
+#include "stitch/engine.hpp"
 
 namespace ccalloc::core {
 
@@ -27,7 +27,7 @@ struct EngineTestAccess {
   }
 };
 
-// The test hook stitch_engine.hpp befriends.
+// The test hook stitch/engine.hpp befriends.
 struct StitchEngineTestAccess {
   // Swaps the places in the pool of the two smallest free blocks of `stream`'s small pool;
   // returns the address of the smallest.

@@ -1,4 +1,4 @@
-// The stitching policy (src/core/stitch_engine.hpp) under concurrency (label "concurrency":
+// The stitching policy (src/stitch/engine.hpp) under concurrency (label "concurrency":
 // run under ThreadSanitizer). Its hot path takes only the stream's arena lock, growth the
 // device lock too, and the GC / OOM ladder / stats / invariant checker every lock.
 //   * Phased threads, each on its own stream: within a phase every counter moves one way,
@@ -24,7 +24,7 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
-#include "core/stitch_engine.hpp"
+#include "stitch/engine.hpp"
 
 namespace ccalloc {
 namespace {

@@ -1,4 +1,4 @@
-// The `ccalloc` preset's policy (src/core/stitch_engine.hpp): physical memory in handles of
+// The `ccalloc` preset's policy (src/stitch/engine.hpp): physical memory in handles of
 // 2 MiB pieces, each handle mapped whole; wholly free handles stitched into the range that
 // needs them, dead pages until empty_cache or the OOM ladder. Exact values on the simulated
 // GPU. Most tests use devices too small for a 20 MiB chunk, so that new memory is exactly
@@ -11,7 +11,7 @@
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
-#include "core/stitch_engine.hpp"
+#include "stitch/engine.hpp"
 #include "io/trace_csv.hpp"
 #include "replay/fit.hpp"
 #include "test_support.hpp"

@@ -1,4 +1,4 @@
-// The stitching policy with private pools beside it (src/core/stitch_backend.hpp), as the
+// The stitching policy with private pools beside it (src/stitch/backend.hpp), as the
 // `ccalloc` preset runs it: captures and MemPool contexts allocate to the native engine's
 // private pools, everything else to the stitched spaces; events wait while a capture is
 // underway; one memory limit covers both engines; use_on_oom pools lend to default requests;

@@ -1,4 +1,4 @@
-// Sharing physical memory between streams under the `ccalloc` preset (src/core/stitch_share.cpp,
+// Sharing physical memory between streams under the `ccalloc` preset (src/stitch/share.cpp,
 // docs/ccalloc-policy.md rule 9): a stream's growth takes the handles of another stream's
 // free pages once a fence recorded on that stream after their frees has completed, or, where
 // every fence of that stream has completed, behind a device-side wait on a fence recorded
@@ -12,7 +12,7 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
-#include "core/stitch_engine.hpp"
+#include "stitch/engine.hpp"
 
 namespace {
 

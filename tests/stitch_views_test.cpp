@@ -1,5 +1,5 @@
 // What snapshots, `ccalloc summary` and the viewer report of the stitching policy's
-// physical memory (src/core/stitch_engine.hpp, include/ccalloc/snapshot.hpp
+// physical memory (src/stitch/engine.hpp, include/ccalloc/snapshot.hpp
 // PhysicalMemory, src/replay/physical_view.hpp): which pieces back each segment, the dead
 // pages and spare pieces, totals equal to the reserved bytes, per-range fragmentation, and
 // the pickle and JSON files carrying all of it. Hand-made scenarios on the simulated GPU,
@@ -17,7 +17,7 @@
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
-#include "core/stitch_engine.hpp"
+#include "stitch/engine.hpp"
 #include "io/snapshot_io.hpp"
 #include "replay/physical_view.hpp"
 #include "replay/replay.hpp"

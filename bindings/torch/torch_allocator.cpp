@@ -50,7 +50,7 @@
 #include "ccalloc/stats.hpp"
 #include "ccalloc/trace.hpp"
 #include "core/backend_access.hpp"
-#include "core/stitch_backend.hpp"
+#include "stitch/backend.hpp"
 #include "pool_bridge.hpp"
 
 namespace {

@@ -47,7 +47,7 @@ struct Config {
   // stitching policy below it applies to the private pools, which that policy leaves to
   // PyTorch's rules (docs/ccalloc-policy.md).
   bool expandable_segments = true;
-  // The `ccalloc` policy (src/core/stitch_backend.hpp): physical memory in pieces of the
+  // The `ccalloc` policy (src/stitch/backend.hpp): physical memory in pieces of the
   // mapping granularity, stitched into the address ranges that need them, for every
   // default pool; private pools beside it. On by default in the `ccalloc` preset
   // (`stitch_segments:False` gives PyTorch's policy on expandable segments). The native

@@ -5,7 +5,7 @@
 #include "core/async_backend.hpp"
 #include "core/engine.hpp"
 #include "core/rounding.hpp"
-#include "core/stitch_backend.hpp"
+#include "stitch/backend.hpp"
 
 namespace ccalloc {
 

@@ -1,5 +1,5 @@
 // The reserved bytes and segment counts of two engines that share one device
-// (core/stitch_backend.hpp), with exact device-wide peaks: each engine reports every change
+// (stitch/backend.hpp), with exact device-wide peaks: each engine reports every change
 // of its reserved-bytes and segment statistics here, under its own device lock, and this
 // ledger keeps the sums and their peaks under a lock of its own (a leaf: taken last, never
 // held while taking another). Both change only when an engine creates, maps, unmaps or

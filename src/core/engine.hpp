@@ -126,7 +126,7 @@ class Engine final : public Backend {
   void check_invariants() const override;
   void set_check_invariants(bool on) override { check_invariants_.store(on); }
 
-  // Beside the stitching policy (core/stitch_backend.hpp), which serves the default pools:
+  // Beside the stitching policy (stitch/backend.hpp), which serves the default pools:
   // the reserved bytes of that engine, counted against this one's memory limit; this
   // engine's reserved bytes, read without its locks; and a use_on_oom pool's free block for
   // a default-pool request the other engine could not serve (its address, or 0).
@@ -237,7 +237,7 @@ class Engine final : public Backend {
   Snapshot snapshot() override;
   // The snapshot, with or without its trace entry; the entry counts `other_active_bytes`
   // beside this engine's active bytes (a backend that runs engines side by side records
-  // one entry for the device: core/stitch_backend.cpp).
+  // one entry for the device: stitch/backend.cpp).
   Snapshot snapshot(bool trace_entry, std::int64_t other_active_bytes);
 
  private:
@@ -471,7 +471,7 @@ class Engine final : public Backend {
   // segment, reserved_bytes, oversize_segments, counters
   DeviceStats device_stats_ GUARDED_BY(device_mutex_);
   PublishedSize reserved_ GUARDED_BY(device_mutex_);  // bytes held from the device
-  PeerReserved peer_reserved_;  // the engine beside this one (stitch_backend.hpp)
+  PeerReserved peer_reserved_;  // the engine beside this one (stitch/backend.hpp)
   bool empty_cache_sync_counted_ = true;       // set_empty_cache_sync_counted_elsewhere()
   DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
   JointSettlement* joint_ = nullptr;            // settled with another engine's arenas, or alone

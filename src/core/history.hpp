@@ -38,7 +38,7 @@ struct HistoryEntry {
 };
 
 // The order in which entries were recorded, over every ring of the process: the two engines
-// of one device (stitch_backend.hpp) merge their histories by it.
+// of one device (stitch/backend.hpp) merge their histories by it.
 inline std::atomic<std::uint64_t> g_history_sequence{0};
 
 // The caller's context callback as the hot path reads it: one atomic load, no lock and no

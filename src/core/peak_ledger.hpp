@@ -1,6 +1,6 @@
 // The baseline ledger: exact device-wide peaks of statistics kept per arena, with no
 // shared write on the hot path. Used by the native engine (arena.hpp) and the stitching
-// policy (stitch_engine.hpp); each keeps, per arena and under the arena's lock, a
+// policy (stitch/engine.hpp); each keeps, per arena and under the arena's lock, a
 // DeviceStats of the arena's blocks, a PeakBaselines of debts and an in-debt flag.
 //
 // Device-wide peaks of the block statistics. The device's current

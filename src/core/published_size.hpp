@@ -1,6 +1,6 @@
 // A byte count kept under its owner's lock that other threads may read without that lock:
 // the reserved bytes of one engine, which the engine beside it on the same device counts
-// against the memory limit (core/stitch_backend.hpp).
+// against the memory limit (stitch/backend.hpp).
 #pragma once
 
 #include <atomic>

@@ -1,5 +1,5 @@
-// The stitching policy with private pools beside it; the routing rules: stitch_backend.hpp.
-#include "core/stitch_backend.hpp"
+// The stitching policy with private pools beside it; the routing rules: stitch/backend.hpp.
+#include "stitch/backend.hpp"
 
 #include <algorithm>
 #include <iterator>

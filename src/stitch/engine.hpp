@@ -30,7 +30,7 @@
 //      their old pages become void;
 //   2b. other streams' handles, likewise, once their uses are done: a fence recorded on
 //      that stream after their frees has completed, or, where all of its fences have, behind
-//      a device-side wait on one recorded then (stitch_share.cpp);
+//      a device-side wait on one recorded then (stitch/share.cpp);
 //   3. new memory of max(lacking pieces, chunk) pieces (chunk: large_segment_size, or 1/64
 //      of the reserved bytes when less once the stream has handed out its large range's
 //      bytes again since the pool last created memory; the small pool creates just what it
@@ -147,7 +147,7 @@ class StitchEngine final : public Backend {
   void record_history(const HistoryOptions& options) override;
   Snapshot snapshot() override;
   // The last steps of malloc's OOM ladder, for a backend that runs another engine beside
-  // this one (core/stitch_backend.cpp): `release_cache` gives that engine's cached memory
+  // this one (stitch/backend.cpp): `release_cache` gives that engine's cached memory
   // back to the device (true if any went back; not called during a capture), then `serve`
   // may hand out a block of its own (0: none). Each is called with no lock of this engine
   // held. Set once, before the engine is used.
@@ -157,7 +157,7 @@ class StitchEngine final : public Backend {
   };
   void set_oom_fallbacks(OomFallbacks fallbacks) { oom_fallbacks_ = std::move(fallbacks); }
   // The snapshot; its trace entry counts `other_active_bytes` beside this engine's active
-  // bytes (the private pools' engine beside it: core/stitch_backend.cpp).
+  // bytes (the private pools' engine beside it: stitch/backend.cpp).
   Snapshot snapshot(std::int64_t other_active_bytes);
   void annotate(std::string_view name, bool start) override;
   void check_invariants() const override;
@@ -176,7 +176,7 @@ class StitchEngine final : public Backend {
   // The handles mapped over the live allocation `ptr`, whole (ipc::RegionKind::kHandles).
   ipc::SharedRegion shared_region(DevicePtr ptr) const override;
 
-  // Beside the private pools (core/stitch_backend.hpp). While a capture (an allocation to a
+  // Beside the private pools (stitch/backend.hpp). While a capture (an allocation to a
   // private pool) is underway, events are neither recorded nor queried: a free with other
   // streams' uses waits in its arena's deferred list, pending, until every capture has
   // ended, and nothing is synchronized, unmapped or released (the OOM ladder skips waiting
@@ -210,7 +210,7 @@ class StitchEngine final : public Backend {
     std::size_t total = 0;
     std::size_t spare = 0;
     std::size_t dead_pages = 0;
-    // Sharing between streams (stitch_share.cpp): fences recorded, and the handles (and
+    // Sharing between streams (stitch/share.cpp): fences recorded, and the handles (and
     // their pieces) that a stream's growth took from another stream's free pages.
     std::size_t fences = 0;
     std::size_t borrow_waits = 0;  // growths that waited on the device for a donor's fence
@@ -300,7 +300,7 @@ class StitchEngine final : public Backend {
     Block* block = nullptr;
   };
   // An event recorded on an arena's stream once pages had been freed there: when it has
-  // completed, the uses of every page stamped at or below `epoch` are done (stitch_share.cpp).
+  // completed, the uses of every page stamped at or below `epoch` are done (stitch/share.cpp).
   struct Fence {
     EventId event = 0;
     std::uint64_t epoch = 0;
@@ -348,7 +348,7 @@ class StitchEngine final : public Backend {
     DevicePtr last_returned_island GUARDED_BY(mutex) = 0;
     std::size_t island_bounces GUARDED_BY(mutex) = 0;
     std::atomic<std::int64_t> pending_events{0};  // pending.size(), read without the lock
-    // Sharing with other streams (stitch_share.cpp), once more than one stream allocates: a
+    // Sharing with other streams (stitch/share.cpp), once more than one stream allocates: a
     // block freed now stamps its pages with `epoch`; a fence recorded on the stream takes
     // the epoch and the next one begins. Once a fence has completed, `safe_epoch` is its
     // epoch: a page stamped at or below it has no use left in flight on any stream (its own
@@ -437,7 +437,7 @@ class StitchEngine final : public Backend {
   // page holds the largest block the large pool has handed out. Returns the small free
   // block holding it, or nullptr where no such page is free.
   Block* take_island(Arena& arena) REQUIRES(arena.mutex);
-  // Sharing between streams (stitch_share.cpp). Stamps the pages of the block `b`, just
+  // Sharing between streams (stitch/share.cpp). Stamps the pages of the block `b`, just
   // freed, with its arena's epoch and keeps fences in flight.
   void note_free(Arena& arena, const Block& b) REQUIRES(arena.mutex);
   // Moves the arena's safe epoch past its completed fences, and records a fence where pages

@@ -21,7 +21,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "core/stitch_engine.hpp"
+#include "stitch/engine.hpp"
 
 namespace ccalloc::core {
 namespace {

@@ -39,7 +39,7 @@
 
 #include "core/backend.hpp"
 #include "core/engine.hpp"
-#include "core/stitch_engine.hpp"
+#include "stitch/engine.hpp"
 #include "core/thread_annotations.hpp"
 
 namespace ccalloc::core {
@@ -100,7 +100,7 @@ class StitchBackend final : public Backend {
   bool pool_asleep(PoolId id) const override;
   PoolSleepInfo pool_sleep_info(PoolId id) const override;
 
-  // The two engines, for tests and the views (stitch_engine.hpp's piece counts).
+  // The two engines, for tests and the views (stitch/engine.hpp's piece counts).
   const StitchEngine& stitch_engine() const { return *stitch_; }
   const Engine& pool_engine() const { return *pools_; }
 

@@ -1,0 +1,199 @@
+// Blocks of the stitching policy: splitting, handing out, freeing into the pools with
+// their merges, and turning free pages void (stitch/engine.hpp).
+#include <algorithm>
+
+#include "core/rounding.hpp"
+#include "stitch/engine.hpp"
+
+namespace ccalloc::core {
+
+// Blocks are recycled by their arena: splits and merges on the hot path do not allocate.
+StitchEngine::Block* StitchEngine::new_block(Arena& arena) {
+  return new (arena.block_nodes.take(sizeof(Block), alignof(Block))) Block();
+}
+
+void StitchEngine::delete_block(Arena& arena, Block* b) {
+  b->~Block();
+  arena.block_nodes.give_back(b, sizeof(Block), alignof(Block));
+}
+
+StitchEngine::Block* StitchEngine::find_free(Arena& arena, bool small, std::size_t size) {
+  Pool& pool = arena.pool(small);
+  const auto it = pool.lower_bound(BySizeThenAddress::Key{size, 0});
+  return it == pool.end() ? nullptr : *it;
+}
+
+// Cuts the first `size` bytes of b into a new block of b's kind, linked before it.
+StitchEngine::Block* StitchEngine::split_off_front(Arena& arena, Block* b, std::size_t size) {
+  Block* f = new_block(arena);
+  f->ptr = b->ptr;
+  f->size = size;
+  f->space = b->space;
+  f->kind = b->kind;
+  f->small = b->small;
+  f->prev = b->prev;
+  f->next = b;
+  if (f->prev != nullptr) {
+    f->prev->next = f;
+  } else {
+    b->space->first = f;
+  }
+  b->prev = f;
+  b->ptr += size;
+  b->size -= size;
+  return f;
+}
+
+// The rest of a split keeps the block's place in the pool when its smaller key still sorts
+// after its predecessor (no tree operation on the usual hit).
+DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t size,
+                                 std::size_t requested, const Origin& stack) {
+  Block* block = *pos;
+  const bool small = block->small;
+  Pool& pool = arena.pool(small);
+  if (block->size - size >= kMinBlockSize) {
+    Block* rest = block;
+    block = split_off_front(arena, rest, size);
+    if (pos != pool.begin() && !BySizeThenAddress{}(*std::prev(pos), rest)) {
+      pool.erase(pos);
+      pool.insert(rest);
+    }
+  } else {
+    pool.erase(pos);
+  }
+  block->kind = Block::Kind::kAllocated;
+  block->requested = requested;
+  if (!small) {
+    arena.large_served += block->size;
+    arena.largest_large = std::max(arena.largest_large, block->size);
+  }
+  block->stack = stack;
+  arena.live.insert(block->ptr, block);
+  DeviceStats& st = arena.stats;
+  PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
+  const auto bytes = static_cast<std::int64_t>(block->size);
+  for_pool_stats(block->space->small, [&](StatType t) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    ledger_increase(st.allocation[t], debt.allocation[t], arena.in_debt, 1);
+    ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], arena.in_debt, bytes);
+    ledger_increase(st.active[t], debt.active[t], arena.in_debt, 1);
+    ledger_increase(st.active_bytes[t], debt.active_bytes[t], arena.in_debt, bytes);
+    ledger_increase(st.requested_bytes[t], debt.requested_bytes[t], arena.in_debt,
+                    static_cast<std::int64_t>(requested));
+  });
+  record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
+  return block->ptr;
+}
+
+// Returns a block with no outstanding uses to its pool, merged with free neighbours.
+void StitchEngine::free_block(Arena& arena, Block* b) {
+  for_pool_stats(b->space->small, [&](StatType t) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    arena.stats.active[t].decrease(1);
+    arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+    arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+  });
+  record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
+  b->kind = Block::Kind::kFree;
+  b->stack = {};
+  if (sharing_.load(std::memory_order_relaxed)) [[unlikely]]
+    note_free(arena, *b);
+  pool_free(arena, b);
+}
+
+StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_island) {
+  Space& s = *b->space;
+  Pool& pool = arena.pool(b->small);
+  const auto joins = [b](const Block* n) {
+    return n != nullptr && n->kind == Block::Kind::kFree && n->small == b->small;
+  };
+  Block* const prev = joins(b->prev) ? b->prev : nullptr;
+  Block* const next = joins(b->next) ? b->next : nullptr;
+  if (prev == nullptr && next == nullptr) {
+    pool.insert(b);
+    return keep_island ? b : end_island_if_free(arena, b);
+  }
+  // The survivor is a neighbour already in the pool; the others are absorbed into it. It
+  // only grew, so it keeps its place unless it now sorts after its successor.
+  Block* const merged = prev != nullptr ? prev : next;
+  const Pool::iterator pos = pool.find(merged);
+  if (prev != nullptr && next != nullptr) pool.erase(next);
+  const DevicePtr start = prev != nullptr ? prev->ptr : b->ptr;
+  Block* const last = next != nullptr ? next : b;
+  Block* const before = prev != nullptr ? prev->prev : b->prev;
+  Block* const after = last->next;
+  merged->size = last->end() - start;
+  merged->ptr = start;
+  merged->requested = b->requested;  // the freed block's, as before the merge
+  merged->prev = before;
+  merged->next = after;
+  if (before != nullptr) {
+    before->next = merged;
+  } else {
+    s.first = merged;
+  }
+  if (after != nullptr) {
+    after->prev = merged;
+  } else {
+    s.last = merged;
+  }
+  delete_block(arena, b);  // absorbed, as is `next` when both neighbours were free
+  if (prev != nullptr && next != nullptr) delete_block(arena, next);
+  if (std::next(pos) != pool.end() && !BySizeThenAddress{}(merged, *std::next(pos))) {
+    pool.erase(pos);
+    pool.insert(merged);
+  }
+  return keep_island ? merged : end_island_if_free(arena, merged);
+}
+
+// Turns the page-aligned [lo, hi), covered by free and void blocks starting with `from`
+// (which contains lo), into one void block; the free parts outside it stay in the pool.
+void StitchEngine::make_void(Arena& arena, Space& s, Block* from, DevicePtr lo, DevicePtr hi) {
+  Block* first_void = nullptr;
+  for (Block* b = from; b != nullptr && b->ptr < hi;) {
+    Block* next = b->next;
+    if (b->kind == Block::Kind::kFree) {
+      Pool& pool = arena.pool(b->small);
+      pool.erase(b);
+      if (b->ptr < lo) pool.insert(split_off_front(arena, b, lo - b->ptr));
+      if (b->end() > hi) {
+        Block* mid = split_off_front(arena, b, hi - b->ptr);
+        pool.insert(b);
+        b = mid;
+      }
+      b->kind = Block::Kind::kVoid;
+      b->small = s.small;
+    }
+    if (first_void == nullptr) first_void = b;
+    b = next;
+  }
+  if (first_void != nullptr) merge_void_around(arena, s, first_void);
+}
+
+void StitchEngine::merge_void_around(Arena& arena, Space& s, Block* b) {
+  while (b->prev != nullptr && b->prev->kind == Block::Kind::kVoid) {
+    Block* p = b->prev;
+    b->ptr = p->ptr;
+    b->size += p->size;
+    b->prev = p->prev;
+    if (b->prev != nullptr) {
+      b->prev->next = b;
+    } else {
+      s.first = b;
+    }
+    delete_block(arena, p);
+  }
+  while (b->next != nullptr && b->next->kind == Block::Kind::kVoid) {
+    Block* n = b->next;
+    b->size += n->size;
+    b->next = n->next;
+    if (b->next != nullptr) {
+      b->next->prev = b;
+    } else {
+      s.last = b;
+    }
+    delete_block(arena, n);
+  }
+}
+
+}  // namespace ccalloc::core
