@@ -1,6 +1,6 @@
-// backend:cudaMallocAsync on the simulated GPU (src/core/async_backend.hpp; PyTorch's
+// backend:cudaMallocAsync on the simulated GPU (src/async/backend.hpp; PyTorch's
 // CUDAMallocAsyncAllocator, docs/pytorch-behaviour.md §2.18).
-#include "core/async_backend.hpp"
+#include "async/backend.hpp"
 #include "core/backend_access.hpp"
 
 #include <gtest/gtest.h>

@@ -1,5 +1,5 @@
 // Device-wide peaks of the block statistics with several streams (the baseline ledger of
-// src/core/arena.hpp): a peak is the maximum over time of the sum over every stream, as
+// src/native/arena.hpp): a peak is the maximum over time of the sum over every stream, as
 // PyTorch's single lock gives it, not the sum of the streams' own peaks. Deterministic
 // sequences with hand-worked values, a randomized comparison against a model that keeps one
 // device-wide current and its maximum, and the other backends (which keep one set of

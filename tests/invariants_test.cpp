@@ -12,7 +12,7 @@
 #include "ccalloc/config.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/sim.hpp"
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "core/format.hpp"
 #include "stitch/engine.hpp"
 

@@ -1,6 +1,6 @@
 // The OOM ladder, free-memory callbacks, the OOM error and its observers, the per-process
 // memory fraction and the age-based garbage collector, against
-// docs/pytorch-behaviour.md §2.5-§2.15 and src/core/oom_ladder.cpp's ladder:
+// docs/pytorch-behaviour.md §2.5-§2.15 and src/native/oom_ladder.cpp's ladder:
 //   free list -> free-memory callbacks -> (GC) -> new segment -> release oversize blocks of
 //   the stream + new segment -> wait for pending frees, release every cached segment + new
 //   segment (a retry) -> free list again (ccalloc's fix of pytorch#189504) -> OOM.

@@ -1,4 +1,4 @@
-// Live reconfiguration (src/core/reconfigure.cpp): the settings PyTorch's
+// Live reconfiguration (src/native/reconfigure.cpp): the settings PyTorch's
 // torch.cuda.memory._set_allocator_settings may change take effect for every later decision,
 // the keys that pick the implementation are refused by name, and the engine stays
 // consistent (the invariant checker runs after every operation) across a toggle of

@@ -2,7 +2,7 @@
 // and sleepable pools are served by the engine's pool API (ccalloc::Allocator::create_pool,
 // create_sleepable_pool and the rest; a backend without pools throws ccalloc::Error naming
 // itself). Live reconfiguration
-// is served by the native engine (src/core/reconfigure.cpp) and the cudaMallocAsync
+// is served by the native engine (src/native/reconfigure.cpp) and the cudaMallocAsync
 // backend; sharing expandable segments is in ipc_bridge.cpp.
 #include "pool_bridge.hpp"
 

@@ -2,8 +2,8 @@
 // trace and observer plumbing.
 #include <algorithm>
 
-#include "core/async_backend.hpp"
-#include "core/engine.hpp"
+#include "async/backend.hpp"
+#include "native/engine.hpp"
 #include "core/rounding.hpp"
 #include "stitch/backend.hpp"
 

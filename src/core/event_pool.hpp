@@ -1,4 +1,4 @@
-// Completed driver events kept for reuse (events.cpp); shared by the native engine and the
+// Completed driver events kept for reuse (event_pool.cpp); shared by the native engine and the
 // stitching policy. Its lock is a leaf: taken under any engine lock, and nothing under it.
 #pragma once
 

@@ -5,7 +5,7 @@
 #include <map>
 #include <unordered_map>
 
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 

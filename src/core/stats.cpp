@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 
 namespace ccalloc {
 namespace {

@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "core/backend.hpp"
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "stitch/engine.hpp"
 #include "core/thread_annotations.hpp"
 

@@ -20,7 +20,7 @@
 //                   virtual and searchable by address.
 //   OOM             for each oom entry: the request against the largest free block, where
 //                   free bytes are stranded, the reason (the logic of ccalloc's OOM message,
-//                   src/core/oom_ladder.cpp) and the replays that test alternative configs.
+//                   src/native/oom_ladder.cpp) and the replays that test alternative configs.
 //   Summary         memory_summary(), peaks, settings.
 //   Pieces          stitching policy only: the physical pieces behind each address range's
 //                   pages at the snapshot, dead and unmapped pages, spare pieces, and each

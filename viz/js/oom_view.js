@@ -90,7 +90,7 @@ class OomView {
     f.capacity = d.meta.capacity || f.reserved + f.deviceFree;
     return f;
   }
-  // The reason and the advice: the branches of oom_message() in src/core/oom_ladder.cpp,
+  // The reason and the advice: the branches of oom_message() in src/native/oom_ladder.cpp,
   // except that "fragmented" is judged on all free memory, cached and on the device: when
   // their sum covers the request, it failed for want of one piece, not of bytes.
   verdict(f) {

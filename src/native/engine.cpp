@@ -8,7 +8,7 @@
 #include <optional>
 #include <utility>
 
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "core/arena_cache.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"

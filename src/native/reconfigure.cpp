@@ -18,7 +18,7 @@
 // (the fixed keys) never race with a reconfiguration.
 #include <string>
 
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {

@@ -1,5 +1,5 @@
 // Sleep and wake of private pools (docs/sleep-wake.md): a sleepable pool takes its segments
-// from a SleepableSegments (core/sleepable.hpp), each an address reservation with one
+// from a SleepableSegments (native/sleepable.hpp), each an address reservation with one
 // physical allocation mapped into it. sleep_pool saves what must be saved and releases the
 // physical memory; the blocks, the live index and the segment map stay as they are, so
 // frees, record_stream and the statistics of live allocations work while the pool sleeps.
@@ -15,7 +15,7 @@
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/errors.hpp"
 #include "ccalloc/stats.hpp"
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 
 namespace ccalloc {
 namespace {

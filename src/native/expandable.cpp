@@ -1,12 +1,12 @@
-#include "core/expandable.hpp"
+#include "native/expandable.hpp"
 
 #include <algorithm>
 #include <cstdio>
 #include <string>
 #include <utility>
 
-#include "core/engine.hpp"
-#include "core/arena.hpp"
+#include "native/engine.hpp"
+#include "native/arena.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {

@@ -1,4 +1,4 @@
-#include "core/sleepable.hpp"
+#include "native/sleepable.hpp"
 
 #include <utility>
 

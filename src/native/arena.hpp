@@ -23,7 +23,7 @@
 #include "ccalloc/stats.hpp"
 #include "core/arena_mutex.hpp"
 #include "core/block.hpp"
-#include "core/expandable.hpp"
+#include "native/expandable.hpp"
 #include "core/peak_ledger.hpp"
 #include "core/ptr_map.hpp"
 #include "core/segment_map.hpp"
@@ -60,7 +60,7 @@ struct CaptureReach {
 };
 
 struct Arena;
-class SleepableSegments;  // core/sleepable.hpp
+class SleepableSegments;  // native/sleepable.hpp
 
 // A private memory pool (CUDA graph capture, torch.cuda.MemPool): an arena per stream of
 // its own. Pools are never destroyed while the engine lives (a pool that is gone is only

@@ -22,7 +22,7 @@
 #include <cstdio>
 #include <optional>
 
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 

@@ -6,7 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "core/common.hpp"
-#include "core/engine.hpp"
+#include "native/engine.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {

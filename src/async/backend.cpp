@@ -1,5 +1,5 @@
-// backend:cudaMallocAsync. Model and invariants: async_backend.hpp.
-#include "core/async_backend.hpp"
+// backend:cudaMallocAsync. Model and invariants: async/backend.hpp.
+#include "async/backend.hpp"
 
 #include <algorithm>
 #include <cstdio>

@@ -77,7 +77,7 @@
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
-#include "core/arena.hpp"
+#include "native/arena.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
 #include "core/device_reserved.hpp"
@@ -85,7 +85,7 @@
 #include "core/history.hpp"
 #include "core/published_size.hpp"
 #include "core/segment_map.hpp"
-#include "core/sleepable.hpp"
+#include "native/sleepable.hpp"
 #include "core/thread_annotations.hpp"
 
 namespace ccalloc::core {
