@@ -33,19 +33,12 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "torch"))
 sys.path.insert(0, HERE)
 
 
-def lm_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
-                       max_position_embeddings=2048)
-
-
 def build(kind, local_rank):
     import torch
+    import workloads
     from transformers import AutoModelForCausalLM
 
-    config = lm_config()
+    config = workloads._llama_config(layers=6)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda()
     model.train()

@@ -141,12 +141,13 @@ def gpt2_varlen(steps=30, warmup=3):
     return _run_steps(steps, warmup, make_step)
 
 
-def _llama_config():
-    """The Llama-style decoder's shape, shared by the inference workloads and
-    llama_train_ckpt: 8 layers, 1024 wide, 32000 tokens."""
+def _llama_config(layers=8):
+    """The Llama-style decoder's shape, shared by the inference workloads, the training ones
+    (llama_train_ckpt; llama_train_dyn with 24 layers) and run_dist.py's (6 layers): 1024
+    wide, 32000 tokens, 8 layers unless told."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+    return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
                        num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                        max_position_embeddings=2048)
 
@@ -395,11 +396,9 @@ def llama_train_dyn(steps=12, warmup=2):
     from a transformers LlamaConfig; fp32 weights, bf16 autocast, AdamW, eager attention)
     without activation checkpointing, batch 1-8 and sequence length 128-1024 varying per
     step: the largest steps hold well over 10 GB of activations."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=2048)
+    config = _llama_config(layers=24)
     torch.manual_seed(12)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
     model.train()

@@ -49,9 +49,6 @@
 //
 // Reserved bytes are physical bytes held: pieces x G (address space is not counted).
 //
-// Growth may also take another stream's arena lock, with try_lock only (plan_borrow): it
-// holds its own and the device lock, which that stream may be waiting for.
-//
 // Locking. Each (stream) arena has its own lock (ArenaMutex) over its pools, spaces, blocks,
 // live index, pending events and its share of the block statistics; the device lock
 // (device_mutex_) guards what every stream shares: handles and their pieces, the spare
@@ -65,8 +62,9 @@
 // EventPool's lock), record_stream and allocation_size; the
 // arena of a stream comes from a per-thread cache (ThreadArenaCache), that of a pointer
 // from the SegmentMap of the spaces' reservations (no lock). Growth holds the arena's lock
-// and the device lock: lending takes only the stream's own free pages, spare pieces and new
-// handles are the device's. Polling events locks each arena with pending frees in turn.
+// and the device lock: lending takes the stream's own free pages, spare pieces and new
+// handles are the device's, and other streams' free pages are taken under their locks,
+// try_lock only (plan_borrow). Polling events locks each arena with pending frees in turn.
 // GC, releasing the cache, the rest of the OOM ladder, empty_cache, stats, snapshots and the
 // invariant checker take every arena lock (AllArenasLock) and the device lock. Block
 // statistics live in the arenas; their device-wide peaks are kept exact by the baseline
