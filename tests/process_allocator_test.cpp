@@ -1,5 +1,6 @@
 // ProcessAllocator routing over simulated devices, and the C API on a machine without a
 // GPU (errors as codes and messages, never exceptions).
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -161,6 +162,39 @@ TEST(ProcessAllocator, SleepablePoolsSleepAndWakeOnTheirDevice) {
 }
 
 // On a machine without a CUDA device every call reports an error through the C API.
+// The file that holds the code at `address`.
+std::string library_of(const void* address) {
+  Dl_info info{};
+  if (dladdr(address, &info) == 0 || info.dli_fname == nullptr) return "(none)";
+  return std::filesystem::path(info.dli_fname).filename().string();
+}
+
+TEST(ProcessAllocator, OneEngineInAProcessThatLinksTheSharedLibrary) {
+  // This program links libccalloc.so alone, as the PyTorch adapter does: the C API, the
+  // process allocator and the engine's code are all that library's, so every route reaches
+  // one ProcessAllocator (a second, static copy of the engine would be a second allocator).
+  EXPECT_EQ(library_of(reinterpret_cast<const void*>(&ccalloc_malloc)), "libccalloc.so");
+  EXPECT_EQ(library_of(reinterpret_cast<const void*>(&ProcessAllocator::instance)),
+            "libccalloc.so");
+  EXPECT_EQ(library_of(reinterpret_cast<const void*>(&ccalloc::Config::from_environment)),
+            "libccalloc.so");
+  // The config that devices first used get is shared by the C++ and C routes; setting it
+  // (as the adapter does for PyTorch's run-time settings) is seen by the next reader.
+  ProcessAllocator& process = ProcessAllocator::instance();
+  const ccalloc::Config before = process.config();
+  ccalloc::Config changed = before;
+  changed.max_split_size = std::size_t{40} << 20;
+  process.set_config(changed);
+  EXPECT_EQ(ProcessAllocator::instance().config().max_split_size, std::size_t{40} << 20);
+  process.set_config(before);
+  EXPECT_EQ(ProcessAllocator::instance().config(), before);
+  if (ccalloc::cuda::device_count() == 0) {
+    EXPECT_EQ(process.existing(0), nullptr);  // no GPU here: nothing was created
+  }
+  EXPECT_EQ(process.existing(-1), nullptr);
+  EXPECT_EQ(process.existing(ProcessAllocator::kMaxDevices), nullptr);
+}
+
 TEST(CApi, WithoutAGpuCallsFailWithAReadableMessage) {
   if (ccalloc::cuda::device_count() > 0) GTEST_SKIP() << "a GPU is present";
   void* ptr = reinterpret_cast<void*>(1);

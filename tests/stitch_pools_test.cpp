@@ -125,6 +125,35 @@ TEST(StitchPools, TheCcallocPresetServesCapturesFromPrivatePoolsAndTheRestByStit
   EXPECT_EQ(f.driver.used_bytes(), 0u);
 }
 
+// A graph's memory costs no more than on PyTorch: beside the policy the private pools'
+// expandable segments map 2 MiB pages in the large pool too, so a capture's segment ends
+// less than 2 MiB past its blocks (20 MiB pages left up to 20 MiB mapped and unused,
+// where PyTorch's plain segments of 20 MiB or the request's size leave less). Under
+// `pytorch,expandable_segments:True` the pages stay PyTorch's 20 MiB.
+TEST(StitchPools, PrivatePoolsMapTwoMiBPagesBesideThePolicy) {
+  for (const bool stitched : {true, false}) {
+    Fixture f(kGiB, stitched ? "ccalloc" : "pytorch,expandable_segments:True");
+    f.begin(kGraph, 1);
+    const DevicePtr a = f.alloc.malloc(33 * kMiB, 1);       // a cuBLAS workspace's size
+    const DevicePtr b = f.alloc.malloc(3 * kMiB + 5, 1);
+    f.end(kGraph, 1);
+    std::size_t mapped = 0;
+    for (const SegmentInfo& s : f.alloc.pool_segments(kGraph)) {
+      EXPECT_TRUE(s.is_expandable);
+      EXPECT_FALSE(s.is_small);
+      mapped += s.total_size;
+    }
+    // 33 MiB + 3 MiB + 512 B in whole pages.
+    EXPECT_EQ(mapped, stitched ? 38 * kMiB : 40 * kMiB) << (stitched ? "ccalloc" : "pytorch");
+    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(mapped));
+    f.alloc.free(a);
+    f.alloc.free(b);
+    f.alloc.release_pool(kGraph);
+    f.alloc.empty_cache();
+    EXPECT_EQ(f.driver.used_bytes(), 0u);
+  }
+}
+
 TEST(StitchPools, CrossStreamFreesDuringACaptureWaitUntilItEnds) {
   Fixture f;
   const DevicePtr a = f.alloc.malloc(4096, 0);  // stitched, used on stream 5

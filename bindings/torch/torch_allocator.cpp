@@ -3,6 +3,12 @@
 // (the `allocator` atomic every torch.cuda memory API reads, and c10's device allocator
 // table that torch.accelerator and c10::GetAllocator read).
 //
+// The per-device allocators are the process's (ccalloc::ProcessAllocator in libccalloc.so,
+// which this library links): memory allocated through libccalloc.so's C API in the same
+// process comes from the same allocators and shows in torch.cuda's statistics, and the
+// other way round. A device's allocator made through the C API first is adopted here on
+// first sight (PyTorch's observers and history attached).
+//
 // Built against the headers of the torch it is loaded into: the interface changes between
 // minor versions, so a library built for another torch must not be loaded (install() checks
 // nothing it cannot see; the build does).
@@ -46,6 +52,7 @@
 #include "ccalloc/config.hpp"
 #include "ccalloc/cuda.hpp"
 #include "ccalloc/errors.hpp"
+#include "ccalloc/process.hpp"
 #include "ccalloc/snapshot.hpp"
 #include "ccalloc/stats.hpp"
 #include "ccalloc/trace.hpp"
@@ -469,8 +476,10 @@ struct IpcEntry {
 
 class TorchAllocator final : public c10a::CUDAAllocator {
  public:
-  explicit TorchAllocator(ccalloc::Config config)
-      : config_(std::move(config)), expandable_seen_(config_.expandable_segments) {}
+  TorchAllocator()
+      : process_(ccalloc::ProcessAllocator::instance()),
+        config_(process_.config()),
+        expandable_seen_(config_.expandable_segments) {}
 
   // --- c10::Allocator ---
 
@@ -829,7 +838,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
       std::lock_guard lock(create_mutex_);
       const ccalloc::HistoryOptions engine = history_.engine_history();
       for (int d = 0; d < kMaxDevices; ++d) {
-        if (ccalloc::Allocator* a = existing(d)) a->record_history(engine);
+        if (ccalloc::Allocator* a = existing_locked(d)) a->record_history(engine);
       }
     }
     if (enabled) observe_all();
@@ -851,7 +860,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     std::lock_guard lock(create_mutex_);
     oom_observers_.push_back(observer);
     for (int d = 0; d < kMaxDevices; ++d) {
-      if (ccalloc::Allocator* a = existing(d)) add_oom_observer(*a, observer);
+      if (ccalloc::Allocator* a = existing_locked(d)) add_oom_observer(*a, observer);
     }
   }
 
@@ -963,7 +972,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     std::string kept;
     bool changed_any = false;
     for (int d = 0; d < kMaxDevices; ++d) {
-      ccalloc::Allocator* a = existing(d);
+      ccalloc::Allocator* a = existing_locked(d);
       if (a == nullptr) continue;
       if (others_changed) {
         try {
@@ -982,6 +991,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
       if (fraction_changed) a->set_memory_fraction(merged.per_process_memory_fraction);
     }
     config_ = merged;
+    process_.set_config(merged);  // for devices first used from now on, whatever the route
     if (merged.expandable_segments) expandable_seen_.store(true);
     if (!kept.empty()) {
       TORCH_WARN("ccalloc: allocator settings \"", settings,
@@ -991,12 +1001,6 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   }
 
  private:
-  struct Slot {
-    std::unique_ptr<ccalloc::Driver> driver;
-    std::unique_ptr<ccalloc::Allocator> allocator;
-    bool observed = false;  // the History observer is attached (under create_mutex_)
-  };
-
   struct Located {
     ccalloc::Allocator* allocator = nullptr;
     ccalloc::SegmentInfo segment;
@@ -1053,29 +1057,51 @@ class TorchAllocator final : public c10a::CUDAAllocator {
                 static_cast<int>(device), ": did you call init?");
   }
 
-  ccalloc::Allocator* existing(int device) const {
-    return allocators_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+  ccalloc::Allocator* adopted(int device) const {
+    if (device < 0 || device >= kMaxDevices) return nullptr;
+    return adopted_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
   }
 
+  // The allocator of `device` if the process has one (made here or through libccalloc.so's
+  // C API), else nullptr; never creates one.
+  ccalloc::Allocator* existing(int device) {
+    if (ccalloc::Allocator* a = adopted(device)) return a;
+    if (process_.existing(device) == nullptr) return nullptr;
+    std::lock_guard lock(create_mutex_);
+    return existing_locked(device);
+  }
+
+  // existing(), with create_mutex_ held.
+  ccalloc::Allocator* existing_locked(int device) {
+    if (ccalloc::Allocator* a = adopted(device)) return a;
+    if (process_.existing(device) == nullptr) return nullptr;
+    return adopt_locked(device);
+  }
+
+  // The allocator of `device`, created on first use.
   ccalloc::Allocator& allocator(int device) {
-    if (ccalloc::Allocator* a = existing(device)) return *a;
+    if (ccalloc::Allocator* a = adopted(device)) return *a;
     check_device(static_cast<c10::DeviceIndex>(device));
     std::lock_guard lock(create_mutex_);
-    if (ccalloc::Allocator* a = existing(device)) return *a;
-    Slot& slot = slots_[static_cast<std::size_t>(device)];
-    translated("init", [&] {
-      slot.driver = std::make_unique<ccalloc::cuda::CudaDriver>(device);
-      slot.allocator = std::make_unique<ccalloc::Allocator>(*slot.driver, config_);
-    });
+    if (ccalloc::Allocator* a = adopted(device)) return *a;
+    // The process allocator's config for new devices is config_ (apply_settings keeps them
+    // equal).
+    translated("init", [&] { (void)process_.allocator(device); });
+    return *adopt_locked(device);
+  }
+
+  // Attaches PyTorch's observers and history to the process's allocator of `device` and
+  // publishes it; create_mutex_ held, the allocator exists.
+  ccalloc::Allocator* adopt_locked(int device) {
+    ccalloc::Allocator* a = process_.existing(device);
     for (const auto& observer : oom_observers_)
-      add_oom_observer(*slot.allocator, observer);
-    if (history_.recording()) slot.allocator->record_history(history_.engine_history());
-    if (history_.observed()) observe(device, slot);
-    allocators_[static_cast<std::size_t>(device)].store(slot.allocator.get(),
-                                                        std::memory_order_release);
+      add_oom_observer(*a, observer);
+    if (history_.recording()) a->record_history(history_.engine_history());
+    if (history_.observed()) observe(device, *a);
+    adopted_[static_cast<std::size_t>(device)].store(a, std::memory_order_release);
     const int sole = sole_device_.load();
     sole_device_.store(sole == -1 ? device : -2, std::memory_order_release);
-    return *slot.allocator;
+    return a;
   }
 
   // The allocator holding `ptr` live. While one device has an allocator (the common case)
@@ -1121,22 +1147,23 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     });
   }
 
-  void observe(int device, Slot& slot) {
-    if (slot.observed) return;
-    slot.allocator->add_trace_observer(
+  // create_mutex_ held.
+  void observe(int device, ccalloc::Allocator& a) {
+    bool& observed = observed_[static_cast<std::size_t>(device)];
+    if (observed) return;
+    a.add_trace_observer(
         [this, device](const ccalloc::TraceEntry& e) { history_.on_entry(device, e); });
-    slot.observed = true;
+    observed = true;
   }
 
   void observe_all() {
     std::lock_guard lock(create_mutex_);
     for (int d = 0; d < kMaxDevices; ++d) {
-      Slot& slot = slots_[static_cast<std::size_t>(d)];
-      if (slot.allocator) observe(d, slot);
+      if (ccalloc::Allocator* a = existing_locked(d)) observe(d, *a);
     }
   }
 
-  bool may_hold_mapped_memory(int device) const {
+  bool may_hold_mapped_memory(int device) {
     if (device < 0 || device >= kMaxDevices) return false;
     const ccalloc::Allocator* a = existing(device);
     if (a == nullptr) return false;
@@ -1192,6 +1219,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   std::atomic<bool> enabled_{true};
   std::atomic<int> device_count_{0};
   const std::string name_ = backend_named_by_pytorch().value_or("ccalloc");
+  ccalloc::ProcessAllocator& process_;  // the per-device allocators
   std::mutex create_mutex_;
   ccalloc::Config config_;  // for devices created from now on; guarded by create_mutex_
   // memory_stats()'s max_split_size: the config's at init(), as PyTorch reports it.
@@ -1199,8 +1227,9 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   // Some config (at start or set live) had expandable_segments:True.
   std::atomic<bool> expandable_seen_{false};
   std::vector<c10a::OutOfMemoryObserver> oom_observers_;  // guarded by create_mutex_
-  std::array<Slot, kMaxDevices> slots_;
-  std::array<std::atomic<ccalloc::Allocator*>, kMaxDevices> allocators_{};
+  // The process's allocators this adapter has adopted (observers attached), by device.
+  std::array<std::atomic<ccalloc::Allocator*>, kMaxDevices> adopted_{};
+  std::array<bool, kMaxDevices> observed_{};  // guarded by create_mutex_
   // The one device with an allocator while there is exactly one; -1 before the first, -2
   // once there are several.
   std::atomic<int> sole_device_{-1};
@@ -1256,7 +1285,7 @@ __attribute__((visibility("default"))) int ccalloc_torch_native_install(char* er
                                                                          size_t capacity) {
   try {
     static std::once_flag created;
-    std::call_once(created, [] { g_allocator = new TorchAllocator(ccalloc::Config::from_environment()); });
+    std::call_once(created, [] { g_allocator = new TorchAllocator(); });
     c10a::CUDAAllocator* current = c10a::allocator.load();
     if (current == g_allocator) return 0;
     TORCH_CHECK(current == nullptr || !current->initialized(), "PyTorch's CUDA allocator (",

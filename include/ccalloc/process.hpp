@@ -1,5 +1,9 @@
 // The process-wide entry point: one Allocator per device, created on first use.
 //
+// One per process: libccalloc.so holds it, and the C API, C++ programs linking the shared
+// library and the PyTorch adapter (libccalloc_torch.so, which links libccalloc.so) all reach
+// the same instance, so memory allocated through one route is seen by every other.
+//
 //   auto& cc = ccalloc::ProcessAllocator::instance();   // real GPUs, CCALLOC_CONF
 //   void* p = reinterpret_cast<void*>(cc.malloc(bytes, stream));
 //   cc.free(reinterpret_cast<ccalloc::DevicePtr>(p));    // any thread, any current device
@@ -70,8 +74,14 @@ class ProcessAllocator {
   Allocator& allocator(int device = -1);
   // The device whose allocator holds `ptr` live, or -1.
   int device_of(DevicePtr ptr);
+  // The allocator of `device` if it was created, else nullptr (never creates one).
+  Allocator* existing(int device) const;
   int device_count() const { return devices_.count; }
-  const Config& config() const { return config_; }
+  // The config that devices first used from now on get.
+  Config config() const;
+  // Sets the config of devices first used from now on (live allocators keep theirs; the
+  // PyTorch adapter reconfigures those itself when PyTorch's settings change).
+  void set_config(const Config& config);
 
   static constexpr int kAllDevices = -2;
 
@@ -81,11 +91,10 @@ class ProcessAllocator {
     std::unique_ptr<Allocator> allocator;
   };
   int resolve(int device) const;
-  Allocator* existing(int device) const;
 
   const Devices devices_;
-  const Config config_;
-  std::mutex create_mutex_;
+  mutable std::mutex create_mutex_;
+  Config config_;                          // guarded by create_mutex_
   std::optional<HistoryOptions> history_;  // guarded by create_mutex_
   std::array<Slot, kMaxDevices> slots_;
   std::array<std::atomic<Allocator*>, kMaxDevices> allocators_{};

@@ -35,7 +35,18 @@ int ProcessAllocator::resolve(int device) const {
 }
 
 Allocator* ProcessAllocator::existing(int device) const {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
   return allocators_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
+}
+
+Config ProcessAllocator::config() const {
+  std::lock_guard lock(create_mutex_);
+  return config_;
+}
+
+void ProcessAllocator::set_config(const Config& config) {
+  std::lock_guard lock(create_mutex_);
+  config_ = config;
 }
 
 Allocator& ProcessAllocator::allocator(int device) {

@@ -135,6 +135,11 @@ class Engine final : public Backend {
   // counts once for the device: this engine's empty_cache() then synchronizes uncounted, so
   // num_sync_all_streams rises by one per empty_cache(), as on PyTorch.
   void set_empty_cache_sync_counted_elsewhere() { empty_cache_sync_counted_ = false; }
+  // The page of the large pool's expandable segments: large_segment_size (20 MiB, as
+  // PyTorch) unless set here before the engine is used. Beside the stitching policy the
+  // private pools take 2 MiB pages, so that a graph pool's segment ends at most 2 MiB past
+  // its blocks instead of up to 20 MiB (the policy's own pages are 2 MiB as well).
+  void set_expandable_large_page(std::size_t bytes) { expandable_large_page_ = bytes; }
   // What this engine's malloc does first, and a backend whose other mallocs go elsewhere
   // (core::StitchBackend) calls too: unless a capture is underway, records the events of
   // frees deferred during a capture and returns the frees whose events have completed, so
@@ -473,6 +478,7 @@ class Engine final : public Backend {
   PublishedSize reserved_ GUARDED_BY(device_mutex_);  // bytes held from the device
   PeerReserved peer_reserved_;  // the engine beside this one (stitch/backend.hpp)
   bool empty_cache_sync_counted_ = true;       // set_empty_cache_sync_counted_elsewhere()
+  std::size_t expandable_large_page_ = 0;      // 0: large_segment_size
   DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
   JointSettlement* joint_ = nullptr;            // settled with another engine's arenas, or alone
   std::size_t capacity_ = 0;          // device memory, read once at construction

@@ -132,7 +132,9 @@ Block* Engine::find_expandable_block(Arena& arena, FreePool& pool, std::size_t s
       room += b->size;
     if (room >= size) return c;
   }
-  const std::size_t page = pool.is_small ? kSmallBuffer : config_.large_segment_size;
+  const std::size_t page = pool.is_small             ? kSmallBuffer
+                           : expandable_large_page_ != 0 ? expandable_large_page_
+                                                         : config_.large_segment_size;
   arena.expandable.push_back(std::make_unique<ExpandableSegment>(driver_, &arena, pool.is_small,
                                                                  page, expandable_reserve_bytes()));
   const ExpandableSegment& seg = *arena.expandable.back();

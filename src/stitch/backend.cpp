@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <iterator>
 
+#include "core/rounding.hpp"
+
 namespace ccalloc::core {
 namespace {
 
@@ -39,6 +41,7 @@ StitchBackend::StitchBackend(Driver& driver, Config config)
   pools_->set_peer_reserved(&stitch_->published_reserved());
   stitch_->set_device_reserved(&device_reserved_);
   pools_->set_empty_cache_sync_counted_elsewhere();
+  pools_->set_expandable_large_page(kSmallBuffer);
   pools_->set_device_reserved(&device_reserved_);
   stitch_->set_joint_settlement(&joint_);
   pools_->set_joint_settlement(&joint_);

@@ -15,13 +15,14 @@ def install(allocator):
         assert how == "native", how
 
 
-def child(allocator, to_child, to_parent):
-    """Receives a view of the parent's tensor, reads it and adds 1 in place; sends back a
-    view of one of its own tensors; waits for the parent to be done with it before exiting
-    (the producer must outlive the consumer's use)."""
+def child(allocator, to_child, to_parent, device=0):
+    """Receives a view of the parent's tensor (on `device`), reads it and adds 1 in place;
+    sends back a view of one of its own tensors on that device; waits for the parent to be
+    done with it before exiting (the producer must outlive the consumer's use)."""
     try:
         install(allocator)
         import torch
+        torch.cuda.set_device(device)
         expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         # In the expandable runs, 18 MiB first: `own` then straddles two 20 MiB pages.
         pad = torch.empty(18 << 20, dtype=torch.uint8, device="cuda") if expandable else None
@@ -33,7 +34,7 @@ def child(allocator, to_child, to_parent):
         own = torch.arange(3 << 20, dtype=torch.float32, device="cuda")
         torch.cuda.synchronize()
         to_parent.put({"backend": torch.cuda.get_allocator_backend(), "sum": total, "exact": exact,
-                       "tensor": own[1000:1000 + (1 << 19)]})
+                       "device": received.device.index, "tensor": own[1000:1000 + (1 << 19)]})
         to_child.get(timeout=120)  # the parent has read `own`
         del received, pad
         to_parent.put({"done": True})

@@ -55,18 +55,25 @@ for x in inputs:
 torch.cuda.synchronize()
 emit(equal_to_eager=all(torch.equal(r, e) for r, e in zip(replayed, eager)),
      first=replayed[0][0].tolist(), out_in_graph_pool=pool_of(static_out.data_ptr()) == list(graph.pool()),
-     in_default_pool=pool_of(static_in.data_ptr()) == [0, 0])
+     in_default_pool=pool_of(static_in.data_ptr()) == [0, 0],
+     reserved=torch.cuda.memory_reserved(), peak_reserved=torch.cuda.max_memory_reserved())
 graph.reset()
 """, preset=PRESET)
     for r in (pytorch, ccalloc):
         assert r["equal_to_eager"] and r["out_in_graph_pool"] and r["in_default_pool"], r
     assert pytorch["first"] == ccalloc["first"]
+    # A graph's memory costs no more than on PyTorch (the private pool's pages are 2 MiB).
+    assert ccalloc["reserved"] <= pytorch["reserved"], (pytorch, ccalloc)
+    assert ccalloc["peak_reserved"] <= pytorch["peak_reserved"], (pytorch, ccalloc)
 
 
 def test_torch_compile_reduce_overhead_gives_the_same_outputs():
-    pytorch, ccalloc = both(COMPILE, timeout=900, preset=PRESET)
+    pytorch, ccalloc = both(COMPILE + """
+emit(reserved=torch.cuda.memory_reserved(), peak_reserved=torch.cuda.max_memory_reserved())
+""", timeout=900, preset=PRESET)
     assert pytorch["close_to_eager"] and ccalloc["close_to_eager"]
     assert max(abs(a - b) for a, b in zip(pytorch["first"], ccalloc["first"])) < 1e-5
+    assert ccalloc["peak_reserved"] <= pytorch["peak_reserved"], (pytorch, ccalloc)
 
 
 def test_mempool_keeps_its_allocations_apart_from_the_default_pool():

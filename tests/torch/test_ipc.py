@@ -15,9 +15,10 @@ skip_without_gpu()
 PARENT = """
 import torch.multiprocessing as mp
 import ipc_worker
+torch.cuda.set_device(DEVICE)
 ctx = mp.get_context("spawn")
 to_child, to_parent = ctx.Queue(), ctx.Queue()
-process = ctx.Process(target=ipc_worker.child, args=(CHILD, to_child, to_parent))
+process = ctx.Process(target=ipc_worker.child, args=(CHILD, to_child, to_parent, DEVICE))
 process.start()
 ALLOCATE
 view = base[1000:2000]  # an offset inside the allocation, which is inside a segment
@@ -31,6 +32,7 @@ if "error" in reply:
     raise RuntimeError("child: " + reply["error"])
 received = reply["tensor"]
 child_backend, child_sum, child_exact = reply["backend"], reply["sum"], reply["exact"]
+reply_device = reply["device"]
 values = received.cpu().tolist()
 del received, reply
 to_child.put("done")
@@ -42,6 +44,7 @@ torch.cuda.synchronize()
 expected = torch.arange(base.numel(), dtype=torch.float32, device="cuda")
 expected[1000:2000] += 1
 emit(child_backend=child_backend, child_sum=child_sum, child_exact=child_exact,
+     child_device=reply_device, base_device=base.device.index,
      parent_sees_child_write=bool(torch.equal(base, expected)),
      parent_reads_child_tensor=values == [float(v) for v in range(1000, 1000 + (1 << 19))],
      base_is_expandable=base_is_expandable,
@@ -52,10 +55,11 @@ emit(child_backend=child_backend, child_sum=child_sum, child_exact=child_exact,
 SEGMENTS = [pytest.param(None, id="native"), pytest.param("expandable_segments:True", id="expandable")]
 
 
-def parent_script(child, allocate):
+def parent_script(child, allocate, device=0):
     """PARENT for a child on `child`, with `allocate` (source) defining `base`, the tensor
-    whose view is shared."""
-    return f"CHILD = {child!r}\n" + PARENT.replace("ALLOCATE\n", allocate + "\n")
+    whose view is shared, on `device`."""
+    return (f"CHILD = {child!r}\nDEVICE = {device!r}\n" +
+            PARENT.replace("ALLOCATE\n", allocate + "\n"))
 
 
 # In the expandable runs, 18 MiB first: the shared tensor then straddles two 20 MiB pages.
@@ -65,13 +69,14 @@ base = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
 """
 
 
-def exchange(parent, child, conf):
-    script = f"EXPANDABLE = {conf is not None!r}\n" + parent_script(child, ALLOCATE)
+def exchange(parent, child, conf, device=0):
+    script = f"EXPANDABLE = {conf is not None!r}\n" + parent_script(child, ALLOCATE, device)
     return run(parent, script, conf=conf, timeout=600)
 
 
-def check(result, child, conf):
+def check(result, child, conf, device=0):
     assert result["exitcode"] == 0
+    assert result["base_device"] == device and result["child_device"] == device, result
     assert result["child_backend"] == ("ccalloc" if child == "ccalloc" else "native")
     assert result["base_is_expandable"] == (conf is not None), "the parent's tensor is in the wrong kind of segment"
     assert result["child_sum"] == sum(range(1000, 2000)), "the child read wrong values"

@@ -205,3 +205,42 @@ def test_empty_cache_and_snapshots_cover_both_devices(preset):
     assert pytorch["devices"] == [0, 1], pytorch
     assert pytorch["reserved"] == [0, 0], pytorch
     assert_same(pytorch, ccalloc, "both devices")
+
+
+# Copies between the devices: torch enables peer access through the allocator
+# (enablePeerAccess) and copies through its memcpyAsync, from and to native and
+# expandable memory, whole tensors and views at an offset.
+CROSS_DEVICE = """
+got = {}
+for src, dst in [(0, 1), (1, 0)]:
+    x = torch.arange(5 << 20, dtype=torch.float32, device=f"cuda:{src}")
+    y = x.to(f"cuda:{dst}")
+    z = torch.empty(1000, dtype=torch.float32, device=f"cuda:{dst}")
+    z.copy_(x[12345:13345], non_blocking=True)
+    back = y.to(f"cuda:{src}")
+    torch.cuda.synchronize(src)
+    torch.cuda.synchronize(dst)
+    got[f"{src}->{dst}"] = [y.device.index, bool(torch.equal(back, x)), z.sum().item(),
+                            float(y[-1].item())]
+got["peer"] = [torch.cuda.can_device_access_peer(0, 1), torch.cuda.can_device_access_peer(1, 0)]
+emit(got=got)
+"""
+
+
+@pytest.mark.parametrize("conf", [None, "expandable_segments:True"])
+@pytest.mark.parametrize("preset", ["pytorch", "ccalloc"])
+def test_copies_between_the_devices(preset, conf):
+    pytorch, ccalloc = both(CROSS_DEVICE, conf=conf, preset=preset)
+    expected_view = float(sum(range(12345, 13345)))
+    assert pytorch["got"]["0->1"] == [1, True, expected_view, float((5 << 20) - 1)], pytorch
+    assert pytorch["got"]["1->0"] == [0, True, expected_view, float((5 << 20) - 1)], pytorch
+    assert_same(pytorch, ccalloc, "copies between the devices")
+
+
+# A tensor on the second device shared over torch.multiprocessing with a process on the
+# other allocator, both ways, native and expandable (test_ipc.py's exchange, on cuda:1).
+@pytest.mark.parametrize("conf", [None, "expandable_segments:True"], ids=["native", "expandable"])
+@pytest.mark.parametrize("parent,child", [("ccalloc", "pytorch"), ("pytorch", "ccalloc")])
+def test_tensors_on_the_second_device_cross_between_processes(parent, child, conf):
+    from test_ipc import check, exchange
+    check(exchange(parent, child, conf, device=1), child, conf, device=1)

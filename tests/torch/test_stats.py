@@ -218,3 +218,57 @@ emit(before=before, first=first, after=torch.cuda.memory_stats()["max_split_size
 """)
     assert pytorch["before"] == pytorch["first"] == pytorch["after"] == -1, pytorch
     assert_same(pytorch, ccalloc, "max_split_size and memory_stats() after a run-time change")
+
+
+# Three streams, small and large tensors, record_stream onto the other streams, frees in
+# batches: several blocks whose events complete together are returned by one malloc's
+# event processing, whose order decides intermediate peaks (inactive_split among them).
+# Each batch of frees is followed by a synchronize, so both allocators find the same events
+# completed at the same malloc.
+THREE_STREAMS = """
+import random
+def three_streams(seed):
+    rng = random.Random(seed)
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
+    live = []
+    for step in range(400):
+        if rng.random() < 0.55 or not live:
+            s = rng.randrange(3)
+            kind = rng.random()
+            n = (rng.randrange(1, 8192) if kind < 0.45 else rng.randrange(8192, 1 << 20)
+                 if kind < 0.8 else rng.randrange(1 << 20, 12 << 20))
+            with torch.cuda.stream(streams[s]):
+                t = torch.empty(n, dtype=torch.uint8, device="cuda")
+            for other in range(3):
+                if other != s and rng.random() < 0.25:
+                    with torch.cuda.stream(streams[other]):
+                        t.fill_(other)
+                    t.record_stream(streams[other])
+            live.append(t)
+        else:
+            for _ in range(rng.randrange(1, 5)):
+                if live:
+                    live.pop(rng.randrange(len(live)))
+            torch.cuda.synchronize()
+    return live
+"""
+
+
+def test_memory_stats_are_equal_after_three_streams_with_record_stream():
+    pytorch, ccalloc = both(THREE_STREAMS + """
+out = {}
+for seed in range(4):
+    held = three_streams(seed)
+    torch.cuda.synchronize()
+    out[seed] = dict(torch.cuda.memory_stats())
+    del held
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_accumulated_memory_stats()
+emit(stats=out)
+""")
+    for seed in pytorch["stats"]:
+        assert pytorch["stats"][seed]["allocation.all.allocated"] > 0
+        assert_same(pytorch["stats"][seed], ccalloc["stats"][seed],
+                    f"torch.cuda.memory_stats() after three streams, seed {seed}")

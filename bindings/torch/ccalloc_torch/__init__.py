@@ -171,7 +171,8 @@ def _device(device):
 
 def _native():
     """True when torch.cuda's own memory functions reach ccalloc (the helpers below then go
-    through them: libccalloc.so's C API would reach another, idle instance)."""
+    through them; libccalloc.so's C API reaches the same allocators, which torch.cuda's
+    functions report with PyTorch's keys and rules)."""
     return _installed == "native"
 
 
