@@ -89,6 +89,28 @@ TEST(ProcessAllocator, DeviceOutOfRangeIsADriverError) {
   EXPECT_THROW(p.allocator(-5), ccalloc::DriverError);
 }
 
+TEST(ProcessAllocator, PeerAccessIsGrantedByTheOwningDevicesDriver) {
+  ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("ccalloc"));
+  // Device 0 may access device 1's memory: device 1's allocator grants it, once.
+  p.allocator(1).enable_peer_access(0);
+  p.allocator(1).enable_peer_access(0);
+  const auto& one = dynamic_cast<const ccalloc::sim::SimDriver&>(p.allocator(1).driver());
+  const auto& zero = dynamic_cast<const ccalloc::sim::SimDriver&>(p.allocator(0).driver());
+  EXPECT_EQ(one.peers(), std::vector<int>{0});
+  EXPECT_EQ(zero.peers(), std::vector<int>{});
+  for (const int bad : {1, -1}) {
+    try {
+      p.allocator(1).enable_peer_access(bad);
+      ADD_FAILURE() << "peer " << bad << " was accepted";
+    } catch (const ccalloc::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("enable_peer_access(" + std::to_string(bad) + ")"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(one.peers(), std::vector<int>{0});
+}
+
 TEST(ProcessAllocator, EmptyCacheOfAllDevicesReleasesEveryCachedSegment) {
   ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("pytorch"));
   p.free(p.malloc(1 << 20, 0, 0));

@@ -869,14 +869,22 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     observe_all();
   }
 
+  // `dev` may access `dev_to_access`'s memory: cudaMalloc memory through the runtime's
+  // peer access, mapped memory (expandable segments, stitched pieces, the stream-ordered
+  // pool) only once `dev_to_access`'s allocator grants `dev` access to it, as PyTorch's
+  // addPeerAccess does.
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
-    c10::cuda::CUDAGuard device_guard(dev);
-    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
-      (void)cudaGetLastError();  // already enabled: clear the sticky error
-    } else {
-      C10_CUDA_CHECK(err);
+    {
+      c10::cuda::CUDAGuard device_guard(dev);
+      cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // already enabled: clear the sticky error
+      } else {
+        C10_CUDA_CHECK(err);
+      }
     }
+    check_device(dev_to_access);
+    translated("enablePeerAccess", [&] { allocator(dev_to_access).enable_peer_access(dev); });
   }
 
   // Memory that is not from cudaMalloc (expandable segments, the stream-ordered pool) can

@@ -288,6 +288,13 @@ class Allocator {
   int device() const;
   Driver& driver() const;
 
+  // Lets device `peer`, which has enabled peer access to this allocator's device, read and
+  // write this allocator's memory: its virtual-memory mappings (expandable segments, the
+  // stitching policy's pieces) and its stream-ordered pool, now and later
+  // (Driver::add_peer). cudaMalloc memory needs only the peer's own enabling. Throws Error
+  // for a peer that is this device or negative.
+  void enable_peer_access(int peer);
+
  private:
   friend struct core::BackendAccess;
   std::unique_ptr<core::Backend> impl_;

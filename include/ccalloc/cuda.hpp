@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -113,6 +114,9 @@ class CudaDriver final : public Driver {
   void copy_to_host(void* dst, DevicePtr src, std::size_t bytes) override;
   void copy_to_device(DevicePtr dst, const void* src, std::size_t bytes) override;
   std::string name() const override { return name_; }
+  void add_peer(int peer) override;
+  // The devices granted access by add_peer(), in the order added.
+  std::vector<int> peers() const;
 
   // The calls that obtain, map and give back device memory since the driver was made, and
   // the wall time spent in them: what a benchmark reports per step (bench/torch/scale.py).
@@ -132,6 +136,9 @@ class CudaDriver final : public Driver {
   // One memory call of `count`'s kind, timed into ns_ while it lives.
   class Counted;
   void* default_pool();  // the configured cudaMemPool_t
+  // Grants read/write access to [va, va + bytes) for this device and every peer; on
+  // failure unmaps the range. peers_mutex_ held.
+  void set_access_or_unmap(DevicePtr va, std::size_t bytes);
 
   int device_;
   std::string name_;
@@ -143,6 +150,11 @@ class CudaDriver final : public Driver {
   // Descriptors exported per physical allocation, closed when it is released.
   std::mutex fds_mutex_;
   std::unordered_map<PhysicalHandle, int> exported_fds_;
+  // Peers granted access (add_peer) and the ranges mapped by map() and map_range() (start,
+  // bytes), which a new peer is granted access to.
+  mutable std::mutex peers_mutex_;
+  std::vector<int> peers_;
+  std::map<DevicePtr, std::size_t> mapped_;
   std::atomic<std::uint64_t> malloc_calls_{0}, free_calls_{0}, create_calls_{0}, release_calls_{0},
       map_calls_{0}, set_access_calls_{0}, unmap_calls_{0}, call_ns_{0};
 };

@@ -158,6 +158,14 @@ class Driver {
   virtual void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                          std::size_t offset);
 
+  // --- Peer access (several devices in one process) ---
+  // Makes this device's virtual-memory mappings, present and future, and its stream-ordered
+  // pool readable and writable by device `peer`, once that device has enabled peer access
+  // to this one (PyTorch's enablePeerAccess): mapped memory is reached from another device
+  // only with access granted per range, unlike cudaMalloc memory. The default does nothing
+  // (a driver whose memory needs no grant).
+  virtual void add_peer(int /*peer*/) {}
+
   // --- Host memory and copies, for sleeping pools (docs/sleep-wake.md). ---
   // The defaults throw DriverError naming the driver: it cannot save device memory.
   //

@@ -271,6 +271,9 @@ class SimDriver final : public Driver {
   void unmap(DevicePtr va, std::size_t bytes) override;
   void map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
                  std::size_t offset) override;
+  // Records the peer (the simulated device grants every device access): peers() lists them.
+  void add_peer(int peer) override;
+  std::vector<int> peers() const;
   // The mappings lying in [base, base + bytes), lowest address first (for checks of an
   // allocator's model against the device).
   struct MappingInfo {
@@ -412,6 +415,7 @@ class SimDriver final : public Driver {
 
   const Options options_;
   mutable std::mutex mutex_;
+  std::vector<int> peers_;  // add_peer(), guarded by mutex_
   // Capture graphs (guarded by mutex_). A stream's part in a capture: the capture's id and
   // the stream's terminal nodes.
   struct CaptureMember {

@@ -162,6 +162,14 @@ Driver& Allocator::driver() const {
   return impl_->driver();
 }
 
+void Allocator::enable_peer_access(int peer) {
+  if (peer < 0 || peer == device()) {
+    throw Error("ccalloc: enable_peer_access(" + std::to_string(peer) + ") on device " +
+                std::to_string(device()) + ": the peer must be another device");
+  }
+  impl_->driver().add_peer(peer);
+}
+
 std::string to_string(PoolId id) {
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
 }

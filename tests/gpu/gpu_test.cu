@@ -32,6 +32,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
@@ -1246,6 +1247,62 @@ TEST(ProcessAllocatorGpu, TwoDevicesEachKeepTheirAllocationsAndData) {
     pa.empty_cache(d);
   }
   ASSERT_CUDA(cudaSetDevice(0));
+}
+
+// Mapped memory (expandable segments, the stitching policy's pieces) of device 1 is read
+// by a copy on device 0 once device 0 enabled peer access and device 1's allocator granted
+// it (Allocator::enable_peer_access, as the PyTorch adapter's enablePeerAccess does); also
+// memory mapped after the grant. cudaMalloc memory needs only the runtime's peer access.
+TEST(ProcessAllocatorGpu, PeerAccessReachesMappedMemoryOfTheOtherDevice) {
+  if (ccalloc::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+  int can = 0;
+  ASSERT_CUDA(cudaDeviceCanAccessPeer(&can, 0, 1));
+  if (can == 0) GTEST_SKIP() << "device 0 cannot access device 1";
+  ASSERT_CUDA(cudaSetDevice(0));
+  const cudaError_t enabled = cudaDeviceEnablePeerAccess(1, 0);
+  if (enabled == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();
+  } else {
+    ASSERT_CUDA(enabled);
+  }
+  for (const char* conf : {"pytorch,expandable_segments:True", "ccalloc"}) {
+    SCOPED_TRACE(conf);
+    ccalloc::cuda::CudaDriver driver(1);
+    ccalloc::Allocator alloc(driver, ccalloc::Config::parse(conf));
+    ASSERT_CUDA(cudaSetDevice(1));
+    const DevicePtr before = alloc.malloc(6 * kMiB, 0);  // mapped before the grant
+    ASSERT_CUDA(launch_fill(before, 6 * kMiB, 77u, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    alloc.enable_peer_access(0);
+    const DevicePtr after = alloc.malloc(30 * kMiB, 0);  // mapped after it
+    ASSERT_CUDA(launch_fill(after, 30 * kMiB, 78u, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_EQ(driver.peers(), std::vector<int>{0});
+    ASSERT_CUDA(cudaSetDevice(0));
+    unsigned long long* bad = nullptr;
+    ASSERT_CUDA(cudaMalloc(&bad, sizeof *bad));
+    for (const auto& [ptr, bytes, seed] :
+         {std::tuple{before, 6 * kMiB, 77u}, std::tuple{after, 30 * kMiB, 78u}}) {
+      void* copy = nullptr;
+      ASSERT_CUDA(cudaMalloc(&copy, bytes));
+      ASSERT_CUDA(cudaMemset(bad, 0, sizeof *bad));
+      // A plain device-to-device copy run by device 0, reading device 1's mapped memory.
+      ASSERT_CUDA(cudaMemcpyAsync(copy, reinterpret_cast<void*>(ptr), bytes,
+                                  cudaMemcpyDeviceToDevice, nullptr));
+      ASSERT_CUDA(launch_verify(reinterpret_cast<DevicePtr>(copy), bytes, seed, nullptr, bad));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      unsigned long long wrong = 1;
+      ASSERT_CUDA(cudaMemcpy(&wrong, bad, sizeof wrong, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(wrong, 0u) << bytes << " bytes";
+      ASSERT_CUDA(cudaFree(copy));
+    }
+    ASSERT_CUDA(cudaFree(bad));
+    ASSERT_CUDA(cudaSetDevice(1));
+    alloc.free(before);
+    alloc.free(after);
+    alloc.empty_cache();
+    ASSERT_CUDA(cudaSetDevice(0));
+  }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -56,7 +56,10 @@ torch.cuda.synchronize()
 emit(equal_to_eager=all(torch.equal(r, e) for r, e in zip(replayed, eager)),
      first=replayed[0][0].tolist(), out_in_graph_pool=pool_of(static_out.data_ptr()) == list(graph.pool()),
      in_default_pool=pool_of(static_in.data_ptr()) == [0, 0],
-     reserved=torch.cuda.memory_reserved(), peak_reserved=torch.cuda.max_memory_reserved())
+     reserved=torch.cuda.memory_reserved(), peak_reserved=torch.cuda.max_memory_reserved(),
+     segments=sorted((list(s.get("segment_pool_id", (0, 0))), s["stream"] != 0, s["total_size"],
+                      s["allocated_size"], s["is_expandable"])
+                     for s in torch.cuda.memory_snapshot()))
 graph.reset()
 """, preset=PRESET)
     for r in (pytorch, ccalloc):

@@ -1,6 +1,8 @@
 """What torch.cuda's and torch.accelerator's memory functions report is the same on ccalloc as
 on PyTorch's allocator after the same deterministic sequence of allocations."""
 
+import pytest
+
 from torch_compare import assert_same, both, skip_without_gpu
 
 skip_without_gpu()
@@ -227,7 +229,7 @@ emit(before=before, first=first, after=torch.cuda.memory_stats()["max_split_size
 # completed at the same malloc.
 THREE_STREAMS = """
 import random
-def three_streams(seed):
+def three_streams(seed, batched=True):
     rng = random.Random(seed)
     streams = [torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()]
     live = []
@@ -249,16 +251,22 @@ def three_streams(seed):
             for _ in range(rng.randrange(1, 5)):
                 if live:
                     live.pop(rng.randrange(len(live)))
+                    if not batched:
+                        torch.cuda.synchronize()
+                        # A malloc returns the block before the next free (PyTorch polls
+                        # events at every malloc).
+                        torch.empty(1, dtype=torch.uint8, device="cuda")
             torch.cuda.synchronize()
     return live
 """
 
 
-def test_memory_stats_are_equal_after_three_streams_with_record_stream():
-    pytorch, ccalloc = both(THREE_STREAMS + """
+@pytest.mark.parametrize("batched", [False, True], ids=["one-free-at-a-time", "batched-frees"])
+def test_memory_stats_are_equal_after_three_streams_with_record_stream(batched):
+    pytorch, ccalloc = both(f"BATCHED = {batched!r}\n" + THREE_STREAMS + """
 out = {}
 for seed in range(4):
-    held = three_streams(seed)
+    held = three_streams(seed, BATCHED)
     torch.cuda.synchronize()
     out[seed] = dict(torch.cuda.memory_stats())
     del held

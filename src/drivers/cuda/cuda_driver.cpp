@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -601,15 +602,71 @@ void CudaDriver::map(DevicePtr va, std::size_t bytes, PhysicalHandle handle) {
   const Counted counted(call_ns_, {&map_calls_, &set_access_calls_});
   cu_check(api, api.map(ptr, bytes, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0),
            "cuMemMap(" + range_args(va, bytes) + ")", device_);
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  const CUresult r = api.set_access(ptr, bytes, &access, 1);
+  std::lock_guard lock(peers_mutex_);
+  set_access_or_unmap(va, bytes);
+}
+
+void CudaDriver::set_access_or_unmap(DevicePtr va, std::size_t bytes) {
+  const DriverApi& api = driver_api(device_);
+  const auto ptr = static_cast<CUdeviceptr>(va);
+  std::vector<CUmemAccessDesc> access(1 + peers_.size());
+  for (std::size_t i = 0; i < access.size(); ++i) {
+    access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access[i].location.id = i == 0 ? device_ : peers_[i - 1];
+    access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  const CUresult r = api.set_access(ptr, bytes, access.data(), access.size());
   if (r != CUDA_SUCCESS) {
     (void)api.unmap(ptr, bytes);  // leave the range as it was
-    cu_fail(api, r, "cuMemSetAccess(" + range_args(va, bytes) + ", read/write)", device_);
+    cu_fail(api, r,
+            "cuMemSetAccess(" + range_args(va, bytes) + ", read/write for " +
+                std::to_string(access.size()) + " device(s))",
+            device_);
   }
+  mapped_[va] = bytes;
+}
+
+void CudaDriver::add_peer(int peer) {
+  if (peer == device_ || peer < 0) {
+    throw DriverError("ccalloc: add_peer(" + std::to_string(peer) + ") on device " +
+                      std::to_string(device_) + ": a peer is another, existing device");
+  }
+  const DriverApi& api = driver_api(device_);
+  DeviceGuard guard(device_, /*bind_context=*/true);
+  {
+    std::lock_guard lock(peers_mutex_);
+    if (std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) return;
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = peer;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    // Contiguous mappings in one call (a range may span several whole mappings).
+    for (auto it = mapped_.begin(); it != mapped_.end();) {
+      const DevicePtr start = it->first;
+      DevicePtr end = start + it->second;
+      for (++it; it != mapped_.end() && it->first == end; ++it)
+        end += it->second;
+      const Counted counted(call_ns_, {&set_access_calls_});
+      cu_check(api, api.set_access(static_cast<CUdeviceptr>(start), end - start, &access, 1),
+               "cuMemSetAccess(" + range_args(start, end - start) + ", read/write for peer " +
+                   std::to_string(peer) + ")",
+               device_);
+    }
+    peers_.push_back(peer);
+  }
+  std::lock_guard lock(lazy_mutex_);
+  if (pool_ != nullptr) {
+    cudaMemAccessDesc desc{};
+    desc.location.type = cudaMemLocationTypeDevice;
+    desc.location.id = peer;
+    desc.flags = cudaMemAccessFlagsProtReadWrite;
+    check(cudaMemPoolSetAccess(to_pool(pool_), &desc, 1), "cudaMemPoolSetAccess", device_);
+  }
+}
+
+std::vector<int> CudaDriver::peers() const {
+  std::lock_guard lock(peers_mutex_);
+  return peers_;
 }
 
 void CudaDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle,
@@ -621,15 +678,8 @@ void CudaDriver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handl
   cu_check(api, api.map(ptr, bytes, offset, static_cast<CUmemGenericAllocationHandle>(handle), 0),
            "cuMemMap(" + range_args(va, bytes) + ", offset " + std::to_string(offset) + ")",
            device_);
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = device_;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  const CUresult r = api.set_access(ptr, bytes, &access, 1);
-  if (r != CUDA_SUCCESS) {
-    (void)api.unmap(ptr, bytes);  // leave the range as it was
-    cu_fail(api, r, "cuMemSetAccess(" + range_args(va, bytes) + ", read/write)", device_);
-  }
+  std::lock_guard lock(peers_mutex_);
+  set_access_or_unmap(va, bytes);
 }
 
 void CudaDriver::unmap(DevicePtr va, std::size_t bytes) {
@@ -638,6 +688,8 @@ void CudaDriver::unmap(DevicePtr va, std::size_t bytes) {
   const Counted counted(call_ns_, {&unmap_calls_});
   cu_check(api, api.unmap(static_cast<CUdeviceptr>(va), bytes),
            "cuMemUnmap(" + range_args(va, bytes) + ")", device_);
+  std::lock_guard lock(peers_mutex_);
+  mapped_.erase(mapped_.lower_bound(va), mapped_.lower_bound(va + bytes));
 }
 
 // --- Sharing with other processes ---
@@ -756,6 +808,13 @@ void* CudaDriver::default_pool() {
           "cudaMemPoolSetAttribute(ReuseAllowOpportunistic)", device_);
     check(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &on),
           "cudaMemPoolSetAttribute(ReuseAllowInternalDependencies)", device_);
+    for (const int peer : peers()) {  // peers added before the pool's first use
+      cudaMemAccessDesc desc{};
+      desc.location.type = cudaMemLocationTypeDevice;
+      desc.location.id = peer;
+      desc.flags = cudaMemAccessFlagsProtReadWrite;
+      check(cudaMemPoolSetAccess(pool, &desc, 1), "cudaMemPoolSetAccess", device_);
+    }
     pool_ = pool;
   }
   return pool_;
@@ -986,6 +1045,12 @@ void CudaDriver::copy_to_device(DevicePtr, const void*, std::size_t) {
 }
 void* CudaDriver::default_pool() {
   unavailable();
+}
+void CudaDriver::add_peer(int) {
+  unavailable();
+}
+std::vector<int> CudaDriver::peers() const {
+  return {};
 }
 void CudaDriver::set_exportable_kinds(unsigned) {
   unavailable();

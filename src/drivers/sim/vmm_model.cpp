@@ -12,6 +12,7 @@
 //   counts those mappings;
 //   a reservation is freed only with nothing mapped inside it, and a handle released only
 //   when it is not mapped.
+#include <algorithm>
 #include <iterator>
 #include <string>
 #include <utility>
@@ -224,6 +225,20 @@ std::vector<SimDriver::MappingInfo> SimDriver::mappings_in(DevicePtr base,
   for (auto m = mappings_.lower_bound(base); m != mappings_.end() && m->first < base + bytes; ++m)
     out.push_back(MappingInfo{m->first, m->second.bytes, m->second.handle, m->second.offset});
   return out;
+}
+
+void SimDriver::add_peer(int peer) {
+  std::lock_guard lock(mutex_);
+  if (peer < 0 || peer == options_.device) {
+    throw DriverError("ccalloc: add_peer(" + std::to_string(peer) + ") on simulated device " +
+                      std::to_string(options_.device) + ": a peer is another, existing device");
+  }
+  if (std::find(peers_.begin(), peers_.end(), peer) == peers_.end()) peers_.push_back(peer);
+}
+
+std::vector<int> SimDriver::peers() const {
+  std::lock_guard lock(mutex_);
+  return peers_;
 }
 
 }  // namespace ccalloc::sim
