@@ -66,8 +66,11 @@ graph.reset()
         assert r["equal_to_eager"] and r["out_in_graph_pool"] and r["in_default_pool"], r
     assert pytorch["first"] == ccalloc["first"]
     # A graph's memory costs no more than on PyTorch (the private pool's pages are 2 MiB).
-    assert ccalloc["reserved"] <= pytorch["reserved"], (pytorch, ccalloc)
-    assert ccalloc["peak_reserved"] <= pytorch["peak_reserved"], (pytorch, ccalloc)
+    segments = "\n".join(f"{name} {r['reserved']} (peak {r['peak_reserved']}): " +
+                          "; ".join(map(str, r["segments"]))
+                          for name, r in (("pytorch", pytorch), ("ccalloc", ccalloc)))
+    assert ccalloc["reserved"] <= pytorch["reserved"], segments
+    assert ccalloc["peak_reserved"] <= pytorch["peak_reserved"], segments
 
 
 def test_torch_compile_reduce_overhead_gives_the_same_outputs():
