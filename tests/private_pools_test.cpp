@@ -224,15 +224,21 @@ TEST(PrivatePools, ASegmentSourceProvidesAndTakesBackThePoolsSegments) {
     Fixture f(conf);
     std::vector<std::pair<DevicePtr, std::size_t>> given;
     std::vector<std::pair<DevicePtr, std::size_t>> taken;
+    // Each call is marked as the engine's (in_segment_source(), which lets ccalloc's own
+    // PyTorch entry points serve a pool of the same allocator from the device).
+    int unmarked = 0;
     SegmentSource source{[&](std::size_t bytes) {
+                           unmarked += in_segment_source() ? 0 : 1;
                            const DevicePtr p = f.driver.allocate(bytes);
                            given.emplace_back(p, bytes);
                            return p;
                          },
                          [&](DevicePtr p, std::size_t bytes) {
+                           unmarked += in_segment_source() ? 0 : 1;
                            taken.emplace_back(p, bytes);
                            f.driver.free(p, bytes);
                          }};
+    EXPECT_FALSE(in_segment_source());
     f.alloc.create_pool(kPool, source);
     EXPECT_EQ(message_of<Error>([&] { f.alloc.create_pool(kPool, source); }),
               "ccalloc: pool (0, 1) already exists: its segment source cannot be given again");
@@ -252,6 +258,8 @@ TEST(PrivatePools, ASegmentSourceProvidesAndTakesBackThePoolsSegments) {
     EXPECT_EQ(taken, (std::vector<std::pair<DevicePtr, std::size_t>>{{At(2), 12 * kMiB},
                                                                      {At(0), 2 * kMiB}}));
     EXPECT_EQ(f.reserved(), 0);
+    EXPECT_EQ(unmarked, 0);
+    EXPECT_FALSE(in_segment_source());
   }
 }
 

@@ -79,6 +79,13 @@ struct SegmentSource {
   std::function<void(DevicePtr ptr, std::size_t bytes)> free;
 };
 
+// Whether the calling thread is inside a SegmentSource call that an allocator makes (a
+// private pool taking or returning a segment). A source that is ccalloc itself (PyTorch's
+// MemPool(allocator=...) over libccalloc.so's ccalloc_torch_alloc/ccalloc_torch_free in a
+// process where ccalloc is also PyTorch's allocator: one allocator per process) then serves
+// the segment straight from the device instead of calling back into the pool.
+bool in_segment_source();
+
 // The state of a private pool at one moment (checkpoint_pool), to be restored later.
 class PoolCheckpoint {
  public:

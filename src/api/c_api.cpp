@@ -474,13 +474,29 @@ ccalloc_status ccalloc_ipc_close(void* ptr) {
   });
 }
 
+// Called by ccalloc itself when PyTorch made these entry points a MemPool's allocator while
+// ccalloc is also PyTorch's allocator (ccalloc::in_segment_source()): the pool's segment
+// comes straight from the device, since the pool's own allocator is the caller.
 void* ccalloc_torch_alloc(size_t size, int device, void* stream) {
   void* ptr = nullptr;
+  if (ccalloc::in_segment_source()) {
+    (void)guarded([&] {
+      ptr = reinterpret_cast<void*>(process().allocator(device).driver().allocate(size));
+    });
+    return ptr;
+  }
   (void)ccalloc_malloc(&ptr, size, device, stream);
   return ptr;
 }
 
-void ccalloc_torch_free(void* ptr, size_t /*size*/, int /*device*/, void* /*stream*/) {
+void ccalloc_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
+  if (ccalloc::in_segment_source()) {
+    const ccalloc_status s = guarded([&] {
+      process().allocator(device).driver().free(reinterpret_cast<ccalloc::DevicePtr>(ptr), size);
+    });
+    if (s != CCALLOC_SUCCESS) std::fprintf(stderr, "%s\n", ccalloc_last_error());
+    return;
+  }
   // PyTorch's free hook has no way to report an error: say it rather than hide it.
   if (ccalloc_free(ptr) != CCALLOC_SUCCESS) std::fprintf(stderr, "%s\n", ccalloc_last_error());
 }

@@ -26,7 +26,29 @@
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 
-namespace ccalloc::core {
+namespace ccalloc {
+namespace {
+
+thread_local int t_segment_source_calls = 0;
+
+}  // namespace
+
+bool in_segment_source() {
+  return t_segment_source_calls > 0;
+}
+
+namespace core {
+namespace {
+
+// Marks the calling thread as inside a SegmentSource call while it lives.
+struct SegmentSourceCall {
+  SegmentSourceCall() { ++t_segment_source_calls; }
+  ~SegmentSourceCall() { --t_segment_source_calls; }
+  SegmentSourceCall(const SegmentSourceCall&) = delete;
+  SegmentSourceCall& operator=(const SegmentSourceCall&) = delete;
+};
+
+}  // namespace
 
 DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock<ArenaMutex> lock) {
   // The arena's lock arrives in `lock` and is later held through lock_all(); the analysis
@@ -115,7 +137,12 @@ Block* Engine::allocate_segment(Arena& arena, const Request& req, bool is_retry)
   if (!whole) return allocate_expandable(arena, req);
   DevicePtr ptr = 0;
   try {
-    ptr = source != nullptr ? source->allocate(size) : driver_.allocate(size);
+    if (source != nullptr) {
+      const SegmentSourceCall call;
+      ptr = source->allocate(size);
+    } else {
+      ptr = driver_.allocate(size);
+    }
   } catch (...) {
     Lock lock(device_mutex_);
     reserved_ -= size;
@@ -153,6 +180,7 @@ void Engine::release_segment(Arena& arena, Block* block) {
   // A sleeping segment's memory left the reserved bytes when its pool went to sleep.
   const bool asleep = segment_asleep(arena, block->ptr);
   if (arena.pool != nullptr && arena.pool->source) {
+    const SegmentSourceCall call;
     arena.pool->source->free(block->ptr, block->size);
   } else {
     driver_.free(block->ptr, block->size);
@@ -538,4 +566,5 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
   throw OutOfMemoryError(oom_message(f), f.device, f.requested);
 }
 
-}  // namespace ccalloc::core
+}  // namespace core
+}  // namespace ccalloc
