@@ -59,7 +59,7 @@ AsyncBackend::~AsyncBackend() {
 DevicePtr AsyncBackend::malloc(std::size_t size, StreamId stream) {
   if (size == 0) return 0;
   const Origin stack =
-      capture_on_malloc_.load(std::memory_order_relaxed) ? capture() : Origin{};
+      recorder_.capture_on_malloc.load(std::memory_order_relaxed) ? capture() : Origin{};
   for (bool retried = false;; retried = true) {
     std::unique_lock lock(mutex_);
     release_deferred();
@@ -92,7 +92,7 @@ DevicePtr AsyncBackend::malloc(std::size_t size, StreamId stream) {
 void AsyncBackend::free(DevicePtr ptr) {
   if (ptr == 0) return;
   const Origin stack =
-      capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{};
+      recorder_.capture_on_free.load(std::memory_order_relaxed) ? capture() : Origin{};
   {
     std::lock_guard lock(mutex_);
     const auto it = ptr_info_.find(ptr);
@@ -279,14 +279,8 @@ void AsyncBackend::add_trace_observer(TraceObserver observer) {
 
 void AsyncBackend::record_trace(TraceAction action, DevicePtr addr, std::size_t size,
                                 StreamId stream, const Origin& stack) {
-  if (!history_on_ && trace_observers_.empty()) return;
-  const std::int64_t now = driver_.now_us();
-  const Origin& origin = stacks_on_entries_ ? stack : OperationContext::none();
-  if (history_on_) {
-    history_.push(HistoryEntry{action, addr, size, stream, now, origin, current_metadata()});
-  }
-  const ContextHandle* context = origin.context ? &origin.context : nullptr;
-  const TraceEntry entry{action, addr, size, stream, now, context};
+  if (!recorder_.history_on && trace_observers_.empty()) return;
+  const TraceEntry entry = recorder_.record(action, addr, size, stream, driver_.now_us(), stack);
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }
@@ -310,29 +304,15 @@ void AsyncBackend::raise_oom(std::unique_lock<std::mutex>& lock, std::size_t siz
 // keeps one entry unless everything is recorded), and stopping clears it. Stacks go on
 // alloc and oom entries from context `alloc` up, and on free entries with context `all`.
 void AsyncBackend::record_history(const HistoryOptions& options) {
-  using O = HistoryOptions;
-  const HistorySwitches sw = history_switches(options);
-  const bool on = options.enabled != O::Enabled::kNone;
   std::lock_guard lock(mutex_);
-  history_on_ = sw.history;
-  stacks_on_entries_ = sw.stacks_on_entries;
-  contexts_.set(options.capture_context);
-  capture_cpp_.store(sw.cpp, std::memory_order_relaxed);
-  capture_caller_.store(sw.caller, std::memory_order_relaxed);
   // No block keeps a stack here (snapshots list no segments), but a free at context
   // "alloc" is traced with its allocation's.
-  capture_on_malloc_.store(sw.stacks_on_entries, std::memory_order_relaxed);
-  capture_on_free_.store(sw.capture_on_free && sw.history, std::memory_order_relaxed);
-  history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
-                     options.clear || !on);
-  if (!on || options.clear) annotations_.clear();
+  recorder_.configure(options, /*blocks_keep_stacks=*/false);
 }
 
 void AsyncBackend::annotate(std::string_view name, bool start) {
   std::lock_guard lock(mutex_);
-  if (!history_on_) return;
-  annotations_.push_back(
-      Annotation{std::string(name), start ? "START" : "END", device(), driver_.now_us()});
+  recorder_.annotate(name, start, device(), driver_.now_us());
 }
 
 // PyTorch refuses snapshots with this backend. ccalloc returns no segments (the pool's
@@ -343,11 +323,8 @@ Snapshot AsyncBackend::snapshot() {
   {
     std::lock_guard lock(mutex_);
     record_trace(TraceAction::kSnapshot, 0, used_bytes_, 0, Origin{});
-    entries = history_.entries();
     s.allocator_settings = settings_of(config_);
-    s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
-    s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
-    s.external_annotations = annotations_;
+    recorder_.fill(s, entries);
   }
   std::vector<StackTable::Id> ids;
   for (const HistoryEntry& e : entries) {

@@ -112,17 +112,11 @@ class AsyncBackend final : public Backend {
   Driver& driver_;
   Config config_;  // written by reconfigure() under mutex_
   std::atomic<bool> check_invariants_{false};
-  // Stack capture for history entries (record_history), read before taking the lock.
-  std::atomic<bool> capture_on_malloc_{false};
-  std::atomic<bool> capture_on_free_{false};
-  std::atomic<bool> capture_cpp_{false};     // a capture takes the C++ stack
-  std::atomic<bool> capture_caller_{false};  // and the caller's context
-  ContextSource contexts_;
+  // History (record_history): its switches (the capture ones read before taking the lock),
+  // ring and annotations, under mutex_.
+  HistoryRecorder recorder_;
   // The origin of the operation starting now; inlined, so capture_origin skips its frame.
-  [[gnu::always_inline]] Origin capture() const {
-    return capture_origin(capture_cpp_.load(std::memory_order_relaxed),
-                          capture_caller_.load(std::memory_order_relaxed) ? &contexts_ : nullptr);
-  }
+  [[gnu::always_inline]] Origin capture() const { return recorder_.capture(); }
 
   mutable std::mutex mutex_;
   std::unordered_map<DevicePtr, PtrUsage> ptr_info_;
@@ -138,10 +132,6 @@ class AsyncBackend final : public Backend {
   std::vector<TraceObserver> trace_observers_;
   std::vector<Allocator::OomObserver> oom_observers_;
   std::vector<Allocator::FreeMemoryCallback> free_memory_callbacks_;
-  bool history_on_ = false;
-  bool stacks_on_entries_ = false;  // entries carry stacks (context "alloc" on)
-  HistoryRing history_;
-  std::vector<Annotation> annotations_;
 };
 
 }  // namespace ccalloc::core

@@ -16,6 +16,15 @@ namespace ccalloc::core {
 // that is not a live allocation of `device`.
 std::string pointer_error(const char* what, DevicePtr ptr, int device);
 
+// record_stream's rule for a live block of stream `own`: `stream` joins its uses unless it
+// is `own` (a stream orders its own work) or already there.
+inline void add_stream_use(std::vector<StreamId>& uses, StreamId own, StreamId stream) {
+  for (const StreamId s : uses) {
+    if (s == stream) return;
+  }
+  if (stream != own) uses.push_back(stream);
+}
+
 // The memory limit of a per-process fraction of `capacity`: nullopt for 1 (no limit).
 // Throws ConfigError outside [0, 1].
 std::optional<std::size_t> fraction_limit(double fraction, std::size_t capacity, int device);

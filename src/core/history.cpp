@@ -182,6 +182,49 @@ HistorySwitches history_switches(const HistoryOptions& options) {
   return sw;
 }
 
+void HistoryRecorder::configure(const HistoryOptions& options, bool blocks_keep_stacks) {
+  using O = HistoryOptions;
+  const HistorySwitches sw = history_switches(options);
+  const bool on = options.enabled != O::Enabled::kNone;
+  history_on = sw.history;
+  stacks_on_entries = sw.stacks_on_entries;
+  // The callback is in place before any operation can see the switches that ask for it.
+  contexts.set(options.capture_context);
+  capture_cpp.store(sw.cpp, std::memory_order_relaxed);
+  capture_caller.store(sw.caller, std::memory_order_relaxed);
+  capture_on_malloc.store(blocks_keep_stacks ? sw.stacks_on_blocks : sw.stacks_on_entries,
+                          std::memory_order_relaxed);
+  capture_on_free.store(sw.capture_on_free && sw.history, std::memory_order_relaxed);
+  // PyTorch keeps one entry unless everything is recorded; stopping clears the history.
+  ring.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
+                 options.clear || !on);
+  if (!on || options.clear) annotations.clear();
+}
+
+void HistoryRecorder::annotate(std::string_view name, bool start, int device,
+                               std::int64_t now_us) {
+  if (!history_on) return;
+  annotations.push_back(Annotation{std::string(name), start ? "START" : "END", device, now_us});
+}
+
+TraceEntry HistoryRecorder::record(TraceAction action, DevicePtr addr, std::size_t size,
+                                   StreamId stream, std::int64_t now_us, const Origin& stack) {
+  // Blocks keep their stacks from context "state" on; entries carry them from "alloc" on.
+  const Origin& origin = stacks_on_entries ? stack : OperationContext::none();
+  if (history_on) {
+    ring.push(HistoryEntry{action, addr, size, stream, now_us, origin, current_metadata()});
+  }
+  const ContextHandle* context = origin.context ? &origin.context : nullptr;
+  return TraceEntry{action, addr, size, stream, now_us, context};
+}
+
+void HistoryRecorder::fill(Snapshot& s, std::vector<HistoryEntry>& entries) const {
+  entries = ring.entries();
+  s.allocator_settings.trace_alloc_overflowed = ring.overflowed();
+  s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(ring.capacity());
+  s.external_annotations = annotations;
+}
+
 // ---------------------------------------------------------------------------------------
 // The engine's side
 

@@ -14,10 +14,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
 #include "ccalloc/snapshot.hpp"
+#include "ccalloc/trace.hpp"
 #include "core/stacks.hpp"
 
 namespace ccalloc::core {
@@ -150,6 +152,44 @@ std::uint32_t intern_metadata(const std::string& s);
 std::string metadata_string(std::uint32_t id);
 std::uint32_t current_metadata();
 void set_current_metadata(std::uint32_t id);
+
+// History recorded beside a backend's operations, for the backends that keep it in fields
+// (StitchEngine, AsyncBackend; the native engine packs the same switches into one word of
+// trace flags): record_history's switches, the ring, the annotations and the capture of an
+// operation's origin, so that each backend applies PyTorch's levels alike. The owner's
+// trace lock guards history_on, stacks_on_entries and annotations; the capture switches are
+// read without it, and the ring locks itself.
+struct HistoryRecorder {
+  bool history_on = false;         // entries go to the ring (enabled "all")
+  bool stacks_on_entries = false;  // entries carry stacks (context "alloc" on)
+  std::atomic<bool> capture_on_malloc{false};
+  std::atomic<bool> capture_on_free{false};
+  std::atomic<bool> capture_cpp{false};     // a capture takes the C++ stack
+  std::atomic<bool> capture_caller{false};  // and the caller's context
+  ContextSource contexts;
+  HistoryRing ring;
+  std::vector<Annotation> annotations;
+
+  // The origin of the operation starting now; inlined, so capture_origin skips its frame.
+  [[gnu::always_inline]] Origin capture() const {
+    return capture_origin(capture_cpp.load(std::memory_order_relaxed),
+                          capture_caller.load(std::memory_order_relaxed) ? &contexts : nullptr);
+  }
+  // Applies record_history's options. A malloc captures its stack when its block keeps it
+  // (`blocks_keep_stacks`: context "state" on) or, for a backend whose blocks keep none,
+  // when entries carry it. The owner's trace lock held.
+  void configure(const HistoryOptions& options, bool blocks_keep_stacks);
+  // Keeps an annotation while history is recorded. The owner's trace lock held.
+  void annotate(std::string_view name, bool start, int device, std::int64_t now_us);
+  // Records an entry of `stack`'s operation in the ring when history is on, and returns it
+  // as trace observers see it (its context points into `stack`, or to none). The owner's
+  // trace lock held.
+  TraceEntry record(TraceAction action, DevicePtr addr, std::size_t size, StreamId stream,
+                    std::int64_t now_us, const Origin& stack);
+  // The ring's entries and settings, and the annotations, into a snapshot. The owner's
+  // trace lock held.
+  void fill(Snapshot& s, std::vector<HistoryEntry>& entries) const;
+};
 
 // A snapshot's device trace from recorded entries (chronological): each entry's frames
 // come from `frames` (StackTable::symbolize of its stack ids), its metadata id becomes the

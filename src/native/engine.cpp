@@ -121,12 +121,7 @@ void Engine::record_stream(DevicePtr ptr, StreamId stream) {
   if (Arena* arena = arena_of(ptr)) {
     Lock lock(arena->mutex);
     if (Block* block = arena->live.find(ptr)) {
-      // Uses on the block's own stream are ordered by the stream itself.
-      if (stream != arena->stream && std::find(block->stream_uses.begin(),
-                                               block->stream_uses.end(),
-                                               stream) == block->stream_uses.end()) {
-        block->stream_uses.push_back(stream);
-      }
+      add_stream_use(block->stream_uses, arena->stream, stream);
       lock.unlock();
       after_operation();
       return;

@@ -82,7 +82,7 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
                            driver_.device(), size);
   }
   const Origin stack =
-      capture_on_malloc_.load(std::memory_order_relaxed) ? capture() : Origin{};
+      recorder_.capture_on_malloc.load(std::memory_order_relaxed) ? capture() : Origin{};
   // During a capture events may be neither recorded nor queried: pending frees wait.
   if ((pending_events_.load(std::memory_order_relaxed) |
        deferred_frees_.load(std::memory_order_relaxed)) != 0 &&
@@ -244,7 +244,7 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
   Arena* arena = arena_of(ptr);
   if (arena == nullptr) return false;
   const Origin stack =
-      capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{};
+      recorder_.capture_on_free.load(std::memory_order_relaxed) ? capture() : Origin{};
   Lock lock(arena->mutex);
   Block* b = arena->live.erase(ptr);
   if (b == nullptr) {
@@ -301,11 +301,7 @@ void StitchEngine::record_stream(DevicePtr ptr, StreamId stream) {
   if (Arena* arena = arena_of(ptr)) {
     Lock lock(arena->mutex);
     if (Block* b = arena->live.find(ptr)) {
-      // Uses on the block's own stream are ordered by the stream itself.
-      if (stream != arena->stream &&
-          std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
-        b->stream_uses.push_back(stream);
-      }
+      add_stream_use(b->stream_uses, arena->stream, stream);
       lock.unlock();
       after_operation();
       return;

@@ -544,16 +544,11 @@ class StitchEngine final : public Backend {
   Config config_;
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
   std::atomic<bool> check_invariants_{false};
-  std::atomic<bool> capture_on_malloc_{false};
-  std::atomic<bool> capture_on_free_{false};
-  std::atomic<bool> capture_cpp_{false};     // a capture takes the C++ stack
-  std::atomic<bool> capture_caller_{false};  // and the caller's context
-  ContextSource contexts_;
+  // History (record_history): its switches, ring and annotations; the owner's trace lock is
+  // trace_mutex_.
+  HistoryRecorder recorder_;
   // The origin of the operation starting now; inlined, so capture_origin skips its frame.
-  [[gnu::always_inline]] Origin capture() const {
-    return capture_origin(capture_cpp_.load(std::memory_order_relaxed),
-                          capture_caller_.load(std::memory_order_relaxed) ? &contexts_ : nullptr);
-  }
+  [[gnu::always_inline]] Origin capture() const { return recorder_.capture(); }
 
   // Set at construction, then read-only.
   std::size_t page_ = 0;          // the driver's granularity
@@ -601,11 +596,7 @@ class StitchEngine final : public Backend {
   mutable Mutex trace_mutex_;
   std::vector<TraceObserver> trace_observers_ GUARDED_BY(trace_mutex_);
   OomFallbacks oom_fallbacks_;  // set before use, then read-only
-  bool history_on_ GUARDED_BY(trace_mutex_) = false;
-  bool stacks_on_entries_ GUARDED_BY(trace_mutex_) = false;
-  std::atomic<bool> tracing_{false};  // history_on_ or observers attached
-  HistoryRing history_;               // locks itself
-  std::vector<Annotation> annotations_ GUARDED_BY(trace_mutex_);
+  std::atomic<bool> tracing_{false};  // history recorded or observers attached
 };
 
 template <typename F>

@@ -223,7 +223,7 @@ void StitchEngine::release_spare_handles() {
 std::optional<OperationContext> StitchEngine::empty_cache_context() {
   if (OperationContext::active()) return std::nullopt;
   return std::optional<OperationContext>(
-      std::in_place, capture_on_free_.load(std::memory_order_relaxed) ? capture() : Origin{});
+      std::in_place, recorder_.capture_on_free.load(std::memory_order_relaxed) ? capture() : Origin{});
 }
 
 void StitchEngine::empty_cache() {

@@ -169,14 +169,7 @@ void StitchEngine::add_trace_observer(TraceObserver observer) {
 void StitchEngine::record_trace_entry(TraceAction action, DevicePtr addr, std::size_t size,
                                       StreamId stream, const Origin& stack) {
   Lock lock(trace_mutex_);
-  const std::int64_t now = driver_.now_us();
-  // Blocks keep their stacks from context "state" on; entries carry them from "alloc" on.
-  const Origin& origin = stacks_on_entries_ ? stack : OperationContext::none();
-  if (history_on_) {
-    history_.push(HistoryEntry{action, addr, size, stream, now, origin, current_metadata()});
-  }
-  const ContextHandle* context = origin.context ? &origin.context : nullptr;
-  const TraceEntry entry{action, addr, size, stream, now, context};
+  const TraceEntry entry = recorder_.record(action, addr, size, stream, driver_.now_us(), stack);
   for (const TraceObserver& observer : trace_observers_)
     observer(entry);
 }
@@ -236,28 +229,14 @@ void StitchEngine::raise_oom(const OomReport& report) {
 }
 
 void StitchEngine::record_history(const HistoryOptions& options) {
-  using O = HistoryOptions;
-  const HistorySwitches sw = history_switches(options);
-  const bool on = options.enabled != O::Enabled::kNone;
   Lock lock(trace_mutex_);
-  history_on_ = sw.history;
-  stacks_on_entries_ = sw.stacks_on_entries;
-  tracing_.store(history_on_ || !trace_observers_.empty(), std::memory_order_relaxed);
-  contexts_.set(options.capture_context);
-  capture_cpp_.store(sw.cpp, std::memory_order_relaxed);
-  capture_caller_.store(sw.caller, std::memory_order_relaxed);
-  capture_on_malloc_.store(sw.stacks_on_blocks, std::memory_order_relaxed);
-  capture_on_free_.store(sw.capture_on_free && sw.history, std::memory_order_relaxed);
-  history_.configure(options.enabled == O::Enabled::kAll ? options.max_entries : 1,
-                     options.clear || !on);
-  if (!on || options.clear) annotations_.clear();
+  recorder_.configure(options, /*blocks_keep_stacks=*/true);
+  tracing_.store(recorder_.history_on || !trace_observers_.empty(), std::memory_order_relaxed);
 }
 
 void StitchEngine::annotate(std::string_view name, bool start) {
   Lock lock(trace_mutex_);
-  if (!history_on_) return;
-  annotations_.push_back(
-      Annotation{std::string(name), start ? "START" : "END", device(), driver_.now_us()});
+  recorder_.annotate(name, start, device(), driver_.now_us());
 }
 
 namespace {
@@ -436,13 +415,10 @@ Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
     }
     record_trace(TraceAction::kSnapshot, 0,
                  static_cast<std::size_t>(active_bytes + other_active_bytes), 0, Origin{});
-    entries = history_.entries();
     s.allocator_settings = settings_of(config_);
-    s.allocator_settings.trace_alloc_overflowed = history_.overflowed();
-    s.allocator_settings.trace_alloc_max_entries = static_cast<std::int64_t>(history_.capacity());
     {
       Lock lock(trace_mutex_);
-      s.external_annotations = annotations_;
+      recorder_.fill(s, entries);
     }
     {
       Lock device_lock(device_mutex_);
