@@ -89,6 +89,32 @@ TEST(ProcessAllocator, DeviceOutOfRangeIsADriverError) {
   EXPECT_THROW(p.allocator(-5), ccalloc::DriverError);
 }
 
+TEST(ProcessAllocator, OneVisibleDeviceIsTheCurrentOneWithoutAsking) {
+  int asked = 0;
+  ProcessAllocator::Devices one = simulated_machine(1);
+  one.current_device = [&asked] {
+    ++asked;
+    return 0;
+  };
+  ProcessAllocator p(std::move(one), ccalloc::Config::parse("pytorch"));
+  const DevicePtr a = p.malloc(4096);
+  p.free(a);
+  EXPECT_EQ(p.stats().allocation[ccalloc::kAggregate].allocated, 1);
+  EXPECT_EQ(asked, 0);
+  // With two, malloc asks for the current device.
+  int asked_two = 0;
+  ProcessAllocator::Devices two = simulated_machine(2);
+  two.current_device = [&asked_two] {
+    ++asked_two;
+    return 1;
+  };
+  ProcessAllocator q(std::move(two), ccalloc::Config::parse("pytorch"));
+  const DevicePtr b = q.malloc(4096);
+  EXPECT_EQ(q.device_of(b), 1);
+  q.free(b);
+  EXPECT_GE(asked_two, 1);
+}
+
 TEST(ProcessAllocator, PeerAccessIsGrantedByTheOwningDevicesDriver) {
   ProcessAllocator p(simulated_machine(2), ccalloc::Config::parse("ccalloc"));
   // Device 0 may access device 1's memory: device 1's allocator grants it, once.
