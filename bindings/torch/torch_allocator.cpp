@@ -347,8 +347,12 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     // deleter and are kept alive by torch.multiprocessing's reference counting instead.
     if (ptr.get() == nullptr || ptr.get_deleter() != &local_raw_delete) return;
     translated("recordStream", [&] {
-      owner(ptr.get()).record_stream(reinterpret_cast<ccalloc::DevicePtr>(ptr.get()),
-                                     reinterpret_cast<ccalloc::StreamId>(stream.stream()));
+      ccalloc::Allocator& a = owner(ptr.get());
+      const auto s = reinterpret_cast<ccalloc::StreamId>(stream.stream());
+      // PyTorch's allocator hashes streams by c10::Stream::hash(): with the key, the native
+      // engine returns frees completing together in PyTorch's order (§2.10).
+      a.set_stream_order_key(s, stream.unwrap().hash());
+      a.record_stream(reinterpret_cast<ccalloc::DevicePtr>(ptr.get()), s);
     });
   }
 

@@ -170,6 +170,13 @@ class Allocator {
   // Marks `ptr` as used on `stream`: when freed, it is reused only after the work queued on
   // `stream` up to the free has completed.
   void record_stream(DevicePtr ptr, StreamId stream);
+  // Names `stream` by the key PyTorch's allocator hashes it with (c10::Stream::hash()), so
+  // that the native engine returns blocks whose cross-stream events complete at the same
+  // malloc in PyTorch's order, the order of its hash table of streams
+  // (docs/pytorch-behaviour.md §2.10). The PyTorch adapter calls it for every stream given
+  // to recordStream; without keys the engine returns them in stream order. Other policies
+  // ignore it.
+  void set_stream_order_key(StreamId stream, std::uint64_t key);
   // Returns every cached, wholly free segment to the device (after waiting for pending
   // cross-stream frees), including those of private pools whose use count is 0. Does
   // nothing while a capture is underway (begin_allocate_to_pool).

@@ -95,6 +95,9 @@ void Allocator::free(DevicePtr ptr) {
 void Allocator::record_stream(DevicePtr ptr, StreamId stream) {
   impl_->record_stream(ptr, stream);
 }
+void Allocator::set_stream_order_key(StreamId stream, std::uint64_t key) {
+  impl_->set_stream_order_key(stream, key);
+}
 void Allocator::empty_cache() {
   impl_->empty_cache();
 }

@@ -21,6 +21,8 @@ class Backend {
   virtual DevicePtr malloc(std::size_t size, StreamId stream) = 0;
   virtual void free(DevicePtr ptr) = 0;
   virtual void record_stream(DevicePtr ptr, StreamId stream) = 0;
+  // Allocator::set_stream_order_key; only the native engine orders by it.
+  virtual void set_stream_order_key(StreamId /*stream*/, std::uint64_t /*key*/) {}
   virtual void empty_cache() = 0;
   virtual DeviceStats stats() const = 0;
   virtual void reset_peak_stats() = 0;

@@ -34,6 +34,7 @@ namespace ccalloc::core {
 struct PendingFree {
   EventId event;
   Block* block;
+  std::uint64_t seq = 0;  // the engine's count of events recorded before this one
 };
 
 // A free made during a capture of a block used on other streams (Arena::deferred).
@@ -45,6 +46,7 @@ struct DeferredFree {
   // the block is free again inside the capture. Empty: it waits for the capture's end.
   std::vector<GraphNode> markers;
   std::uint64_t capture = 0;  // the capture the markers are nodes of
+  std::uint64_t seq = 0;      // the engine's count of frees deferred before this one
 };
 
 // What reaches a stream's terminals in the capture graph: every node from which one of

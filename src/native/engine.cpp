@@ -287,7 +287,7 @@ void Engine::release_allocation(Arena& arena, Block* block) {
     // operation after every capture has ended (PyTorch's
     // needs_events_deferred_until_no_capture), unless the capture graph shows earlier that
     // every use is over (graph_capture_record_stream_reuse).
-    DeferredFree d{block, {}, 0};
+    DeferredFree d{block, {}, 0, deferred_seq_.fetch_add(1, std::memory_order_relaxed)};
     if (config_.graph_capture_record_stream_reuse)
       d.markers = free_markers(arena, block, d.capture);
     if (!d.markers.empty()) ++arena.deferred_marked;

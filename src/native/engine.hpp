@@ -85,6 +85,7 @@
 #include "core/history.hpp"
 #include "core/published_size.hpp"
 #include "core/segment_map.hpp"
+#include "core/stream_table.hpp"
 #include "native/sleepable.hpp"
 #include "core/thread_annotations.hpp"
 
@@ -111,6 +112,7 @@ class Engine final : public Backend {
   DevicePtr malloc(std::size_t size, StreamId stream) override;
   void free(DevicePtr ptr) override;
   void record_stream(DevicePtr ptr, StreamId stream) override;
+  void set_stream_order_key(StreamId stream, std::uint64_t key) override;
   void empty_cache() override;
   DeviceStats stats() const override;
   void reset_peak_stats() override;
@@ -350,6 +352,15 @@ class Engine final : public Backend {
   // counted in num_sync_all_streams unless `counted` is false.
   void synchronize_and_free_events(const AllArenasLock& all, const PrivatePool* pool = nullptr,
                                    bool counted = true);
+  // --- PyTorch's order of streams (set_stream_order_key; events.cpp) ---
+  // With stream keys, polling and waiting visit the streams' pending frees in the order of
+  // PyTorch's table of streams (core/stream_table.hpp), each stream's in the order they
+  // were made across arenas, and record deferred frees' events in the order they were made.
+  bool ordered_events() const { return ordered_events_.load(std::memory_order_acquire); }
+  void process_events_in_pytorch_order() EXCLUDES(registry_mutex_, device_mutex_);
+  void synchronize_in_pytorch_order(const AllArenasLock& all);
+  void insert_all_deferred_events(const AllArenasLock& all);
+  std::uint64_t order_key(StreamId stream) const REQUIRES(order_mutex_);
 
   // --- device-wide peaks (stats.cpp; the baseline ledger of arena.hpp) ---
   // Every arena's part of the ledger (every arena lock held).
@@ -467,6 +478,17 @@ class Engine final : public Backend {
   SegmentMap owners_;                                      // written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
+  // Counters that order events and deferred frees across arenas (PendingFree::seq,
+  // DeferredFree::seq).
+  std::atomic<std::uint64_t> event_seq_{0};
+  std::atomic<std::uint64_t> deferred_seq_{0};
+  // PyTorch's order of streams (set_stream_order_key): the keys, and the table of streams
+  // with pending events as PyTorch's allocator holds it. A leaf lock, taken under arena
+  // locks; free_block (device_mutex_, trace_mutex_) may run under it.
+  mutable Mutex order_mutex_;
+  std::atomic<bool> ordered_events_{false};
+  std::unordered_map<StreamId, std::uint64_t> order_keys_ GUARDED_BY(order_mutex_);
+  StreamTable event_streams_ GUARDED_BY(order_mutex_);
   // Searches of each pool kind since start: the clock of the age-based GC. Advanced only
   // while GC is enabled. [0] small, [1] large.
   std::array<std::atomic<std::uint64_t>, 2> pool_searches_{};

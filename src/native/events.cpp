@@ -11,6 +11,26 @@ namespace ccalloc::core {
 void Engine::insert_events(Arena& arena, Block* block) {
   std::vector<StreamId> uses;
   uses.swap(block->stream_uses);
+  if (ordered_events()) [[unlikely]] {
+    // PyTorch records them in the order of the block's set of streams, and each stream
+    // joins its table of streams with pending events on first use.
+    Lock lock(order_mutex_);
+    std::vector<std::uint64_t> keys;
+    keys.reserve(uses.size());
+    for (const StreamId s : uses)
+      keys.push_back(order_key(s));
+    const std::vector<std::uint64_t> order = StreamTable::order_of(keys);
+    std::vector<StreamId> sorted;
+    sorted.reserve(uses.size());
+    for (const std::uint64_t k : order) {
+      for (std::size_t i = 0; i < uses.size(); ++i) {
+        if (keys[i] == k) sorted.push_back(uses[i]);
+      }
+    }
+    uses.swap(sorted);
+    for (const StreamId s : uses)
+      event_streams_.insert(order_key(s));
+  }
   for (const StreamId s : uses) {
     const EventId event = event_pool_.get();
     driver_.record_event(event, s);
@@ -21,7 +41,8 @@ void Engine::insert_events(Arena& arena, Block* block) {
       arena.pending.emplace_back(s, std::deque<PendingFree>{});
       queue = std::prev(arena.pending.end());
     }
-    queue->second.push_back(PendingFree{event, block});
+    queue->second.push_back(
+        PendingFree{event, block, event_seq_.fetch_add(1, std::memory_order_relaxed)});
   }
   const auto n = static_cast<std::int64_t>(uses.size());
   arena.pending_events.fetch_add(n, std::memory_order_relaxed);
@@ -156,6 +177,10 @@ bool Engine::process_events(Arena& arena) {
 }
 
 void Engine::process_events_everywhere() {
+  if (ordered_events()) {
+    process_events_in_pytorch_order();
+    return;
+  }
   for (Arena* arena : arena_list()) {
     if (arena->pending_events.load(std::memory_order_relaxed) == 0 &&
         arena->deferred_count.load(std::memory_order_relaxed) == 0) {
@@ -181,6 +206,10 @@ void Engine::synchronize_and_free_events(const AllArenasLock& all, const Private
     Lock lock(device_mutex_);
     ++device_stats_.num_sync_all_streams;
   }
+  if (pool == nullptr && ordered_events()) {
+    synchronize_in_pytorch_order(all);
+    return;
+  }
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
     if (pool != nullptr && arena->pool != pool) continue;
@@ -200,6 +229,185 @@ void Engine::synchronize_and_free_events(const AllArenasLock& all, const Private
     arena->pending.clear();
     arena->pending_events.fetch_sub(completed, std::memory_order_relaxed);
     pending_events_.fetch_sub(completed, std::memory_order_relaxed);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// PyTorch's order of streams (docs/pytorch-behaviour.md §2.10). PyTorch keeps one queue of
+// (event, block) per stream, in a hash table of streams; each malloc walks the table in
+// slot order, pops each stream's completed events in the order they were recorded, frees
+// a block when its last event is popped, and erases a stream whose queue emptied (the walk
+// then continues at that slot). Here each arena keeps its own queue per stream: a stream's
+// queue is the merge of the arenas' queues by PendingFree::seq.
+
+void Engine::set_stream_order_key(StreamId stream, std::uint64_t key) {
+  Lock lock(order_mutex_);
+  order_keys_[stream] = key;
+  ordered_events_.store(true, std::memory_order_release);
+}
+
+std::uint64_t Engine::order_key(StreamId stream) const {
+  const auto it = order_keys_.find(stream);
+  return it != order_keys_.end() ? it->second : static_cast<std::uint64_t>(stream);
+}
+
+namespace {
+
+// The arena queue holding the oldest pending free of `stream`, or none.
+struct Oldest {
+  Arena* arena = nullptr;
+  std::deque<PendingFree>* queue = nullptr;
+};
+
+Oldest oldest_pending(const std::vector<Arena*>& arenas, StreamId stream)
+    NO_THREAD_SAFETY_ANALYSIS {  // every arena lock held by the caller
+  Oldest best;
+  for (Arena* arena : arenas) {
+    for (auto& [s, queue] : arena->pending) {
+      if (s != stream || queue.empty()) continue;
+      if (best.queue == nullptr || queue.front().seq < best.queue->front().seq) {
+        best = Oldest{arena, &queue};
+      }
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+void Engine::insert_all_deferred_events(const AllArenasLock& all) {
+  std::vector<std::pair<std::uint64_t, Arena*>> order;
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
+    for (const DeferredFree& d : arena->deferred)
+      order.emplace_back(d.seq, arena);
+  }
+  if (order.empty()) {
+    for (Arena* arena : all.by_stream()) {
+      all.held(*arena);
+      if (arena->reach.capture != 0) arena->reach = CaptureReach{};
+    }
+    return;
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [seq, arena] : order) {
+    all.held(*arena);
+    const auto it = std::find_if(arena->deferred.begin(), arena->deferred.end(),
+                                 [seq = seq](const DeferredFree& d) { return d.seq == seq; });
+    insert_events(*arena, it->block);
+  }
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
+    if (arena->reach.capture != 0) arena->reach = CaptureReach{};  // the capture is over
+    const auto n = static_cast<std::int64_t>(arena->deferred.size());
+    arena->deferred.clear();
+    arena->deferred_marked = 0;
+    arena->deferred_count.fetch_sub(n, std::memory_order_relaxed);
+    deferred_frees_.fetch_sub(n, std::memory_order_relaxed);
+  }
+}
+
+void Engine::process_events_in_pytorch_order() {
+  const AllArenasLock all(*this);
+  if (capturing()) return;
+  insert_all_deferred_events(all);
+  const std::vector<Arena*>& arenas = all.by_stream();
+  // Returns the oldest pending free of `stream` whose event completed, counting it out of
+  // its queue, or false at the first that has not completed.
+  const auto pop_completed = [&](StreamId stream, bool wait) NO_THREAD_SAFETY_ANALYSIS {
+    const Oldest o = oldest_pending(arenas, stream);
+    if (o.queue == nullptr) return false;
+    const PendingFree f = o.queue->front();
+    if (wait) {
+      driver_.synchronize_event(f.event);
+    } else if (!driver_.query_event(f.event)) {
+      return false;
+    }
+    o.queue->pop_front();
+    event_pool_.put(f.event);
+    o.arena->pending_events.fetch_sub(1, std::memory_order_relaxed);
+    pending_events_.fetch_sub(1, std::memory_order_relaxed);
+    if (--f.block->event_count == 0) {
+      free_block(*o.arena, f.block);
+      if (o.arena->in_debt) settle_peak_debts(all);  // each free as its own operation
+    }
+    return true;
+  };
+  {
+    Lock lock(order_mutex_);
+    std::unordered_map<std::uint64_t, StreamId> stream_of;
+    for (const auto& [stream, key] : order_keys_)
+      stream_of.emplace(key, stream);
+    for (std::size_t slot = event_streams_.begin(); slot != event_streams_.end();) {
+      const std::uint64_t key = event_streams_.key(slot);
+      const auto it = stream_of.find(key);
+      const StreamId stream = it != stream_of.end() ? it->second : static_cast<StreamId>(key);
+      while (pop_completed(stream, /*wait=*/false)) {
+      }
+      slot = oldest_pending(arenas, stream).queue == nullptr ? event_streams_.erase(slot)
+                                                             : event_streams_.next(slot);
+    }
+  }
+  // Frees whose events were recorded before any key was known: stream by stream.
+  for (Arena* arena : arenas) {
+    all.held(*arena);
+    std::vector<StreamId> streams;
+    for (const auto& [stream, queue] : arena->pending)
+      streams.push_back(stream);
+    for (const StreamId stream : streams) {
+      while (pop_completed(stream, /*wait=*/false)) {
+      }
+    }
+  }
+  for (Arena* arena : arenas) {
+    all.held(*arena);
+    std::erase_if(arena->pending, [](const auto& q) { return q.second.empty(); });
+  }
+}
+
+void Engine::synchronize_in_pytorch_order(const AllArenasLock& all) {
+  insert_all_deferred_events(all);
+  const std::vector<Arena*>& arenas = all.by_stream();
+  const auto wait_all = [&](StreamId stream) NO_THREAD_SAFETY_ANALYSIS {
+    for (;;) {
+      const Oldest o = oldest_pending(arenas, stream);
+      if (o.queue == nullptr) return;
+      const PendingFree f = o.queue->front();
+      driver_.synchronize_event(f.event);
+      o.queue->pop_front();
+      event_pool_.put(f.event);
+      o.arena->pending_events.fetch_sub(1, std::memory_order_relaxed);
+      pending_events_.fetch_sub(1, std::memory_order_relaxed);
+      if (--f.block->event_count == 0) {
+        free_block(*o.arena, f.block);
+        if (o.arena->in_debt) settle_peak_debts(all);
+      }
+    }
+  };
+  {
+    Lock lock(order_mutex_);
+    std::unordered_map<std::uint64_t, StreamId> stream_of;
+    for (const auto& [stream, key] : order_keys_)
+      stream_of.emplace(key, stream);
+    for (std::size_t slot = event_streams_.begin(); slot != event_streams_.end();
+         slot = event_streams_.next(slot)) {
+      const std::uint64_t key = event_streams_.key(slot);
+      const auto it = stream_of.find(key);
+      wait_all(it != stream_of.end() ? it->second : static_cast<StreamId>(key));
+    }
+    event_streams_.clear();
+  }
+  for (Arena* arena : arenas) {
+    all.held(*arena);
+    std::vector<StreamId> streams;
+    for (const auto& [stream, queue] : arena->pending)
+      streams.push_back(stream);
+    for (const StreamId stream : streams)
+      wait_all(stream);
+  }
+  for (Arena* arena : arenas) {
+    all.held(*arena);
+    arena->pending.clear();
   }
 }
 
