@@ -81,11 +81,14 @@ class Failures {
 };
 
 struct Shared {
-  Shared(const char* conf, std::size_t capacity)
-      : gpu(small_device(capacity)), alloc(gpu, Config::parse(conf)) {}
+  Shared(const char* conf, std::size_t capacity, bool keys = false)
+      : gpu(small_device(capacity)), alloc(gpu, Config::parse(conf)), ordered(keys) {}
 
   ccalloc::sim::SimDriver gpu;
   Allocator alloc;
+  // Streams get PyTorch's order keys as they are recorded (as the PyTorch adapter gives
+  // them), so that polls and waits walk the streams in PyTorch's order under every lock.
+  const bool ordered;
   Failures failures;
 
   std::mutex handoff_mutex;
@@ -196,6 +199,7 @@ void worker(Shared& sh, int index) {
         if (!live.empty()) {
           const int other = static_cast<int>(uniform(kWorkers + 1));
           const StreamId s = other == kWorkers ? kSharedStream : own_stream(other);
+          if (sh.ordered) sh.alloc.set_stream_order_key(s, (std::uint64_t{1} << 56) | (s * 7));
           sh.alloc.record_stream(live[uniform(live.size())].ptr, s);
           sh.record_streams.fetch_add(1, std::memory_order_relaxed);
         }
@@ -285,8 +289,8 @@ void completer(Shared& sh) {
 
 class Stress : public ::testing::TestWithParam<const char*> {};
 
-TEST_P(Stress, ConcurrentMallocFreeRecordStreamWithOomLadderAndInspection) {
-  Shared sh(GetParam(), 192 * kMiB);
+void stress(const char* conf, bool ordered) {
+  Shared sh(conf, 192 * kMiB, ordered);
   std::vector<std::thread> threads;
   for (int i = 0; i < kWorkers; ++i)
     threads.emplace_back(worker, std::ref(sh), i);
@@ -324,13 +328,22 @@ TEST_P(Stress, ConcurrentMallocFreeRecordStreamWithOomLadderAndInspection) {
   EXPECT_GT(sh.record_streams.load(), 100u);
   EXPECT_GT(s.num_sync_all_streams, 0);
   std::printf(
-      "[ %s ] %llu mallocs, %llu OOM, %llu frees of other threads' blocks, %llu "
+      "[ %s%s ] %llu mallocs, %llu OOM, %llu frees of other threads' blocks, %llu "
       "record_stream, %lld syncs of all streams, %lld device allocs\n",
-      GetParam(), static_cast<unsigned long long>(sh.mallocs.load()),
+      conf, ordered ? ", PyTorch's order of streams" : "",
+      static_cast<unsigned long long>(sh.mallocs.load()),
       static_cast<unsigned long long>(sh.ooms.load()),
       static_cast<unsigned long long>(sh.foreign_frees.load()),
       static_cast<unsigned long long>(sh.record_streams.load()),
       static_cast<long long>(s.num_sync_all_streams), static_cast<long long>(s.num_device_alloc));
+}
+
+TEST_P(Stress, ConcurrentMallocFreeRecordStreamWithOomLadderAndInspection) {
+  stress(GetParam(), /*ordered=*/false);
+}
+
+TEST_P(Stress, TheSameInPytorchsOrderOfStreams) {
+  stress(GetParam(), /*ordered=*/true);
 }
 
 std::string config_name(const ::testing::TestParamInfo<const char*>& param) {

@@ -9,7 +9,8 @@
 //
 // Locks, in the order they may nest:
 //   registry_mutex_  ->  Arena::mutex (several only via lock_all(), by creation order)
-//   ->  device_mutex_  ->  trace_mutex_ / EventPool
+//   ->  order_mutex_ (PyTorch's order of streams)  ->  device_mutex_  ->  trace_mutex_ /
+//   EventPool
 // Members name the lock that guards them and private methods the lock they need
 // (core/thread_annotations.hpp); clang's -Wthread-safety checks that (scripts/test tsa).
 // Code that relies on an arena lock taken through lock_all() says so with
