@@ -362,6 +362,13 @@ class Engine final : public Backend {
   void synchronize_in_pytorch_order(const AllArenasLock& all);
   void insert_all_deferred_events(const AllArenasLock& all);
   std::uint64_t order_key(StreamId stream) const REQUIRES(order_mutex_);
+  std::unordered_map<std::uint64_t, StreamId> streams_by_key() const REQUIRES(order_mutex_);
+  // Takes the oldest pending free of `stream` (across arenas) out of its queue once its
+  // event has completed (waiting for it if `wait`), returning its block when it was the
+  // last; false when there is none or it has not completed.
+  bool retire_oldest(const AllArenasLock& all, StreamId stream, bool wait);
+  // The same for every stream without a place in the table, stream by stream.
+  void retire_unkeyed(const AllArenasLock& all, bool wait);
 
   // --- device-wide peaks (stats.cpp; the baseline ledger of arena.hpp) ---
   // Every arena's part of the ledger (every arena lock held).

@@ -307,108 +307,89 @@ void Engine::insert_all_deferred_events(const AllArenasLock& all) {
   }
 }
 
-void Engine::process_events_in_pytorch_order() {
-  const AllArenasLock all(*this);
-  if (capturing()) return;
-  insert_all_deferred_events(all);
-  const std::vector<Arena*>& arenas = all.by_stream();
-  // Returns the oldest pending free of `stream` whose event completed, counting it out of
-  // its queue, or false at the first that has not completed.
-  const auto pop_completed = [&](StreamId stream, bool wait) NO_THREAD_SAFETY_ANALYSIS {
-    const Oldest o = oldest_pending(arenas, stream);
-    if (o.queue == nullptr) return false;
-    const PendingFree f = o.queue->front();
-    if (wait) {
-      driver_.synchronize_event(f.event);
-    } else if (!driver_.query_event(f.event)) {
-      return false;
-    }
-    o.queue->pop_front();
-    event_pool_.put(f.event);
-    o.arena->pending_events.fetch_sub(1, std::memory_order_relaxed);
-    pending_events_.fetch_sub(1, std::memory_order_relaxed);
-    if (--f.block->event_count == 0) {
-      free_block(*o.arena, f.block);
-      if (o.arena->in_debt) settle_peak_debts(all);  // each free as its own operation
-    }
-    return true;
-  };
-  {
-    Lock lock(order_mutex_);
-    std::unordered_map<std::uint64_t, StreamId> stream_of;
-    for (const auto& [stream, key] : order_keys_)
-      stream_of.emplace(key, stream);
-    for (std::size_t slot = event_streams_.begin(); slot != event_streams_.end();) {
-      const std::uint64_t key = event_streams_.key(slot);
-      const auto it = stream_of.find(key);
-      const StreamId stream = it != stream_of.end() ? it->second : static_cast<StreamId>(key);
-      while (pop_completed(stream, /*wait=*/false)) {
-      }
-      slot = oldest_pending(arenas, stream).queue == nullptr ? event_streams_.erase(slot)
-                                                             : event_streams_.next(slot);
-    }
+bool Engine::retire_oldest(const AllArenasLock& all, StreamId stream, bool wait) {
+  const Oldest o = oldest_pending(all.by_stream(), stream);
+  if (o.queue == nullptr) return false;
+  all.held(*o.arena);
+  const PendingFree f = o.queue->front();
+  if (wait) {
+    driver_.synchronize_event(f.event);
+  } else if (!driver_.query_event(f.event)) {
+    return false;
   }
+  o.queue->pop_front();
+  event_pool_.put(f.event);
+  o.arena->pending_events.fetch_sub(1, std::memory_order_relaxed);
+  pending_events_.fetch_sub(1, std::memory_order_relaxed);
+  if (--f.block->event_count == 0) {
+    free_block(*o.arena, f.block);
+    if (o.arena->in_debt) settle_peak_debts(all);  // each free as its own operation
+  }
+  return true;
+}
+
+std::unordered_map<std::uint64_t, StreamId> Engine::streams_by_key() const {
+  std::unordered_map<std::uint64_t, StreamId> out;
+  for (const auto& [stream, key] : order_keys_)
+    out.emplace(key, stream);
+  return out;
+}
+
+void Engine::retire_unkeyed(const AllArenasLock& all, bool wait) {
   // Frees whose events were recorded before any key was known: stream by stream.
-  for (Arena* arena : arenas) {
+  for (Arena* arena : all.by_stream()) {
     all.held(*arena);
     std::vector<StreamId> streams;
     for (const auto& [stream, queue] : arena->pending)
       streams.push_back(stream);
     for (const StreamId stream : streams) {
-      while (pop_completed(stream, /*wait=*/false)) {
+      while (retire_oldest(all, stream, wait)) {
       }
     }
   }
-  for (Arena* arena : arenas) {
+  for (Arena* arena : all.by_stream()) {
     all.held(*arena);
     std::erase_if(arena->pending, [](const auto& q) { return q.second.empty(); });
   }
 }
 
-void Engine::synchronize_in_pytorch_order(const AllArenasLock& all) {
+void Engine::process_events_in_pytorch_order() {
+  const AllArenasLock all(*this);
+  if (capturing()) return;
   insert_all_deferred_events(all);
-  const std::vector<Arena*>& arenas = all.by_stream();
-  const auto wait_all = [&](StreamId stream) NO_THREAD_SAFETY_ANALYSIS {
-    for (;;) {
-      const Oldest o = oldest_pending(arenas, stream);
-      if (o.queue == nullptr) return;
-      const PendingFree f = o.queue->front();
-      driver_.synchronize_event(f.event);
-      o.queue->pop_front();
-      event_pool_.put(f.event);
-      o.arena->pending_events.fetch_sub(1, std::memory_order_relaxed);
-      pending_events_.fetch_sub(1, std::memory_order_relaxed);
-      if (--f.block->event_count == 0) {
-        free_block(*o.arena, f.block);
-        if (o.arena->in_debt) settle_peak_debts(all);
-      }
-    }
-  };
   {
     Lock lock(order_mutex_);
-    std::unordered_map<std::uint64_t, StreamId> stream_of;
-    for (const auto& [stream, key] : order_keys_)
-      stream_of.emplace(key, stream);
+    const auto stream_of = streams_by_key();
+    for (std::size_t slot = event_streams_.begin(); slot != event_streams_.end();) {
+      const std::uint64_t key = event_streams_.key(slot);
+      const auto it = stream_of.find(key);
+      const StreamId stream = it != stream_of.end() ? it->second : static_cast<StreamId>(key);
+      while (retire_oldest(all, stream, /*wait=*/false)) {
+      }
+      slot = oldest_pending(all.by_stream(), stream).queue == nullptr
+                 ? event_streams_.erase(slot)
+                 : event_streams_.next(slot);
+    }
+  }
+  retire_unkeyed(all, /*wait=*/false);
+}
+
+void Engine::synchronize_in_pytorch_order(const AllArenasLock& all) {
+  insert_all_deferred_events(all);
+  {
+    Lock lock(order_mutex_);
+    const auto stream_of = streams_by_key();
     for (std::size_t slot = event_streams_.begin(); slot != event_streams_.end();
          slot = event_streams_.next(slot)) {
       const std::uint64_t key = event_streams_.key(slot);
       const auto it = stream_of.find(key);
-      wait_all(it != stream_of.end() ? it->second : static_cast<StreamId>(key));
+      const StreamId stream = it != stream_of.end() ? it->second : static_cast<StreamId>(key);
+      while (retire_oldest(all, stream, /*wait=*/true)) {
+      }
     }
     event_streams_.clear();
   }
-  for (Arena* arena : arenas) {
-    all.held(*arena);
-    std::vector<StreamId> streams;
-    for (const auto& [stream, queue] : arena->pending)
-      streams.push_back(stream);
-    for (const StreamId stream : streams)
-      wait_all(stream);
-  }
-  for (Arena* arena : arenas) {
-    all.held(*arena);
-    arena->pending.clear();
-  }
+  retire_unkeyed(all, /*wait=*/true);
 }
 
 }  // namespace ccalloc::core
