@@ -285,31 +285,18 @@ Snapshot Engine::snapshot(bool trace_entry, std::int64_t other_active_bytes) {
       all.held(*arena);
       for (const auto& blocks : reported_segments(*arena)) {
         SnapshotSegment seg;
-        seg.device = device();
-        seg.address = blocks.front()->ptr;
-        seg.stream = arena->stream;
-        seg.is_small = blocks.front()->pool->is_small;
-        seg.is_expandable = blocks.front()->segment != nullptr;
-        seg.is_asleep = segment_asleep(*arena, blocks.front()->ptr);
+        describe_segment(seg, *arena, blocks);
         if (arena->pool != nullptr) {
           seg.pool_id = {static_cast<std::int64_t>(arena->pool->id.first),
                          static_cast<std::int64_t>(arena->pool->id.second)};
         }
-                std::vector<Origin> stacks{blocks.front()->segment_stack};
+        std::vector<Origin> stacks{blocks.front()->segment_stack};
         for (const Block* b : blocks) {
           SnapshotBlock sb;
           sb.address = b->ptr;
           sb.size = b->size;
           sb.requested_size = b->requested_size;
-          sb.state = b->allocated         ? BlockState::kActiveAllocated
-                     : b->event_count > 0 || !b->stream_uses.empty() ? BlockState::kActivePendingFree
-                                          : BlockState::kInactive;
-          seg.total_size += b->size;
-          if (sb.state == BlockState::kActiveAllocated) seg.allocated_size += b->size;
-          if (sb.state != BlockState::kInactive) {
-            seg.active_size += b->size;
-            seg.requested_size += b->requested_size;
-          }
+          sb.state = state_of(b);
           seg.blocks.push_back(std::move(sb));
           stacks.push_back(b->allocated || b->event_count > 0 ? b->stack : Origin{});
         }

@@ -339,6 +339,8 @@ class Engine final : public Backend {
   void process_events_everywhere() EXCLUDES(registry_mutex_, device_mutex_);  // no lock held
   // Records the events of the arena's deferred frees (no capture may be underway).
   void insert_deferred_events(Arena& arena) REQUIRES(arena.mutex);
+  // Empties the arena's deferred frees (their events recorded) and ends its capture reach.
+  void forget_deferred(Arena& arena) REQUIRES(arena.mutex);
   // --- reuse inside a capture (graph_capture_record_stream_reuse; events.cpp) ---
   // The free markers of `block`, freed during a capture: the terminal nodes of its stream
   // and of every stream that used it; empty when one of them is not capturing, or in
@@ -362,7 +364,8 @@ class Engine final : public Backend {
   void synchronize_in_pytorch_order(const AllArenasLock& all);
   void insert_all_deferred_events(const AllArenasLock& all);
   std::uint64_t order_key(StreamId stream) const REQUIRES(order_mutex_);
-  std::unordered_map<std::uint64_t, StreamId> streams_by_key() const REQUIRES(order_mutex_);
+  // The stream a key names (the key itself for streams given none).
+  StreamId stream_of_key(std::uint64_t key) const REQUIRES(order_mutex_);
   // Takes the oldest pending free of `stream` (across arenas) out of its queue once its
   // event has completed (waiting for it if `wait`), returning its block when it was the
   // last; false when there is none or it has not completed.
@@ -441,6 +444,13 @@ class Engine final : public Backend {
   // the segments a snapshot reports.
   std::vector<std::vector<const Block*>> reported_segments(const Arena& arena) const
       REQUIRES(arena.mutex);
+  // A block's state as segments() and snapshots report it.
+  static BlockState state_of(const Block* b);
+  // The header and sizes of a segment made of `blocks` (one of reported_segments()), which
+  // SegmentInfo and SnapshotSegment both carry; the caller adds its pool and blocks.
+  template <typename Segment>
+  void describe_segment(Segment& seg, const Arena& arena,
+                        const std::vector<const Block*>& blocks) const REQUIRES(arena.mutex);
 
   // --- invariants (invariants.cpp): one check per invariant of the header's list, in its
   // order; each throws InvariantError naming itself. Every arena lock is held. ---
@@ -496,6 +506,7 @@ class Engine final : public Backend {
   mutable Mutex order_mutex_;
   std::atomic<bool> ordered_events_{false};
   std::unordered_map<StreamId, std::uint64_t> order_keys_ GUARDED_BY(order_mutex_);
+  std::unordered_map<std::uint64_t, StreamId> order_streams_ GUARDED_BY(order_mutex_);
   StreamTable event_streams_ GUARDED_BY(order_mutex_);
   // Searches of each pool kind since start: the clock of the age-based GC. Advanced only
   // while GC is enabled. [0] small, [1] large.

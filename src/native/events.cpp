@@ -52,11 +52,15 @@ void Engine::insert_events(Arena& arena, Block* block) {
 }
 
 void Engine::insert_deferred_events(Arena& arena) {
+  for (const DeferredFree& d : arena.deferred)
+    insert_events(arena, d.block);
+  forget_deferred(arena);
+}
+
+void Engine::forget_deferred(Arena& arena) {
   if (arena.reach.capture != 0) arena.reach = CaptureReach{};  // the capture is over
   if (arena.deferred.empty()) return;
   const auto n = static_cast<std::int64_t>(arena.deferred.size());
-  for (const DeferredFree& d : arena.deferred)
-    insert_events(arena, d.block);
   arena.deferred.clear();
   arena.deferred_marked = 0;
   arena.deferred_count.fetch_sub(n, std::memory_order_relaxed);
@@ -243,6 +247,7 @@ void Engine::synchronize_and_free_events(const AllArenasLock& all, const Private
 void Engine::set_stream_order_key(StreamId stream, std::uint64_t key) {
   Lock lock(order_mutex_);
   order_keys_[stream] = key;
+  order_streams_[key] = stream;
   ordered_events_.store(true, std::memory_order_release);
 }
 
@@ -276,34 +281,26 @@ Oldest oldest_pending(const std::vector<Arena*>& arenas, StreamId stream)
 }  // namespace
 
 void Engine::insert_all_deferred_events(const AllArenasLock& all) {
-  std::vector<std::pair<std::uint64_t, Arena*>> order;
+  struct Deferred {
+    std::uint64_t seq;
+    Arena* arena;
+    Block* block;
+  };
+  std::vector<Deferred> order;
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
     for (const DeferredFree& d : arena->deferred)
-      order.emplace_back(d.seq, arena);
+      order.push_back(Deferred{d.seq, arena, d.block});
   }
-  if (order.empty()) {
-    for (Arena* arena : all.by_stream()) {
-      all.held(*arena);
-      if (arena->reach.capture != 0) arena->reach = CaptureReach{};
-    }
-    return;
-  }
-  std::sort(order.begin(), order.end());
-  for (const auto& [seq, arena] : order) {
-    all.held(*arena);
-    const auto it = std::find_if(arena->deferred.begin(), arena->deferred.end(),
-                                 [seq = seq](const DeferredFree& d) { return d.seq == seq; });
-    insert_events(*arena, it->block);
+  std::sort(order.begin(), order.end(),
+            [](const Deferred& x, const Deferred& y) { return x.seq < y.seq; });
+  for (const Deferred& d : order) {
+    all.held(*d.arena);
+    insert_events(*d.arena, d.block);
   }
   for (Arena* arena : all.by_stream()) {
     all.held(*arena);
-    if (arena->reach.capture != 0) arena->reach = CaptureReach{};  // the capture is over
-    const auto n = static_cast<std::int64_t>(arena->deferred.size());
-    arena->deferred.clear();
-    arena->deferred_marked = 0;
-    arena->deferred_count.fetch_sub(n, std::memory_order_relaxed);
-    deferred_frees_.fetch_sub(n, std::memory_order_relaxed);
+    forget_deferred(*arena);
   }
 }
 
@@ -328,11 +325,9 @@ bool Engine::retire_oldest(const AllArenasLock& all, StreamId stream, bool wait)
   return true;
 }
 
-std::unordered_map<std::uint64_t, StreamId> Engine::streams_by_key() const {
-  std::unordered_map<std::uint64_t, StreamId> out;
-  for (const auto& [stream, key] : order_keys_)
-    out.emplace(key, stream);
-  return out;
+StreamId Engine::stream_of_key(std::uint64_t key) const {
+  const auto it = order_streams_.find(key);
+  return it != order_streams_.end() ? it->second : static_cast<StreamId>(key);
 }
 
 void Engine::retire_unkeyed(const AllArenasLock& all, bool wait) {
@@ -359,11 +354,8 @@ void Engine::process_events_in_pytorch_order() {
   insert_all_deferred_events(all);
   {
     Lock lock(order_mutex_);
-    const auto stream_of = streams_by_key();
     for (std::size_t slot = event_streams_.begin(); slot != event_streams_.end();) {
-      const std::uint64_t key = event_streams_.key(slot);
-      const auto it = stream_of.find(key);
-      const StreamId stream = it != stream_of.end() ? it->second : static_cast<StreamId>(key);
+      const StreamId stream = stream_of_key(event_streams_.key(slot));
       while (retire_oldest(all, stream, /*wait=*/false)) {
       }
       slot = oldest_pending(all.by_stream(), stream).queue == nullptr
@@ -378,12 +370,9 @@ void Engine::synchronize_in_pytorch_order(const AllArenasLock& all) {
   insert_all_deferred_events(all);
   {
     Lock lock(order_mutex_);
-    const auto stream_of = streams_by_key();
     for (std::size_t slot = event_streams_.begin(); slot != event_streams_.end();
          slot = event_streams_.next(slot)) {
-      const std::uint64_t key = event_streams_.key(slot);
-      const auto it = stream_of.find(key);
-      const StreamId stream = it != stream_of.end() ? it->second : static_cast<StreamId>(key);
+      const StreamId stream = stream_of_key(event_streams_.key(slot));
       while (retire_oldest(all, stream, /*wait=*/true)) {
       }
     }

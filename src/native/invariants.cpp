@@ -20,13 +20,6 @@ namespace {
   throw InvariantError(std::string("ccalloc invariant ") + invariant + " violated: " + buf);
 }
 
-BlockState state_of(const Block* b) {
-  if (b->allocated) return BlockState::kActiveAllocated;
-  // A free deferred during capture keeps its stream uses until its events are recorded.
-  if (b->event_count > 0 || !b->stream_uses.empty()) return BlockState::kActivePendingFree;
-  return BlockState::kInactive;
-}
-
 }  // namespace
 
 std::vector<std::vector<const Block*>> Engine::segments_of(const Arena& arena) const {
@@ -83,6 +76,37 @@ std::vector<std::vector<const Block*>> Engine::reported_segments(const Arena& ar
   return out;
 }
 
+BlockState Engine::state_of(const Block* b) {
+  if (b->allocated) return BlockState::kActiveAllocated;
+  // A free deferred during capture keeps its stream uses until its events are recorded.
+  if (b->event_count > 0 || !b->stream_uses.empty()) return BlockState::kActivePendingFree;
+  return BlockState::kInactive;
+}
+
+template <typename Segment>
+void Engine::describe_segment(Segment& seg, const Arena& arena,
+                              const std::vector<const Block*>& blocks) const {
+  seg.device = device();
+  seg.address = blocks.front()->ptr;
+  seg.stream = arena.stream;
+  seg.is_small = blocks.front()->pool->is_small;
+  seg.is_expandable = blocks.front()->segment != nullptr;
+  seg.is_asleep = segment_asleep(arena, blocks.front()->ptr);
+  for (const Block* b : blocks) {
+    const BlockState state = state_of(b);
+    seg.total_size += b->size;
+    if (state == BlockState::kActiveAllocated) seg.allocated_size += b->size;
+    if (state != BlockState::kInactive) {
+      seg.active_size += b->size;
+      seg.requested_size += b->requested_size;
+    }
+  }
+}
+template void Engine::describe_segment(SegmentInfo&, const Arena&,
+                                       const std::vector<const Block*>&) const;
+template void Engine::describe_segment(SnapshotSegment&, const Arena&,
+                                       const std::vector<const Block*>&) const;
+
 std::vector<SegmentInfo> Engine::segments() const {
   AllArenasLock all(*this);
   std::vector<SegmentInfo> out;
@@ -90,22 +114,11 @@ std::vector<SegmentInfo> Engine::segments() const {
     all.held(*arena);
     for (const auto& blocks : reported_segments(*arena)) {
       SegmentInfo seg;
-      seg.device = device();
-      seg.address = blocks.front()->ptr;
-      seg.stream = arena->stream;
-      seg.is_small = blocks.front()->pool->is_small;
-      seg.is_expandable = blocks.front()->segment != nullptr;
-      seg.is_asleep = segment_asleep(*arena, blocks.front()->ptr);
+      describe_segment(seg, *arena, blocks);
       if (arena->pool != nullptr) seg.pool = arena->pool->id;
       seg.context = blocks.front()->segment_stack.context;
       for (const Block* b : blocks) {
         const BlockState state = state_of(b);
-        seg.total_size += b->size;
-        if (state == BlockState::kActiveAllocated) seg.allocated_size += b->size;
-        if (state != BlockState::kInactive) {
-          seg.active_size += b->size;
-          seg.requested_size += b->requested_size;
-        }
         seg.blocks.push_back(BlockInfo{b->ptr, b->size, b->requested_size, state,
                                       state != BlockState::kInactive ? b->stack.context : nullptr});
       }

@@ -168,6 +168,15 @@ cudaMemPool_t to_pool(void* p) {
   return static_cast<cudaMemPool_t>(p);
 }
 
+// Lets device `peer` read and write the stream-ordered pool of `device`.
+void grant_pool_access(cudaMemPool_t pool, int peer, int device) {
+  cudaMemAccessDesc desc{};
+  desc.location.type = cudaMemLocationTypeDevice;
+  desc.location.id = peer;
+  desc.flags = cudaMemAccessFlagsProtReadWrite;
+  check(cudaMemPoolSetAccess(pool, &desc, 1), "cudaMemPoolSetAccess", device);
+}
+
 // Obtaining new memory may happen while a CUDA graph is being captured (allocations to a
 // private pool): in relaxed capture mode cudaMalloc and the cuMem* calls that back an
 // expandable segment are legal and stay out of the graph (PyTorch's
@@ -655,13 +664,7 @@ void CudaDriver::add_peer(int peer) {
     peers_.push_back(peer);
   }
   std::lock_guard lock(lazy_mutex_);
-  if (pool_ != nullptr) {
-    cudaMemAccessDesc desc{};
-    desc.location.type = cudaMemLocationTypeDevice;
-    desc.location.id = peer;
-    desc.flags = cudaMemAccessFlagsProtReadWrite;
-    check(cudaMemPoolSetAccess(to_pool(pool_), &desc, 1), "cudaMemPoolSetAccess", device_);
-  }
+  if (pool_ != nullptr) grant_pool_access(to_pool(pool_), peer, device_);
 }
 
 std::vector<int> CudaDriver::peers() const {
@@ -808,13 +811,8 @@ void* CudaDriver::default_pool() {
           "cudaMemPoolSetAttribute(ReuseAllowOpportunistic)", device_);
     check(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &on),
           "cudaMemPoolSetAttribute(ReuseAllowInternalDependencies)", device_);
-    for (const int peer : peers()) {  // peers added before the pool's first use
-      cudaMemAccessDesc desc{};
-      desc.location.type = cudaMemLocationTypeDevice;
-      desc.location.id = peer;
-      desc.flags = cudaMemAccessFlagsProtReadWrite;
-      check(cudaMemPoolSetAccess(pool, &desc, 1), "cudaMemPoolSetAccess", device_);
-    }
+    for (const int peer : peers())  // peers added before the pool's first use
+      grant_pool_access(pool, peer, device_);
     pool_ = pool;
   }
   return pool_;
