@@ -5,6 +5,7 @@ the allocator's name, so these operations ran into "Allocator backend parsed at 
 allocator backend parsed at load time" while ccalloc called itself "ccalloc". The same
 operations now run on both, with the same outputs."""
 
+from test_graphs_and_pools import CAPTURE
 from torch_compare import assert_same, both, skip_without_gpu
 
 skip_without_gpu()
@@ -21,15 +22,7 @@ got = {"backend": torch.cuda.get_allocator_backend()}
 model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                             torch.nn.Linear(128, 10)).cuda()
 static_in = torch.randn(16, 64, device="cuda")
-side = torch.cuda.Stream()
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side), torch.no_grad():
-    for _ in range(3):
-        model(static_in)
-torch.cuda.current_stream().wait_stream(side)
-graph = torch.cuda.CUDAGraph()
-with torch.no_grad(), torch.cuda.graph(graph):
-    static_out = model(static_in)
+""" + CAPTURE + """
 outs = []
 for i in range(3):
     static_in.copy_(torch.randn(16, 64, generator=torch.Generator().manual_seed(i)).cuda())

@@ -9,7 +9,7 @@ preset; these check behaviour, since the policies' reserved bytes differ by desi
 import pytest
 
 from torch_compare import both, run, skip_without_gpu
-from test_graphs_and_pools import (COMPILE, MEMPOOL_ISOLATED, MEMPOOL_ISOLATION, MLP,
+from test_graphs_and_pools import (CAPTURE, COMPILE, MEMPOOL_ISOLATED, MEMPOOL_ISOLATION, MLP,
                                    without_use_count)
 from test_ipc import parent_script
 
@@ -33,15 +33,7 @@ emit(expandable=[s["is_expandable"] for s in torch.cuda.memory_snapshot()],
 def test_cuda_graph_replays_like_eager():
     pytorch, ccalloc = both(MLP + """
 static_in = inputs[0].clone()
-side = torch.cuda.Stream()
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side), torch.no_grad():
-    for _ in range(3):
-        model(static_in)
-torch.cuda.current_stream().wait_stream(side)
-graph = torch.cuda.CUDAGraph()
-with torch.no_grad(), torch.cuda.graph(graph):
-    static_out = model(static_in)
+""" + CAPTURE + """
 def pool_of(ptr):
     for s in torch.cuda.memory._snapshot()["segments"]:
         if s["address"] <= ptr < s["address"] + s["total_size"]:

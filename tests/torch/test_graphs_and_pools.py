@@ -21,14 +21,9 @@ with torch.no_grad():
     eager = [model(x).cpu() for x in inputs]
 """
 
-
-def max_difference(a, b):
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-
-
-def test_cuda_graph_of_a_small_mlp_replays_like_eager():
-    pytorch, ccalloc = both(MLP + """
-static_in = inputs[0].clone()
+# Warms `model` up on `static_in` on a side stream, as torch.cuda.graph asks, and captures
+# `static_out = model(static_in)` into `graph`.
+CAPTURE = """
 side = torch.cuda.Stream()
 side.wait_stream(torch.cuda.current_stream())
 with torch.cuda.stream(side), torch.no_grad():
@@ -38,6 +33,17 @@ torch.cuda.current_stream().wait_stream(side)
 graph = torch.cuda.CUDAGraph()
 with torch.no_grad(), torch.cuda.graph(graph):
     static_out = model(static_in)
+"""
+
+
+def max_difference(a, b):
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def test_cuda_graph_of_a_small_mlp_replays_like_eager():
+    pytorch, ccalloc = both(MLP + """
+static_in = inputs[0].clone()
+""" + CAPTURE + """
 replayed = []
 for x in inputs:
     static_in.copy_(x)

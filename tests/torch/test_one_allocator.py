@@ -7,12 +7,16 @@ from torch_compare import run, skip_without_gpu
 
 skip_without_gpu()
 
-BOTH_ROUTES = """
+# libccalloc.so, the one beside the adapter, through ctypes.
+C_API = """
 import ctypes
 lib = ctypes.CDLL(os.path.join(ccalloc_torch.library_dir(), "libccalloc.so"))
 lib.ccalloc_malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int,
                                ctypes.c_void_p]
 lib.ccalloc_free.argtypes = [ctypes.c_void_p]
+"""
+
+BOTH_ROUTES = C_API + """
 lib.ccalloc_get_stat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)]
 lib.ccalloc_last_error.restype = ctypes.c_char_p
 
@@ -72,12 +76,7 @@ def test_the_c_api_and_torch_reach_one_allocator():
 
 def test_the_c_api_first_then_torch():
     # The C API makes the device's allocator before torch's first tensor: torch adopts it.
-    got = run("ccalloc", """
-import ctypes
-lib = ctypes.CDLL(os.path.join(ccalloc_torch.library_dir(), "libccalloc.so"))
-lib.ccalloc_malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int,
-                               ctypes.c_void_p]
-lib.ccalloc_free.argtypes = [ctypes.c_void_p]
+    got = run("ccalloc", C_API + """
 p = ctypes.c_void_p(0)
 assert lib.ccalloc_malloc(ctypes.byref(p), 4 << 20, 0, None) == 0
 torch.cuda.memory._record_memory_history(max_entries=100)
