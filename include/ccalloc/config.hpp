@@ -10,7 +10,9 @@
 // after the preset override it.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -86,8 +88,13 @@ struct Config {
   static Config from_environment();
 
   // Divisions that apply to a request of `size` bytes (the table lookup of
-  // docs/pytorch-behaviour.md §1.4).
-  std::size_t roundup_divisions_for(std::size_t size) const;
+  // docs/pytorch-behaviour.md §1.4): floor(log2(size)) - 20, clamped to the table; sizes
+  // below 2 MiB (and 0) use entry 0.
+  std::size_t roundup_divisions_for(std::size_t size) const {
+    const int log2 = static_cast<int>(std::bit_width(size)) - 1;
+    const int index = std::clamp(log2 - 20, 0, kRoundupIntervals - 1);
+    return roundup_power2_divisions[static_cast<std::size_t>(index)];
+  }
   // Canonical string of every setting, parseable by parse().
   std::string to_string() const;
 

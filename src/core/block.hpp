@@ -34,10 +34,29 @@ class NodeRecycler {
   NodeRecycler& operator=(const NodeRecycler&) = delete;
   ~NodeRecycler();
 
-  void* take(std::size_t bytes, std::size_t align);
-  void give_back(void* node, std::size_t bytes, std::size_t align);
+  // Inline: a split or merge on the hot path takes or gives back a node.
+  void* take(std::size_t bytes, std::size_t align) {
+    if (free_ != nullptr && bytes == node_bytes_ && align == node_align_) [[likely]] {
+      FreeNode* n = free_;
+      free_ = n->next;
+      return n;
+    }
+    return take_new(bytes, align);
+  }
+  void give_back(void* node, std::size_t bytes, std::size_t align) {
+    if (bytes == node_bytes_ && align == node_align_) [[likely]] {
+      auto* n = static_cast<FreeNode*>(node);
+      n->next = free_;
+      free_ = n;
+      return;
+    }
+    give_back_other(node, bytes, align);
+  }
 
  private:
+  void* take_new(std::size_t bytes, std::size_t align);
+  void give_back_other(void* node, std::size_t bytes, std::size_t align);
+
   struct FreeNode {
     FreeNode* next;
   };

@@ -539,13 +539,6 @@ Config Config::from_environment() {
   return c;
 }
 
-std::size_t Config::roundup_divisions_for(std::size_t size) const {
-  // floor(log2(size)) - 20, clamped to the table; sizes below 2 MiB (and 0) use entry 0.
-  const int log2 = static_cast<int>(std::bit_width(size)) - 1;
-  const int index = std::clamp(log2 - 20, 0, kRoundupIntervals - 1);
-  return roundup_power2_divisions[static_cast<std::size_t>(index)];
-}
-
 std::string Config::to_string() const {
   std::string out = preset;
   const auto add = [&out](std::string_view key, const std::string& value) {

@@ -87,6 +87,26 @@ inline void ledger_increase(Stat& stat, std::int64_t& debt, bool& in_debt, std::
   }
 }
 
+// Block statistics kept per pool only (the stitching policy's arenas): a hot-path update
+// changes the pool's entry, and the aggregate entry keeps only its peak, checked here
+// against the sum of the pools' currents as ledger_increase checks a kept current. Its
+// current and cumulative counts are the pools' sums, written by sync_aggregate before
+// anything reads the entry (the ledger's settlement, the views).
+inline void ledger_check_aggregate(StatArray& stat, std::int64_t& debt, bool& in_debt) {
+  const std::int64_t now = stat[kSmallPool].current + stat[kLargePool].current;
+  Stat& agg = stat[kAggregate];
+  if (now > agg.peak) [[unlikely]] {
+    debt += now - agg.peak;
+    agg.peak = now;
+    in_debt = true;
+  }
+}
+inline void sync_aggregate(StatArray& stat) {
+  stat[kAggregate].current = stat[kSmallPool].current + stat[kLargePool].current;
+  stat[kAggregate].allocated = stat[kSmallPool].allocated + stat[kLargePool].allocated;
+  stat[kAggregate].freed = stat[kSmallPool].freed + stat[kLargePool].freed;
+}
+
 // One arena's part of the ledger, as the settlement and the device-wide sums see it. The
 // caller holds the arena's lock (every arena's, for settle_peak_debts).
 struct LedgerShare {

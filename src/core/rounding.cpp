@@ -3,9 +3,7 @@
 #include <bit>
 
 namespace ccalloc::core {
-namespace {
 
-// The next multiple of floor_pow2(size) / divisions at or above size.
 std::size_t round_to_power2_division(std::size_t size, std::size_t divisions) {
   if (std::has_single_bit(size)) return size;
   const std::size_t floor2 = std::bit_floor(size);
@@ -13,17 +11,6 @@ std::size_t round_to_power2_division(std::size_t size, std::size_t divisions) {
   if (step == 0) return floor2 << 1;
   const std::size_t down = size & ~(step - 1);
   return down == size ? size : down + step;
-}
-
-}  // namespace
-
-std::size_t round_size(std::size_t size, const Config& config) {
-  if (size < kMinBlockSize) return kMinBlockSize;
-  const std::size_t divisions = config.roundup_divisions_for(size);
-  if (divisions > 1 && size > kMinBlockSize * divisions) {
-    return round_to_power2_division(size, divisions);
-  }
-  return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
 }
 
 std::size_t segment_size_for(std::size_t rounded, const Config& config) {

@@ -16,9 +16,20 @@ inline constexpr std::size_t kMinLargeAlloc = 10 * kMiB;  // below: a large_segm
 inline constexpr std::size_t kRoundLarge = 2 * kMiB;      // above: rounded to this
 inline constexpr std::size_t kOneExabyte = std::size_t{1} << 60;
 
+// The next multiple of floor_pow2(size) / divisions at or above size (rounding.cpp).
+std::size_t round_to_power2_division(std::size_t size, std::size_t divisions);
+
 // The size a request of `size` bytes occupies: 512 B multiples, or the next 1/N step
-// between powers of two when roundup_power2_divisions gives N > 1 for that size.
-std::size_t round_size(std::size_t size, const Config& config);
+// between powers of two when roundup_power2_divisions gives N > 1 for that size. Inline:
+// every malloc rounds, and the usual request (no divisions) costs a table read and a mask.
+inline std::size_t round_size(std::size_t size, const Config& config) {
+  if (size < kMinBlockSize) return kMinBlockSize;
+  const std::size_t divisions = config.roundup_divisions_for(size);
+  if (divisions > 1 && size > kMinBlockSize * divisions) [[unlikely]] {
+    return round_to_power2_division(size, divisions);
+  }
+  return (size + kMinBlockSize - 1) & ~(kMinBlockSize - 1);
+}
 
 // Rounded sizes up to 1 MiB are served from the small pool.
 inline bool is_small_size(std::size_t rounded) {

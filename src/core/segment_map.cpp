@@ -7,18 +7,6 @@
 
 namespace ccalloc::core {
 
-const std::atomic<std::uint64_t>* SegmentMap::find(DevicePtr ptr) const {
-  if ((ptr >> kAddressBits) != 0) return nullptr;
-  const DevicePtr g = ptr >> kGranuleBits;
-  const Middle* middle =
-      top_[(g >> (2 * kLevelBits)) & (kLevelSize - 1)].load(std::memory_order_acquire);
-  if (middle == nullptr) return nullptr;
-  const Leaf* leaf =
-      (*middle)[(g >> kLevelBits) & (kLevelSize - 1)].load(std::memory_order_acquire);
-  if (leaf == nullptr) return nullptr;
-  return &(*leaf)[g & (kLevelSize - 1)];
-}
-
 std::atomic<std::uint64_t>& SegmentMap::entry(DevicePtr granule_base) {
   if ((granule_base >> kAddressBits) != 0) {
     char buf[160];

@@ -64,7 +64,18 @@ class SegmentMap {
            (std::uint64_t{above_owner} << 43);
   }
 
-  const std::atomic<std::uint64_t>* find(DevicePtr ptr) const;
+  // Inline: every free and record_stream looks its pointer's owner up.
+  const std::atomic<std::uint64_t>* find(DevicePtr ptr) const {
+    if ((ptr >> kAddressBits) != 0) return nullptr;
+    const DevicePtr g = ptr >> kGranuleBits;
+    const Middle* middle =
+        top_[(g >> (2 * kLevelBits)) & (kLevelSize - 1)].load(std::memory_order_acquire);
+    if (middle == nullptr) return nullptr;
+    const Leaf* leaf =
+        (*middle)[(g >> kLevelBits) & (kLevelSize - 1)].load(std::memory_order_acquire);
+    if (leaf == nullptr) return nullptr;
+    return &(*leaf)[g & (kLevelSize - 1)];
+  }
   std::atomic<std::uint64_t>& entry(DevicePtr granule_base);  // creates levels; writers only
   // Sets the owner of [from, to) within one granule (from < to, same granule).
   void set_part(DevicePtr from, DevicePtr to, Owner owner);

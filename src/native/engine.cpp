@@ -393,8 +393,7 @@ void Engine::fix_pool_position(FreePool& pool, PoolPos pos, Change change) {
 // ---------------------------------------------------------------------------------------
 // Arenas and the active-block index
 
-Arena& Engine::arena_for(StreamId stream) {
-  if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) return *cached;
+Arena& Engine::arena_for_registry(StreamId stream) {
   Arena* arena;
   {
     Lock lock(registry_mutex_);
@@ -473,21 +472,23 @@ NodeRecycler::~NodeRecycler() {
   }
 }
 
-void* NodeRecycler::take(std::size_t bytes, std::size_t align) {
-  if (free_ != nullptr && bytes == node_bytes_ && align == node_align_) {
-    FreeNode* n = free_;
-    free_ = n->next;
-    return n;
-  }
+// The first node fixes the size this recycler serves (take()'s inline path for the rest).
+void* NodeRecycler::take_new(std::size_t bytes, std::size_t align) {
   if (node_bytes_ == 0) {
     node_bytes_ = std::max(bytes, sizeof(FreeNode));
     node_align_ = std::max(align, alignof(FreeNode));
+  }
+  if (free_ != nullptr && std::max(bytes, sizeof(FreeNode)) == node_bytes_ &&
+      std::max(align, alignof(FreeNode)) == node_align_) {
+    FreeNode* n = free_;
+    free_ = n->next;
+    return n;
   }
   return ::operator new (std::max(bytes, sizeof(FreeNode)),
                          std::align_val_t{std::max(align, alignof(FreeNode))});
 }
 
-void NodeRecycler::give_back(void* node, std::size_t bytes, std::size_t align) {
+void NodeRecycler::give_back_other(void* node, std::size_t bytes, std::size_t align) {
   if (std::max(bytes, sizeof(FreeNode)) != node_bytes_ ||
       std::max(align, alignof(FreeNode)) != node_align_) {
     ::operator delete (node, std::align_val_t{std::max(align, alignof(FreeNode))});

@@ -79,6 +79,7 @@
 
 #include "ccalloc/allocator.hpp"
 #include "native/arena.hpp"
+#include "core/arena_cache.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
 #include "core/device_reserved.hpp"
@@ -274,7 +275,12 @@ class Engine final : public Backend {
     (void)all;
     registry_mutex_.assert_held();
   }
-  Arena& arena_for(StreamId stream);
+  // The stream's arena: the thread's cache, else the registry (arena_for_registry).
+  Arena& arena_for(StreamId stream) {
+    if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) [[likely]] return *cached;
+    return arena_for_registry(stream);
+  }
+  Arena& arena_for_registry(StreamId stream);
   // The arena of a new malloc while a capture is underway: the capturing pool's arena for
   // `stream` when a capture's filter takes the stream, else the default one.
   Arena& arena_for_capture(StreamId stream) EXCLUDES(registry_mutex_);

@@ -60,8 +60,7 @@ StitchBackend::StitchBackend(Driver& driver, Config config)
   stitch_->set_oom_fallbacks(std::move(fallbacks));
 }
 
-void StitchBackend::settle_pending() const {
-  if (!joint_.take()) return;
+void StitchBackend::settle_now() const {
   stitch_->with_ledger_shares([this](std::vector<LedgerShare>& shares) {
     pools_->with_ledger_shares([&shares](std::vector<LedgerShare>& pooled) {
       shares.insert(shares.end(), pooled.begin(), pooled.end());

@@ -110,7 +110,10 @@ class StitchBackend final : public Backend {
   // Settles both engines' peak debts together when an operation left one pending (none of
   // either engine's locks held): the stitching engine's arena locks, then the private
   // pools' engine's.
-  void settle_pending() const;
+  void settle_pending() const {
+    if (joint_.take()) [[unlikely]] settle_now();
+  }
+  void settle_now() const;
 
   Config config_;  // written only by reconfigure()
   DeviceReserved device_reserved_;  // declared before the engines: outlives them

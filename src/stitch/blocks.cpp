@@ -8,13 +8,38 @@
 namespace ccalloc::core {
 
 // Blocks are recycled by their arena: splits and merges on the hot path do not allocate.
+// A spare keeps its (empty) stream-use vector's capacity and needs only the fields a block
+// may have changed reset.
 StitchEngine::Block* StitchEngine::new_block(Arena& arena) {
-  return new (arena.block_nodes.take(sizeof(Block), alignof(Block))) Block();
+  Block* b = arena.spare_blocks;
+  if (b == nullptr) return new (arena.block_nodes.take(sizeof(Block), alignof(Block))) Block();
+  arena.spare_blocks = b->next;
+  b->ptr = 0;
+  b->size = 0;
+  b->requested = 0;
+  b->prev = b->next = nullptr;
+  b->space = nullptr;
+  b->kind = Block::Kind::kFree;
+  b->small = false;
+  b->event_count = 0;
+  b->pool_pos = {};
+  return b;
 }
 
 void StitchEngine::delete_block(Arena& arena, Block* b) {
-  b->~Block();
-  arena.block_nodes.give_back(b, sizeof(Block), alignof(Block));
+  b->stream_uses.clear();
+  b->stack.clear();
+  b->next = arena.spare_blocks;
+  arena.spare_blocks = b;
+}
+
+StitchEngine::Arena::~Arena() {
+  while (spare_blocks != nullptr) {
+    Block* b = spare_blocks;
+    spare_blocks = b->next;
+    b->~Block();
+    block_nodes.give_back(b, sizeof(Block), alignof(Block));
+  }
 }
 
 StitchEngine::Block* StitchEngine::find_free(Arena& arena, bool small, std::size_t size) {
@@ -67,35 +92,38 @@ DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t s
     arena.large_served += block->size;
     arena.largest_large = std::max(arena.largest_large, block->size);
   }
-  block->stack = stack;
+  if (stack) block->stack = stack;  // a free block has none
   arena.live.insert(block->ptr, block);
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
   const auto bytes = static_cast<std::int64_t>(block->size);
-  for_pool_stats(block->space->small, [&](StatType t) {
-    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    ledger_increase(st.allocation[t], debt.allocation[t], arena.in_debt, 1);
-    ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], arena.in_debt, bytes);
-    ledger_increase(st.active[t], debt.active[t], arena.in_debt, 1);
-    ledger_increase(st.active_bytes[t], debt.active_bytes[t], arena.in_debt, bytes);
-    ledger_increase(st.requested_bytes[t], debt.requested_bytes[t], arena.in_debt,
-                    static_cast<std::int64_t>(requested));
-  });
+  // The segment's pool's entries; the aggregates keep their peaks only (sync_aggregates).
+  const StatType t = pool_stat(block->space->small);
+  bool& in_debt = arena.in_debt;
+  ledger_increase(st.allocation[t], debt.allocation[t], in_debt, 1);
+  ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], in_debt, bytes);
+  ledger_increase(st.active[t], debt.active[t], in_debt, 1);
+  ledger_increase(st.active_bytes[t], debt.active_bytes[t], in_debt, bytes);
+  ledger_increase(st.requested_bytes[t], debt.requested_bytes[t], in_debt,
+                  static_cast<std::int64_t>(requested));
+  ledger_check_aggregate(st.allocation, debt.allocation[kAggregate], in_debt);
+  ledger_check_aggregate(st.allocated_bytes, debt.allocated_bytes[kAggregate], in_debt);
+  ledger_check_aggregate(st.active, debt.active[kAggregate], in_debt);
+  ledger_check_aggregate(st.active_bytes, debt.active_bytes[kAggregate], in_debt);
+  ledger_check_aggregate(st.requested_bytes, debt.requested_bytes[kAggregate], in_debt);
   record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
   return block->ptr;
 }
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 void StitchEngine::free_block(Arena& arena, Block* b) {
-  for_pool_stats(b->space->small, [&](StatType t) {
-    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    arena.stats.active[t].decrease(1);
-    arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
-    arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
-  });
+  const StatType t = pool_stat(b->space->small);  // the pool's entries (sync_aggregates)
+  arena.stats.active[t].decrease(1);
+  arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+  arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
   record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
   b->kind = Block::Kind::kFree;
-  b->stack = {};
+  b->stack.clear();
   if (sharing_.load(std::memory_order_relaxed)) [[unlikely]]
     note_free(arena, *b);
   pool_free(arena, b);
@@ -111,7 +139,7 @@ StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_i
   Block* const next = joins(b->next) ? b->next : nullptr;
   if (prev == nullptr && next == nullptr) {
     pool.insert(b);
-    return keep_island ? b : end_island_if_free(arena, b);
+    return keep_island || !b->in_island() ? b : end_island_if_free(arena, b);
   }
   // The survivor is a neighbour already in the pool; the others are absorbed into it. It
   // only grew, so it keeps its place unless it now sorts after its successor.
@@ -143,7 +171,7 @@ StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_i
     pool.erase(pos);
     pool.insert(merged);
   }
-  return keep_island ? merged : end_island_if_free(arena, merged);
+  return keep_island || !merged->in_island() ? merged : end_island_if_free(arena, merged);
 }
 
 // Turns the page-aligned [lo, hi), covered by free and void blocks starting with `from`

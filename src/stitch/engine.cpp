@@ -261,11 +261,10 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
 void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
   // Block statistics count a block in its segment's pool (an island's in the large one),
   // as PyTorch's tools rebuild them from the snapshot's segments.
-  for_pool_stats(b->space->small, [&](StatType t) {
-    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    arena.stats.allocation[t].decrease(1);
-    arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
-  });
+  // The pool's entries only (sync_aggregates).
+  const StatType t = pool_stat(b->space->small);
+  arena.stats.allocation[t].decrease(1);
+  arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
   // The free's own stack (context "all"), else the allocation's.
   record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, arena.stream,
                stack ? stack : b->stack);
@@ -354,8 +353,7 @@ void StitchEngine::throw_not_live(const char* what, DevicePtr ptr) const {
 // ---------------------------------------------------------------------------------------
 // Blocks
 
-StitchEngine::Arena& StitchEngine::arena_for(StreamId stream) {
-  if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) return *cached;
+StitchEngine::Arena& StitchEngine::arena_for_registry(StreamId stream) {
   Arena* a = nullptr;
   {
     Lock lock(registry_mutex_);

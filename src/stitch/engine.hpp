@@ -103,6 +103,7 @@
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "core/arena_cache.hpp"
 #include "core/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
@@ -308,6 +309,8 @@ class StitchEngine final : public Backend {
   struct alignas(64) Arena {
     Arena(StreamId s, std::size_t index)
         : stream(s), owner(static_cast<SegmentMap::Owner>(index + 1)) {}
+    // The spare blocks stay constructed until the arena goes (blocks.cpp).
+    ~Arena();
     Arena(const Arena&) = delete;
     Arena& operator=(const Arena&) = delete;
     Pool& pool(bool small) REQUIRES(mutex) { return pools[small ? 1 : 0]; }
@@ -319,6 +322,10 @@ class StitchEngine final : public Backend {
     // destroyed after them).
     NodeRecycler pool_nodes GUARDED_BY(mutex);
     NodeRecycler block_nodes GUARDED_BY(mutex);
+    // Blocks deleted by merges, kept constructed (linked by `next`, each with no stream
+    // uses and no stack) for the next split: new_block() resets a few fields instead of
+    // constructing one.
+    Block* spare_blocks GUARDED_BY(mutex) = nullptr;
     // [0] large, [1] small
     Pool pools[2] GUARDED_BY(mutex){Pool(&pool_nodes), Pool(&pool_nodes)};
     std::vector<std::unique_ptr<Space>> spaces[2] GUARDED_BY(mutex);
@@ -380,7 +387,12 @@ class StitchEngine final : public Backend {
     std::vector<Arena*> arenas_;
   };
 
-  Arena& arena_for(StreamId stream) EXCLUDES(registry_mutex_);
+  // The stream's arena: the thread's cache, else the registry (arena_for_registry).
+  Arena& arena_for(StreamId stream) EXCLUDES(registry_mutex_) {
+    if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) [[likely]] return *cached;
+    return arena_for_registry(stream);
+  }
+  Arena& arena_for_registry(StreamId stream) EXCLUDES(registry_mutex_);
   Arena* arena_of(DevicePtr ptr) const { return arena_table_.get(owners_.owner_of(ptr)); }
   std::vector<Arena*> arena_list() const EXCLUDES(registry_mutex_);
   // The rest of malloc once the arena's pool had no block: growth under the device lock,
@@ -502,6 +514,11 @@ class StitchEngine final : public Backend {
   void move_handle_stats(Handle& h, bool to_small) REQUIRES(device_mutex_);
   void settle_peak_debts(const AllArenasLock& all) const;
   std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const;
+  // An arena's block statistics change on the hot path in their pool's entries only, and
+  // the aggregate entries keep just their peaks (core/peak_ledger.hpp,
+  // ledger_check_aggregate): this writes every arena's aggregates from its pools', as
+  // whatever reads them (the ledger's shares, the views, the checker) does first.
+  static void sync_aggregates(const AllArenasLock& all);
   void settle_peak_debts() const EXCLUDES(registry_mutex_, device_mutex_) {
     if (joint_ != nullptr) {
       joint_->mark();  // the owner settles both engines together

@@ -15,7 +15,19 @@ namespace ccalloc::core {
 // ---------------------------------------------------------------------------------------
 // Stats, settings, observers, history
 
+void StitchEngine::sync_aggregates(const AllArenasLock& all) {
+  for (Arena* arena : all.arenas()) {
+    all.held(*arena);
+    DeviceStats& st = arena->stats;
+    for (StatArray* a : {&st.allocation, &st.allocated_bytes, &st.active, &st.active_bytes,
+                         &st.requested_bytes}) {
+      sync_aggregate(*a);
+    }
+  }
+}
+
 std::vector<LedgerShare> StitchEngine::ledger_shares(const AllArenasLock& all) const {
+  sync_aggregates(all);
   return ledger_shares_of(all, all.arenas());
 }
 
@@ -57,6 +69,7 @@ DeviceStats StitchEngine::stats() const {
 
 void StitchEngine::reset_peak_stats() {
   const AllArenasLock all(*this);
+  sync_aggregates(all);
   for (Arena* arena : all.arenas()) {
     all.held(*arena);
     arena->stats.reset_peak();  // every baseline at its current
@@ -184,6 +197,7 @@ StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Aren
   const Pool& pool = arena.pool(small);
   const std::size_t largest = pool.empty() ? 0 : (*pool.rbegin())->size;
   std::size_t allocated = 0;
+  sync_aggregates(all);
   for (Arena* a : all.arenas()) {
     all.held(*a);
     allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
@@ -409,6 +423,7 @@ Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
   {
     const AllArenasLock all(*this);
     std::int64_t active_bytes = 0;
+    sync_aggregates(all);
     for (Arena* arena : all.arenas()) {
       all.held(*arena);
       active_bytes += arena->stats.active_bytes[kAggregate].current;
