@@ -79,6 +79,7 @@
 
 #include "ccalloc/allocator.hpp"
 #include "native/arena.hpp"
+#include "core/arena_engine.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
 #include "core/device_reserved.hpp"
@@ -475,6 +476,8 @@ class Engine final : public Backend {
 
   // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp).
   friend struct EngineTestAccess;
+  // What it does alike with the stitching policy (core/arena_engine.hpp).
+  friend struct ArenaEngine;
 
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
 

@@ -103,6 +103,7 @@
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
+#include "core/arena_engine.hpp"
 #include "core/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
@@ -221,6 +222,7 @@ class StitchEngine final : public Backend {
 
  private:
   friend struct StitchEngineTestAccess;  // tests/invariants_test.cpp
+  friend struct ArenaEngine;             // core/arena_engine.hpp
   struct Space;
   struct Arena;
   // Guarded by device_mutex_: a piece may be live in one stream's space and mapped dead in

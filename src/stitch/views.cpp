@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/arena_engine.hpp"
 #include "core/common.hpp"
 #include "core/format.hpp"
 #include "core/rounding.hpp"
@@ -113,11 +114,7 @@ double StitchEngine::memory_fraction() const {
 }
 
 std::size_t StitchEngine::allocation_size(DevicePtr ptr) const {
-  Arena* arena = arena_of(ptr);
-  if (arena == nullptr) return 0;
-  Lock lock(arena->mutex);
-  const Block* b = arena->live.find(ptr);
-  return b == nullptr ? 0 : b->size;
+  return ArenaEngine::allocation_size(*this, ptr);
 }
 
 StitchEngine::PieceCounts StitchEngine::piece_counts() const {
