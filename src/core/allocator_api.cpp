@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "async/backend.hpp"
+#include "core/arena_engine.hpp"
 #include "native/engine.hpp"
 #include "core/rounding.hpp"
 #include "stitch/backend.hpp"
@@ -63,14 +64,12 @@ void Engine::record_trace_entry(TraceAction action, DevicePtr addr, std::size_t 
 }
 
 void Engine::add_oom_observer(OomObserver observer) {
-  Lock lock(observers_mutex_);
-  oom_observers_.push_back(std::move(observer));
+  ArenaEngine::add_oom_observer(*this, std::move(observer));
 }
 
 void Engine::add_free_memory_callback(FreeMemoryCallback callback) {
-  Lock lock(observers_mutex_);
-  free_memory_callbacks_.push_back(std::move(callback));
-  has_free_memory_callbacks_.store(true, std::memory_order_release);
+  // The OOM ladder reads the flag with acquire.
+  ArenaEngine::add_free_memory_callback(*this, std::move(callback), std::memory_order_release);
 }
 
 void Engine::add_trace_observer(TraceObserver observer) {

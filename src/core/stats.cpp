@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/arena_engine.hpp"
 #include "native/engine.hpp"
 
 namespace ccalloc {
@@ -236,34 +237,9 @@ void settle_peak_debts(const std::vector<LedgerShare>& arenas) {
   }
 }
 
-std::vector<LedgerShare> Engine::ledger_shares(const AllArenasLock& all) const {
-  return ledger_shares_of(all, all.by_stream());
-}
-
-void Engine::settle_peak_debts(const AllArenasLock& all) const {
-  const std::vector<LedgerShare> shares = ledger_shares(all);
-  if (joint_ != nullptr) {
-    if (in_debt(shares)) joint_->mark();  // the owner settles both engines together
-    return;
-  }
-  core::settle_peak_debts(shares);
-}
-
-void Engine::with_ledger_shares(
-    const std::function<void(std::vector<LedgerShare>&)>& f) const {
-  const AllArenasLock all(*this);
-  std::vector<LedgerShare> shares = ledger_shares(all);
-  f(shares);
-}
-
 void Engine::reset_peak_stats() {
   const AllArenasLock all(*this);
-  for (Arena* arena : all.by_stream()) {
-    all.held(*arena);
-    arena->stats.reset_peak();  // every baseline at its current
-    arena->debts = PeakBaselines{};
-    arena->in_debt = false;
-  }
+  ArenaEngine::reset_peaks(all, all.by_stream());
   Lock lock(device_mutex_);
   device_stats_.reset_peak();
 }

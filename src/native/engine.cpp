@@ -10,6 +10,7 @@
 
 #include "native/engine.hpp"
 #include "core/arena_cache.hpp"
+#include "core/arena_engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 
@@ -76,10 +77,7 @@ DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
     return malloc_slow(arena, req, std::move(lock));
   }
   const DevicePtr ptr = hand_out(arena, *pos, pos, req);
-  const bool debt = arena.in_debt;
-  lock.unlock();
-  if (debt) [[unlikely]] settle_peak_debts();
-  after_operation();
+  ArenaEngine::finish(*this, arena, lock);
   return ptr;
 }
 
@@ -103,13 +101,11 @@ void Engine::free(DevicePtr ptr) {
 // removes it in the same probe).
 void Engine::free_cached(DevicePtr ptr) {
   if (Arena* arena = arena_of(ptr)) {
-    Lock lock(arena->mutex);
+    std::unique_lock lock(arena->mutex);
+    arena->mutex.assert_held();
     if (Block* block = arena->live.erase(ptr)) {
       release_allocation(*arena, block);
-      const bool debt = arena->in_debt;
-      lock.unlock();
-      if (debt) [[unlikely]] settle_peak_debts();
-      after_operation();
+      ArenaEngine::finish(*this, *arena, lock);
       return;
     }
   }
@@ -118,24 +114,11 @@ void Engine::free_cached(DevicePtr ptr) {
 
 void Engine::record_stream(DevicePtr ptr, StreamId stream) {
   if (config_.uncached) return;  // uncached memory is freed synchronously
-  if (Arena* arena = arena_of(ptr)) {
-    Lock lock(arena->mutex);
-    if (Block* block = arena->live.find(ptr)) {
-      add_stream_use(block->stream_uses, arena->stream, stream);
-      lock.unlock();
-      after_operation();
-      return;
-    }
-  }
-  throw_not_live("record_stream", ptr);
+  ArenaEngine::record_stream(*this, ptr, stream);
 }
 
 std::size_t Engine::allocation_size(DevicePtr ptr) const {
-  Arena* arena = arena_of(ptr);
-  if (arena == nullptr) return 0;
-  Lock lock(arena->mutex);
-  const Block* block = arena->live.find(ptr);
-  return block == nullptr ? 0 : block->size;
+  return ArenaEngine::allocation_size(*this, ptr);
 }
 
 void Engine::throw_not_live(const char* what, DevicePtr ptr) const {
@@ -438,12 +421,7 @@ Arena& Engine::make_arena(StreamId stream, PrivatePool* pool) {
 }
 
 std::vector<Arena*> Engine::arena_list() const {
-  Lock lock(registry_mutex_);
-  std::vector<Arena*> list;
-  list.reserve(arenas_.size());
-  for (const auto& a : arenas_)
-    list.push_back(a.get());
-  return list;
+  return ArenaEngine::arena_list(*this);
 }
 
 Engine::AllArenasLock::AllArenasLock(const Engine& engine)

@@ -80,6 +80,7 @@
 #include "ccalloc/allocator.hpp"
 #include "native/arena.hpp"
 #include "core/arena_cache.hpp"
+#include "core/arena_engine.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
 #include "core/device_reserved.hpp"
@@ -166,7 +167,9 @@ class Engine final : public Backend {
   // Calls f with every arena's ledger share, under every arena lock (none held by the
   // caller; the owner nests the other engine's call inside f).
   void with_ledger_shares(const std::function<void(std::vector<LedgerShare>&)>& f) const
-      EXCLUDES(registry_mutex_, device_mutex_);
+      EXCLUDES(registry_mutex_, device_mutex_) {
+    ArenaEngine::with_ledger_shares(*this, f);
+  }
   // The published copy is an atomic of its own: no lock (the analysis cannot see past the
   // guarded member that holds it).
   const std::atomic<std::size_t>& published_reserved() const NO_THREAD_SAFETY_ANALYSIS {
@@ -381,17 +384,16 @@ class Engine final : public Backend {
 
   // --- device-wide peaks (stats.cpp; the baseline ledger of arena.hpp) ---
   // Every arena's part of the ledger (every arena lock held).
-  std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const;
+  std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const {
+    return ledger_shares_of(all, all.by_stream());
+  }
   // Settles every arena's peak debt (every arena lock held).
-  void settle_peak_debts(const AllArenasLock& all) const;
+  void settle_peak_debts(const AllArenasLock& all) const {
+    ArenaEngine::settle_peak_debts(*this, all);
+  }
   // The same, taking every arena lock (none held).
   void settle_peak_debts() EXCLUDES(registry_mutex_, device_mutex_) {
-    if (joint_ != nullptr) {
-      joint_->mark();  // the owner settles both engines together
-      return;
-    }
-    const AllArenasLock all(*this);
-    settle_peak_debts(all);
+    ArenaEngine::settle_peak_debts(*this);
   }
 
   // --- OOM ladder (oom_ladder.cpp) ---
@@ -481,6 +483,8 @@ class Engine final : public Backend {
 
   // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp).
   friend struct EngineTestAccess;
+  // What it does alike with the stitching policy (core/arena_engine.hpp).
+  friend struct ArenaEngine;
 
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
 

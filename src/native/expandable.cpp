@@ -7,6 +7,7 @@
 
 #include "native/engine.hpp"
 #include "native/arena.hpp"
+#include "core/arena_engine.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {
@@ -293,36 +294,36 @@ void Engine::release_expandable_segment(Arena& arena, Block* b) {
 // range); an expandable one as the pages under the block, which stay mapped while the block
 // is live (a page is unmapped only when wholly free).
 ipc::SharedRegion Engine::shared_region(DevicePtr ptr) const {
-  Arena* arena = arena_of(ptr);
-  if (arena == nullptr) throw_not_live("sharing", ptr);
-  Lock lock(arena->mutex);
-  const Block* b = arena->live.find(ptr);
-  if (b == nullptr) throw_not_live("sharing", ptr);
-  if (arena->pool != nullptr && arena->pool->sleepable) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(ptr));
-    throw Error(std::string("ccalloc: sharing ") + buf + ": it lies in sleepable pool " +
-                to_string(arena->pool->id) +
-                ", whose memory may be released while another process maps it; allocations "
-                "of sleepable pools cannot be shared");
-  }
-  ipc::SharedRegion region;
-  region.allocation = b->ptr;
-  region.allocation_size = b->size;
-  if (b->segment == nullptr) {
-    const Block* head = b;
-    while (head->prev != nullptr) head = head->prev;
-    region.kind = ipc::RegionKind::kSegment;
-    region.base = head->ptr;
-    for (const Block* x = head; x != nullptr; x = x->next)
-      region.size += x->size;
+  // Under the arena's lock.
+  const auto region_of = [&](const Arena* arena, const Block* b) {
+    arena->mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    if (arena->pool != nullptr && arena->pool->sleepable) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(ptr));
+      throw Error(std::string("ccalloc: sharing ") + buf + ": it lies in sleepable pool " +
+                  to_string(arena->pool->id) +
+                  ", whose memory may be released while another process maps it; allocations "
+                  "of sleepable pools cannot be shared");
+    }
+    ipc::SharedRegion region;
+    region.allocation = b->ptr;
+    region.allocation_size = b->size;
+    if (b->segment == nullptr) {
+      const Block* head = b;
+      while (head->prev != nullptr) head = head->prev;
+      region.kind = ipc::RegionKind::kSegment;
+      region.base = head->ptr;
+      for (const Block* x = head; x != nullptr; x = x->next)
+        region.size += x->size;
+      return region;
+    }
+    region.kind = ipc::RegionKind::kPages;
+    region.page_size = b->segment->page();
+    region.base = b->segment->pages_covering(Range{b->ptr, b->size}, region.pages);
+    region.size = region.pages.size() * region.page_size;
     return region;
-  }
-  region.kind = ipc::RegionKind::kPages;
-  region.page_size = b->segment->page();
-  region.base = b->segment->pages_covering(Range{b->ptr, b->size}, region.pages);
-  region.size = region.pages.size() * region.page_size;
-  return region;
+  };
+  return ArenaEngine::with_live_block(*this, ptr, "sharing", region_of);
 }
 
 }  // namespace ccalloc::core

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "native/engine.hpp"
+#include "core/arena_engine.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {
@@ -486,36 +487,22 @@ void Engine::check_stats_match_blocks(const InvariantWalk& walk) const {
 // counter's Stat::peak less its unsettled debt (arena.hpp).
 void Engine::check_peaks_cover_current(const InvariantWalk& walk) const {
   constexpr const char* kName = "peaks_cover_current";
-  std::array<std::int64_t, kTrackedCounters> current_sum{};
-  std::array<std::int64_t, kTrackedCounters> baseline_sum{};
-  bool any_debt = false;
-  for (const InvariantWalk::ArenaBlocks& entry : walk.arenas) {
-    const Arena* const arena = entry.arena;
-    arena->mutex.assert_held();  // check_invariants() holds every arena lock
-    const bool in_debt = arena->in_debt;
-    any_debt = any_debt || in_debt;
-    std::size_t j = 0;
-    for_each_tracked(arena->stats, arena->debts, [&](const Stat& s, const std::int64_t& debt) {
-      const std::int64_t b = s.peak - debt;
-      current_sum[j] += s.current;
-      baseline_sum[j] += b;
-      if (debt < 0 || (!in_debt && (debt != 0 || s.current > b))) {
+  // check_invariants() holds every arena lock.
+  ArenaEngine::check_peaks_cover_current(
+      walk.arenas, [](const InvariantWalk::ArenaBlocks& entry) { return entry.arena; },
+      [&](const Arena& arena, std::size_t j, std::int64_t current, std::int64_t baseline,
+          std::int64_t debt, bool in_debt) {
         violation(kName,
                   "stream %" PRIu64 ": %s is %lld, baseline %lld, debt %lld, arena %s in debt",
-                  arena->stream, tracked_counter_name(j).c_str(),
-                  static_cast<long long>(s.current), static_cast<long long>(b),
-                  static_cast<long long>(debt), in_debt ? "marked" : "not marked");
-      }
-      ++j;
-    });
-  }
-  for (std::size_t j = 0; j < kTrackedCounters && !any_debt; ++j) {
-    if (baseline_sum[j] < current_sum[j]) {
-      violation(kName, "%s: device peak %lld is below its current %lld",
-                tracked_counter_name(j).c_str(), static_cast<long long>(baseline_sum[j]),
-                static_cast<long long>(current_sum[j]));
-    }
-  }
+                  arena.stream, tracked_counter_name(j).c_str(), static_cast<long long>(current),
+                  static_cast<long long>(baseline), static_cast<long long>(debt),
+                  in_debt ? "marked" : "not marked");
+      },
+      [&](std::size_t j, std::int64_t peak, std::int64_t current) {
+        violation(kName, "%s: device peak %lld is below its current %lld",
+                  tracked_counter_name(j).c_str(), static_cast<long long>(peak),
+                  static_cast<long long>(current));
+      });
 }
 
 void Engine::check_reserved_within_capacity() const {

@@ -23,6 +23,7 @@
 #include <optional>
 
 #include "native/engine.hpp"
+#include "core/arena_engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"
 
@@ -78,10 +79,7 @@ DevicePtr Engine::malloc_slow(Arena& arena, const Request& req, std::unique_lock
   }
   if (block != nullptr) {
     const DevicePtr ptr = hand_out(arena, block, pos, req);
-    const bool debt = arena.in_debt;
-    lock.unlock();
-    if (debt) settle_peak_debts();
-    after_operation();
+    ArenaEngine::finish(*this, arena, lock);
     return ptr;
   }
 

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "native/engine.hpp"
+#include "core/arena_engine.hpp"
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {
@@ -56,17 +57,7 @@ void check_fixed_keys(const Config& now, const Config& next) {
 }
 
 bool Engine::reconfigure(const Config& next) {
-  check_fixed_keys(config_, next);  // before anything changes
-  // The fraction first: it validates the value, and a rejected one changes nothing. Only a
-  // changed fraction is applied, so one set through set_memory_fraction() stays otherwise.
-  double configured_fraction;
-  {
-    Lock lock(device_mutex_);
-    configured_fraction = config_.per_process_memory_fraction;
-  }
-  if (next.per_process_memory_fraction != configured_fraction) {
-    set_memory_fraction(next.per_process_memory_fraction);
-  }
+  ArenaEngine::begin_reconfigure(*this, next);  // the fixed keys, then the fraction
   {
     const AllArenasLock all(*this);
     Lock lock(device_mutex_);

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/arena_cache.hpp"
+#include "core/arena_engine.hpp"
 #include "core/common.hpp"
 #include "core/format.hpp"
 #include "core/rounding.hpp"
@@ -110,10 +111,7 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
     pos = pool.find(island);
   }
   const DevicePtr ptr = hand_out(arena, pos, rounded, size, stack);
-  const bool debt = arena.in_debt;
-  lock.unlock();
-  if (debt) [[unlikely]] settle_peak_debts();
-  after_operation();
+  ArenaEngine::finish(*this, arena, lock);
   return ptr;
 }
 
@@ -140,10 +138,7 @@ DevicePtr StitchEngine::malloc_slow(Arena& arena, std::unique_lock<ArenaMutex> l
   }
   if (g == Grow::kDone) {
     const DevicePtr ptr = hand_out(arena, arena.pool(small).find(block), rounded, size, stack);
-    const bool debt = arena.in_debt;
-    lock.unlock();
-    if (debt) settle_peak_debts();
-    after_operation();
+    ArenaEngine::finish(*this, arena, lock);
     return ptr;
   }
   lock.unlock();
@@ -297,16 +292,7 @@ void StitchEngine::record_events(Arena& arena, Block* b) {
 }
 
 void StitchEngine::record_stream(DevicePtr ptr, StreamId stream) {
-  if (Arena* arena = arena_of(ptr)) {
-    Lock lock(arena->mutex);
-    if (Block* b = arena->live.find(ptr)) {
-      add_stream_use(b->stream_uses, arena->stream, stream);
-      lock.unlock();
-      after_operation();
-      return;
-    }
-  }
-  throw_not_live("record_stream", ptr);
+  ArenaEngine::record_stream(*this, ptr, stream);
 }
 
 // A live block's pages are live, and each is covered by the one live mapping of its handle
@@ -314,36 +300,35 @@ void StitchEngine::record_stream(DevicePtr ptr, StreamId stream) {
 // stay while the block is live, since only handles wholly inside free blocks are lent and
 // only mappings with no live block are unmapped.
 ipc::SharedRegion StitchEngine::shared_region(DevicePtr ptr) const {
-  Arena* arena = arena_of(ptr);
-  if (arena == nullptr) throw_not_live("shared_region", ptr);
-  Lock lock(arena->mutex);
-  const Block* b = arena->live.find(ptr);
-  if (b == nullptr) throw_not_live("shared_region", ptr);
-  const Space& s = *b->space;
-  const std::size_t p0 = (b->ptr - s.base) / page_;
-  const std::size_t p1 = (b->end() - s.base + page_ - 1) / page_;
-  ipc::SharedRegion r;
-  r.kind = ipc::RegionKind::kHandles;
-  r.allocation = b->ptr;
-  r.allocation_size = b->size;
-  Lock device(device_mutex_);
-  auto it = s.mapping_at(p0);
-  if (it == s.mappings.end()) throw_not_live("shared_region", ptr);
-  r.base = page_va(s, it->first);
-  for (; it != s.mappings.end() && it->first < p1; ++it) {
-    const Mapping& m = it->second;
-    if (m.first_piece != 0 || m.pages != m.handle->live_at.size() ||
-        m.handle->live_at[0] != page_va(s, it->first)) {
-      throw InvariantError("ccalloc: the live allocation " + hex_address(ptr) +
-                           " lies on the mapping at " + hex_address(page_va(s, it->first)) +
-                           ", which is not its handle's live one");
+  // Under the arena's lock.
+  const auto region_of = [&](const Arena*, const Block* b) {
+    const Space& s = *b->space;
+    const std::size_t p0 = (b->ptr - s.base) / page_;
+    const std::size_t p1 = (b->end() - s.base + page_ - 1) / page_;
+    ipc::SharedRegion r;
+    r.kind = ipc::RegionKind::kHandles;
+    r.allocation = b->ptr;
+    r.allocation_size = b->size;
+    Lock device(device_mutex_);
+    auto it = s.mapping_at(p0);
+    if (it == s.mappings.end()) throw_not_live("shared_region", ptr);
+    r.base = page_va(s, it->first);
+    for (; it != s.mappings.end() && it->first < p1; ++it) {
+      const Mapping& m = it->second;
+      if (m.first_piece != 0 || m.pages != m.handle->live_at.size() ||
+          m.handle->live_at[0] != page_va(s, it->first)) {
+        throw InvariantError("ccalloc: the live allocation " + hex_address(ptr) +
+                             " lies on the mapping at " + hex_address(page_va(s, it->first)) +
+                             ", which is not its handle's live one");
+      }
+      r.pages.push_back(m.handle->id);
+      r.page_sizes.push_back(m.pages * page_);
+      r.size += m.pages * page_;
     }
-    r.pages.push_back(m.handle->id);
-    r.page_sizes.push_back(m.pages * page_);
-    r.size += m.pages * page_;
-  }
-  if (r.base + r.size < b->end()) throw_not_live("shared_region", ptr);
-  return r;
+    if (r.base + r.size < b->end()) throw_not_live("shared_region", ptr);
+    return r;
+  };
+  return ArenaEngine::with_live_block(*this, ptr, "shared_region", region_of);
 }
 
 void StitchEngine::throw_not_live(const char* what, DevicePtr ptr) const {
@@ -379,12 +364,7 @@ StitchEngine::Arena& StitchEngine::arena_for_registry(StreamId stream) {
 }
 
 std::vector<StitchEngine::Arena*> StitchEngine::arena_list() const {
-  Lock lock(registry_mutex_);
-  std::vector<Arena*> list;
-  list.reserve(arenas_.size());
-  for (const auto& a : arenas_)
-    list.push_back(a.get());
-  return list;
+  return ArenaEngine::arena_list(*this);
 }
 
 StitchEngine::AllArenasLock::AllArenasLock(const StitchEngine& engine) : engine_(engine) {

@@ -104,6 +104,7 @@
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
 #include "core/arena_cache.hpp"
+#include "core/arena_engine.hpp"
 #include "core/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
@@ -197,7 +198,9 @@ class StitchEngine final : public Backend {
   void set_device_reserved(DeviceReserved* ledger) { device_reserved_ = ledger; }
   void set_joint_settlement(JointSettlement* joint) { joint_ = joint; }
   void with_ledger_shares(const std::function<void(std::vector<LedgerShare>&)>& f) const
-      EXCLUDES(registry_mutex_, device_mutex_);
+      EXCLUDES(registry_mutex_, device_mutex_) {
+    ArenaEngine::with_ledger_shares(*this, f);
+  }
   // The published copy is an atomic of its own: no lock (the analysis cannot see past the
   // guarded member that holds it).
   const std::atomic<std::size_t>& published_reserved() const NO_THREAD_SAFETY_ANALYSIS {
@@ -222,6 +225,7 @@ class StitchEngine final : public Backend {
 
  private:
   friend struct StitchEngineTestAccess;  // tests/invariants_test.cpp
+  friend struct ArenaEngine;             // core/arena_engine.hpp
   struct Space;
   struct Arena;
   // Guarded by device_mutex_: a piece may be live in one stream's space and mapped dead in
@@ -512,20 +516,21 @@ class StitchEngine final : public Backend {
   // A handle mapped live in a space of the other pool now counts in that pool's reserved
   // bytes and segments (what PyTorch's tools rebuild from a snapshot's segments).
   void move_handle_stats(Handle& h, bool to_small) REQUIRES(device_mutex_);
-  void settle_peak_debts(const AllArenasLock& all) const;
-  std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const;
+  // As Engine's (core/arena_engine.hpp), the arenas in creation order.
+  std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const {
+    sync_aggregates(all);
+    return ledger_shares_of(all, all.arenas());
+  }
   // An arena's block statistics change on the hot path in their pool's entries only, and
   // the aggregate entries keep just their peaks (core/peak_ledger.hpp,
   // ledger_check_aggregate): this writes every arena's aggregates from its pools', as
   // whatever reads them (the ledger's shares, the views, the checker) does first.
   static void sync_aggregates(const AllArenasLock& all);
+  void settle_peak_debts(const AllArenasLock& all) const {
+    ArenaEngine::settle_peak_debts(*this, all);
+  }
   void settle_peak_debts() const EXCLUDES(registry_mutex_, device_mutex_) {
-    if (joint_ != nullptr) {
-      joint_->mark();  // the owner settles both engines together
-      return;
-    }
-    const AllArenasLock all(*this);
-    settle_peak_debts(all);
+    ArenaEngine::settle_peak_debts(*this);
   }
   // Device-wide statistics: the device's own plus every arena's blocks (peaks settled).
   DeviceStats stats_locked(const AllArenasLock& all) const REQUIRES(device_mutex_);

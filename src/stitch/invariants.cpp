@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "ccalloc/sim.hpp"
+#include "core/arena_engine.hpp"
 #include "core/format.hpp"
 #include "stitch/engine.hpp"
 
@@ -353,33 +354,18 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
   // peaks_cover_current: an arena not in peak debt is within its baselines (Stat::peak less
   // its debt); with no arena in debt, the device's peaks (the sums of the baselines) cover
   // its currents.
-  std::array<std::int64_t, kTrackedCounters> current_sum{};
-  std::array<std::int64_t, kTrackedCounters> baseline_sum{};
-  bool any_debt = false;
-  for (Arena* arena : all.arenas()) {
-    all.held(*arena);
-    const bool in_debt = arena->in_debt;
-    any_debt = any_debt || in_debt;
-    std::size_t j = 0;
-    for_each_tracked(arena->stats, arena->debts, [&](const Stat& st, const std::int64_t& debt) {
-      const std::int64_t baseline = st.peak - debt;
-      current_sum[j] += st.current;
-      baseline_sum[j] += baseline;
-      if (debt < 0 || (!in_debt && (debt != 0 || st.current > baseline))) {
-        violated("peaks_cover_current: stream " + std::to_string(arena->stream) + ": " +
-                 tracked_counter_name(j) + " is " + std::to_string(st.current) + ", baseline " +
+  ArenaEngine::check_peaks_cover_current(
+      all.arenas(), [](const Arena* arena) { return arena; },
+      [&](const Arena& arena, std::size_t j, std::int64_t current, std::int64_t baseline,
+          std::int64_t debt, bool) {
+        violated("peaks_cover_current: stream " + std::to_string(arena.stream) + ": " +
+                 tracked_counter_name(j) + " is " + std::to_string(current) + ", baseline " +
                  std::to_string(baseline) + ", debt " + std::to_string(debt));
-      }
-      ++j;
-    });
-  }
-  for (std::size_t j = 0; j < kTrackedCounters && !any_debt; ++j) {
-    if (baseline_sum[j] < current_sum[j]) {
-      violated("peaks_cover_current: " + tracked_counter_name(j) + ": device peak " +
-               std::to_string(baseline_sum[j]) + " is below its current " +
-               std::to_string(current_sum[j]));
-    }
-  }
+      },
+      [&](std::size_t j, std::int64_t peak, std::int64_t current) {
+        violated("peaks_cover_current: " + tracked_counter_name(j) + ": device peak " +
+                 std::to_string(peak) + " is below its current " + std::to_string(current));
+      });
 }
 
 }  // namespace ccalloc::core

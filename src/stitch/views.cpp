@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/arena_engine.hpp"
 #include "core/common.hpp"
 #include "core/format.hpp"
 #include "core/rounding.hpp"
@@ -24,27 +25,6 @@ void StitchEngine::sync_aggregates(const AllArenasLock& all) {
       sync_aggregate(*a);
     }
   }
-}
-
-std::vector<LedgerShare> StitchEngine::ledger_shares(const AllArenasLock& all) const {
-  sync_aggregates(all);
-  return ledger_shares_of(all, all.arenas());
-}
-
-void StitchEngine::settle_peak_debts(const AllArenasLock& all) const {
-  const std::vector<LedgerShare> shares = ledger_shares(all);
-  if (joint_ != nullptr) {
-    if (in_debt(shares)) joint_->mark();  // the owner settles both engines together
-    return;
-  }
-  core::settle_peak_debts(shares);
-}
-
-void StitchEngine::with_ledger_shares(
-    const std::function<void(std::vector<LedgerShare>&)>& f) const {
-  const AllArenasLock all(*this);
-  std::vector<LedgerShare> shares = ledger_shares(all);
-  f(shares);
 }
 
 // The block statistics' currents are sums over the arenas, their peaks the sums of the
@@ -70,12 +50,7 @@ DeviceStats StitchEngine::stats() const {
 void StitchEngine::reset_peak_stats() {
   const AllArenasLock all(*this);
   sync_aggregates(all);
-  for (Arena* arena : all.arenas()) {
-    all.held(*arena);
-    arena->stats.reset_peak();  // every baseline at its current
-    arena->debts = PeakBaselines{};
-    arena->in_debt = false;
-  }
+  ArenaEngine::reset_peaks(all, all.arenas());
   Lock device(device_mutex_);
   stats_.reset_peak();
 }
@@ -98,17 +73,7 @@ void StitchEngine::set_memory_fraction(double fraction) {
 }
 
 bool StitchEngine::reconfigure(const Config& next) {
-  check_fixed_keys(config_, next);  // before anything changes
-  // The fraction first: it validates the value, and a rejected one changes nothing. Only a
-  // changed fraction is applied, so one set through set_memory_fraction() stays otherwise.
-  double configured_fraction;
-  {
-    Lock device(device_mutex_);
-    configured_fraction = config_.per_process_memory_fraction;
-  }
-  if (next.per_process_memory_fraction != configured_fraction) {
-    set_memory_fraction(next.per_process_memory_fraction);
-  }
+  ArenaEngine::begin_reconfigure(*this, next);  // the fixed keys, then the fraction
   {
     // malloc rounds under its arena's lock and grow() reads the rest under device_mutex_.
     const AllArenasLock all(*this);
@@ -126,11 +91,7 @@ double StitchEngine::memory_fraction() const {
 }
 
 std::size_t StitchEngine::allocation_size(DevicePtr ptr) const {
-  Arena* arena = arena_of(ptr);
-  if (arena == nullptr) return 0;
-  Lock lock(arena->mutex);
-  const Block* b = arena->live.find(ptr);
-  return b == nullptr ? 0 : b->size;
+  return ArenaEngine::allocation_size(*this, ptr);
 }
 
 StitchEngine::PieceCounts StitchEngine::piece_counts() const {
@@ -163,14 +124,12 @@ StitchEngine::PieceCounts StitchEngine::piece_counts() const {
 }
 
 void StitchEngine::add_oom_observer(Allocator::OomObserver observer) {
-  Lock lock(observers_mutex_);
-  oom_observers_.push_back(std::move(observer));
+  ArenaEngine::add_oom_observer(*this, std::move(observer));
 }
 
 void StitchEngine::add_free_memory_callback(Allocator::FreeMemoryCallback callback) {
-  Lock lock(observers_mutex_);
-  free_memory_callbacks_.push_back(std::move(callback));
-  has_free_memory_callbacks_.store(true, std::memory_order_relaxed);
+  // The OOM ladder reads the flag relaxed, then the callbacks under observers_mutex_.
+  ArenaEngine::add_free_memory_callback(*this, std::move(callback), std::memory_order_relaxed);
 }
 
 void StitchEngine::add_trace_observer(TraceObserver observer) {
