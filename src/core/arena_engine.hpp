@@ -131,7 +131,8 @@ struct ArenaEngine {
   static void reset_peaks(const AllLock& all, const Arenas& arenas) {
     for (auto* arena : arenas) {
       all.held(*arena);
-      arena->stats.reset_peak();  // every baseline at its current
+      sync_block_aggregates(arena->stats);  // the aggregates' currents first
+      arena->stats.reset_peak();            // every baseline at its current
       arena->debts = PeakBaselines{};
       arena->in_debt = false;
     }

@@ -273,7 +273,7 @@ Snapshot Engine::snapshot(bool trace_entry, std::int64_t other_active_bytes) {
     std::int64_t active_bytes = 0;
     for (Arena* arena : all.by_stream()) {
       all.held(*arena);
-      active_bytes += arena->stats.active_bytes[kAggregate].current;
+      active_bytes += pools_current(arena->stats.active_bytes);
     }
     if (trace_entry) {
       record_trace(TraceAction::kSnapshot, 0,

@@ -87,11 +87,12 @@ inline void ledger_increase(Stat& stat, std::int64_t& debt, bool& in_debt, std::
   }
 }
 
-// Block statistics kept per pool only (the stitching policy's arenas): a hot-path update
+// Block statistics kept per pool only (both engines' arenas): a hot-path update
 // changes the pool's entry, and the aggregate entry keeps only its peak, checked here
 // against the sum of the pools' currents as ledger_increase checks a kept current. Its
 // current and cumulative counts are the pools' sums, written by sync_aggregate before
-// anything reads the entry (the ledger's settlement, the views).
+// anything reads the entry (the ledger's shares, reset_peaks, the checkers), or read as
+// pools_current().
 inline void ledger_check_aggregate(StatArray& stat, std::int64_t& debt, bool& in_debt) {
   const std::int64_t now = stat[kSmallPool].current + stat[kLargePool].current;
   Stat& agg = stat[kAggregate];
@@ -105,6 +106,25 @@ inline void sync_aggregate(StatArray& stat) {
   stat[kAggregate].current = stat[kSmallPool].current + stat[kLargePool].current;
   stat[kAggregate].allocated = stat[kSmallPool].allocated + stat[kLargePool].allocated;
   stat[kAggregate].freed = stat[kSmallPool].freed + stat[kLargePool].freed;
+}
+// Every block statistic's aggregate of one arena's DeviceStats, from its pools'.
+inline void sync_block_aggregates(DeviceStats& s) {
+  for (StatArray* a : {&s.allocation, &s.allocated_bytes, &s.active, &s.active_bytes,
+                       &s.inactive_split, &s.inactive_split_bytes, &s.requested_bytes}) {
+    sync_aggregate(*a);
+  }
+}
+// The current of a statistic kept per pool (the aggregate entry may be stale).
+inline std::int64_t pools_current(const StatArray& stat) {
+  return stat[kSmallPool].current + stat[kLargePool].current;
+}
+// An increase of a pool's entry of a statistic kept per pool: ledger_increase for the
+// pool's, the aggregate's peak checked against the pools' sum.
+inline void ledger_increase_pool(StatArray& stat, std::int64_t& pool_debt,
+                                 std::int64_t& aggregate_debt, bool& in_debt, StatType pool,
+                                 std::int64_t n) {
+  ledger_increase(stat[pool], pool_debt, in_debt, n);
+  ledger_check_aggregate(stat, aggregate_debt, in_debt);
 }
 
 // One arena's part of the ledger, as the settlement and the device-wide sums see it. The
@@ -120,12 +140,15 @@ void settle_peak_debts(const std::vector<LedgerShare>& shares);
 
 // Every arena's part of the ledger, for an engine's lock over all its arenas (`all`, which
 // asserts through held() that an arena's lock is held) and its arenas in settlement order.
+// The block statistics' aggregates are written from their pools' first
+// (sync_block_aggregates): the settlement and the sums read them.
 template <typename AllLock, typename Arenas>
 std::vector<LedgerShare> ledger_shares_of(const AllLock& all, const Arenas& arenas) {
   std::vector<LedgerShare> shares;
   shares.reserve(arenas.size());
   for (auto* arena : arenas) {
     all.held(*arena);
+    sync_block_aggregates(arena->stats);
     shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
   }
   return shares;

@@ -183,7 +183,12 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
   const bool already_split = block->is_split();
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;  // increases go through arena.increase(): see arena.hpp
-  const StatType kinds[2] = {kAggregate, pool_stat(pool.is_small)};
+  // The pool's entries; the aggregates keep their peaks only (core/peak_ledger.hpp).
+  const StatType t = pool_stat(pool.is_small);
+  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
+  };
 
   const bool expandable_block = block->segment != nullptr;
   const bool no_split =
@@ -212,23 +217,18 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     }
     // Expandable blocks never count as inactive_split: their free pages can always be
     // unmapped.
-    for (StatType t : kinds) {
-      if (expandable_block) break;
-      if (already_split) {
-        st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
-      } else {
-        arena.increase(st.inactive_split_bytes[t], debt.inactive_split_bytes[t],
-                       static_cast<std::int64_t>(remaining->size));
-        arena.increase(st.inactive_split[t], debt.inactive_split[t], 1);
-      }
+    if (!expandable_block && already_split) {
+      st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
+    } else if (!expandable_block) {
+      increase(st.inactive_split_bytes, debt.inactive_split_bytes,
+               static_cast<std::int64_t>(remaining->size));
+      increase(st.inactive_split, debt.inactive_split, 1);
     }
   } else {
     if (pooled) pool.blocks.erase(pos);
     if (already_split && !expandable_block) {
-      for (StatType t : kinds) {
-        st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
-        st.inactive_split[t].decrease(1);
-      }
+      st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(block->size));
+      st.inactive_split[t].decrease(1);
     }
   }
 
@@ -238,14 +238,11 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
     block->stack = OperationContext::current();
   }
   const auto size = static_cast<std::int64_t>(block->size);
-  for (StatType t : kinds) {
-    arena.increase(st.allocation[t], debt.allocation[t], 1);
-    arena.increase(st.allocated_bytes[t], debt.allocated_bytes[t], size);
-    arena.increase(st.active[t], debt.active[t], 1);
-    arena.increase(st.active_bytes[t], debt.active_bytes[t], size);
-    arena.increase(st.requested_bytes[t], debt.requested_bytes[t],
-                   static_cast<std::int64_t>(req.requested));
-  }
+  increase(st.allocation, debt.allocation, 1);
+  increase(st.allocated_bytes, debt.allocated_bytes, size);
+  increase(st.active, debt.active, 1);
+  increase(st.active_bytes, debt.active_bytes, size);
+  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(req.requested));
   if (is_oversize(block->size, config_)) {
     arena.increase(st.oversize_allocations, debt.oversize_allocations, 1);
   }
@@ -257,10 +254,9 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
 void Engine::release_allocation(Arena& arena, Block* block) {
   DeviceStats& st = arena.stats;
   block->allocated = false;
-  for (StatType t : {kAggregate, pool_stat(block->pool->is_small)}) {
-    st.allocation[t].decrease(1);
-    st.allocated_bytes[t].decrease(static_cast<std::int64_t>(block->size));
-  }
+  const StatType t = pool_stat(block->pool->is_small);  // the pool's entries only
+  st.allocation[t].decrease(1);
+  st.allocated_bytes[t].decrease(static_cast<std::int64_t>(block->size));
   record_trace(TraceAction::kFreeRequested, block->ptr, block->requested_size, arena.stream, block);
   if (is_oversize(block->size, config_)) st.oversize_allocations.decrease(1);
   if (block->stream_uses.empty()) {
@@ -342,19 +338,21 @@ void Engine::free_block(Arena& arena, Block* block) {
   DeviceStats& st = arena.stats;
   if (merged->segment != nullptr) net_split_blocks = net_split_bytes = 0;  // see carve()
   PeakBaselines& debt = arena.debts;
-  for (StatType t : {kAggregate, pool_stat(pool.is_small)}) {
-    if (net_split_blocks > 0) {
-      arena.increase(st.inactive_split[t], debt.inactive_split[t], net_split_blocks);
-    }
-    if (net_split_blocks < 0) st.inactive_split[t].decrease(-net_split_blocks);
-    if (net_split_bytes > 0) {
-      arena.increase(st.inactive_split_bytes[t], debt.inactive_split_bytes[t], net_split_bytes);
-    }
-    if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
-    st.active[t].decrease(1);
-    st.active_bytes[t].decrease(original_size);
-    st.requested_bytes[t].decrease(static_cast<std::int64_t>(requested));
+  const StatType t = pool_stat(pool.is_small);  // the pool's entries only
+  if (net_split_blocks > 0) {
+    ledger_increase_pool(st.inactive_split, debt.inactive_split[t],
+                         debt.inactive_split[kAggregate], arena.in_debt, t, net_split_blocks);
   }
+  if (net_split_blocks < 0) st.inactive_split[t].decrease(-net_split_blocks);
+  if (net_split_bytes > 0) {
+    ledger_increase_pool(st.inactive_split_bytes, debt.inactive_split_bytes[t],
+                         debt.inactive_split_bytes[kAggregate], arena.in_debt, t,
+                         net_split_bytes);
+  }
+  if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
+  st.active[t].decrease(1);
+  st.active_bytes[t].decrease(original_size);
+  st.requested_bytes[t].decrease(static_cast<std::int64_t>(requested));
 }
 
 void Engine::insert_into_pool(FreePool& pool, Block* block) {

@@ -525,7 +525,7 @@ void Engine::raise_oom(Arena& arena, const Request& req, std::unique_ptr<AllAren
     // A sleeping pool holds no memory: neither its allocations nor its free blocks are in
     // what is reserved (docs/sleep-wake.md).
     if (a->pool != nullptr && a->pool->asleep.load(std::memory_order_relaxed)) continue;
-    f.allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
+    f.allocated += static_cast<std::size_t>(pools_current(a->stats.allocated_bytes));
     for (const FreePool* pool : {&a->small_pool, &a->large_pool}) {
       std::size_t free_bytes = 0;
       for (const Block* b : pool->blocks)

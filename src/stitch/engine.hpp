@@ -518,14 +518,8 @@ class StitchEngine final : public Backend {
   void move_handle_stats(Handle& h, bool to_small) REQUIRES(device_mutex_);
   // As Engine's (core/arena_engine.hpp), the arenas in creation order.
   std::vector<LedgerShare> ledger_shares(const AllArenasLock& all) const {
-    sync_aggregates(all);
     return ledger_shares_of(all, all.arenas());
   }
-  // An arena's block statistics change on the hot path in their pool's entries only, and
-  // the aggregate entries keep just their peaks (core/peak_ledger.hpp,
-  // ledger_check_aggregate): this writes every arena's aggregates from its pools', as
-  // whatever reads them (the ledger's shares, the views, the checker) does first.
-  static void sync_aggregates(const AllArenasLock& all);
   void settle_peak_debts(const AllArenasLock& all) const {
     ArenaEngine::settle_peak_debts(*this, all);
   }

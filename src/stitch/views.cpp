@@ -16,17 +16,6 @@ namespace ccalloc::core {
 // ---------------------------------------------------------------------------------------
 // Stats, settings, observers, history
 
-void StitchEngine::sync_aggregates(const AllArenasLock& all) {
-  for (Arena* arena : all.arenas()) {
-    all.held(*arena);
-    DeviceStats& st = arena->stats;
-    for (StatArray* a : {&st.allocation, &st.allocated_bytes, &st.active, &st.active_bytes,
-                         &st.requested_bytes}) {
-      sync_aggregate(*a);
-    }
-  }
-}
-
 // The block statistics' currents are sums over the arenas, their peaks the sums of the
 // arenas' baselines (core/peak_ledger.hpp), settled first so no peak is below its current.
 DeviceStats StitchEngine::stats_locked(const AllArenasLock& all) const {
@@ -49,7 +38,6 @@ DeviceStats StitchEngine::stats() const {
 
 void StitchEngine::reset_peak_stats() {
   const AllArenasLock all(*this);
-  sync_aggregates(all);
   ArenaEngine::reset_peaks(all, all.arenas());
   Lock device(device_mutex_);
   stats_.reset_peak();
@@ -156,10 +144,9 @@ StitchEngine::OomReport StitchEngine::prepare_oom(const AllArenasLock& all, Aren
   const Pool& pool = arena.pool(small);
   const std::size_t largest = pool.empty() ? 0 : (*pool.rbegin())->size;
   std::size_t allocated = 0;
-  sync_aggregates(all);
   for (Arena* a : all.arenas()) {
     all.held(*a);
-    allocated += static_cast<std::size_t>(a->stats.allocated_bytes[kAggregate].current);
+    allocated += static_cast<std::size_t>(pools_current(a->stats.allocated_bytes));
   }
   PytorchOomFigures p;
   p.requested = requested;
@@ -382,10 +369,9 @@ Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
   {
     const AllArenasLock all(*this);
     std::int64_t active_bytes = 0;
-    sync_aggregates(all);
     for (Arena* arena : all.arenas()) {
       all.held(*arena);
-      active_bytes += arena->stats.active_bytes[kAggregate].current;
+      active_bytes += pools_current(arena->stats.active_bytes);
     }
     record_trace(TraceAction::kSnapshot, 0,
                  static_cast<std::size_t>(active_bytes + other_active_bytes), 0, Origin{});
