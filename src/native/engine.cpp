@@ -15,6 +15,12 @@
 #include "core/rounding.hpp"
 
 namespace ccalloc::core {
+// The steps of a cache hit's malloc and free, defined below and inlined into
+// malloc_cached and free_cached, their callers on the hot path (docs/hot-path.md: a call
+// frame each spared). Other files call them out of line.
+#pragma GCC diagnostic ignored "-Wattributes"
+#define CCALLOC_HOT [[gnu::always_inline]]
+
 namespace {
 
 bool env_flag(const char* name) {
@@ -133,7 +139,7 @@ Arena* Engine::arena_by_owner(SegmentMap::Owner owner) const {
 // ---------------------------------------------------------------------------------------
 // Block operations (the arena's lock is held)
 
-Request Engine::make_request(std::size_t size, StreamId stream) const {
+CCALLOC_HOT Request Engine::make_request(std::size_t size, StreamId stream) const {
   Request r;
   r.requested = size;
   r.size = round_size(size, config_);
@@ -143,7 +149,7 @@ Request Engine::make_request(std::size_t size, StreamId stream) const {
   return r;
 }
 
-Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool advance_gc_clock) {
+CCALLOC_HOT Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool advance_gc_clock) {
   FreePool& pool = arena.pool_for(req.small);
   if (advance_gc_clock && gc_enabled()) {
     pool_searches_[req.small ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
@@ -167,7 +173,7 @@ Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool a
   return pos;
 }
 
-DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req) {
+CCALLOC_HOT DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req) {
   block = carve(arena, block, pos, req);
   arena.live.insert(block->ptr, block);
   record_trace(TraceAction::kAlloc, block->ptr, req.requested, arena.stream, block);
@@ -177,7 +183,7 @@ DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos, const Reques
 // Takes req.size bytes from the low end of `block`, leaving the rest free in the pool when
 // should_split() says it is worth a block of its own. A remainder that was in the pool
 // keeps its place there when its shrunken size still sorts after its predecessor.
-Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req) {
+CCALLOC_HOT Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req) {
   FreePool& pool = *block->pool;
   const bool pooled = pos != pool.blocks.end();
   const bool already_split = block->is_split();
@@ -251,7 +257,7 @@ Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const Request& req
 
 // The program freed `block`: it returns to its pool now, or once events on the other
 // streams that used it have completed.
-void Engine::release_allocation(Arena& arena, Block* block) {
+CCALLOC_HOT void Engine::release_allocation(Arena& arena, Block* block) {
   DeviceStats& st = arena.stats;
   block->allocated = false;
   const StatType t = pool_stat(block->pool->is_small);  // the pool's entries only
@@ -281,7 +287,7 @@ void Engine::release_allocation(Arena& arena, Block* block) {
 // Returns a block with no outstanding uses to its pool, merged with its free neighbours.
 // The merged block reuses a free neighbour's place in the pool when it can (its size only
 // grew), which spares the tree an erase and an insert.
-void Engine::free_block(Arena& arena, Block* block) {
+CCALLOC_HOT void Engine::free_block(Arena& arena, Block* block) {
   record_trace(TraceAction::kFreeCompleted, block->ptr, block->requested_size, arena.stream, block);
   const auto original_size = static_cast<std::int64_t>(block->size);
   const auto requested = block->requested_size;
@@ -355,12 +361,12 @@ void Engine::free_block(Arena& arena, Block* block) {
   st.requested_bytes[t].decrease(static_cast<std::int64_t>(requested));
 }
 
-void Engine::insert_into_pool(FreePool& pool, Block* block) {
+CCALLOC_HOT void Engine::insert_into_pool(FreePool& pool, Block* block) {
   block->gc_count_base = gc_clock(pool);
   pool.blocks.insert(block);
 }
 
-void Engine::fix_pool_position(FreePool& pool, PoolPos pos, Change change) {
+CCALLOC_HOT void Engine::fix_pool_position(FreePool& pool, PoolPos pos, Change change) {
   const BySizeThenAddress less;
   const bool in_order = change == Change::kShrank
                             ? pos == pool.blocks.begin() || less(*std::prev(pos), *pos)

@@ -252,32 +252,6 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
   return true;
 }
 
-// Frees lower the block statistics only: no peak debt to settle.
-void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
-  // Block statistics count a block in its segment's pool (an island's in the large one),
-  // as PyTorch's tools rebuild them from the snapshot's segments.
-  // The pool's entries only (sync_aggregates).
-  const StatType t = pool_stat(b->space->small);
-  arena.stats.allocation[t].decrease(1);
-  arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
-  // The free's own stack (context "all"), else the allocation's.
-  record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, arena.stream,
-               stack ? stack : b->stack);
-  if (stack) b->stack = stack;
-  if (b->stream_uses.empty()) {
-    free_block(arena, b);
-    return;
-  }
-  // Reuse waits for the work queued so far on every other stream that used the block.
-  b->kind = Block::Kind::kPending;
-  if (capturing()) [[unlikely]] {  // no event may be recorded now
-    arena.deferred.push_back(b);
-    deferred_frees_.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
-  record_events(arena, b);
-}
-
 void StitchEngine::record_events(Arena& arena, Block* b) {
   for (const StreamId s : b->stream_uses) {
     const EventId e = event_pool_.get();

@@ -313,7 +313,7 @@ class StitchEngine final : public Backend {
   struct alignas(64) Arena {
     Arena(StreamId s, std::size_t index)
         : stream(s), owner(static_cast<SegmentMap::Owner>(index + 1)) {}
-    // The spare blocks stay constructed until the arena goes (blocks.cpp).
+    // The spare blocks stay constructed until the arena goes (blocks.cpp, hot_path.hpp).
     ~Arena();
     Arena(const Arena&) = delete;
     Arena& operator=(const Arena&) = delete;
@@ -633,3 +633,6 @@ bool StitchEngine::find_whole_handle(const Block& b, F&& f) const {
 }
 
 }  // namespace ccalloc::core
+
+// The hit path's block operations, inline (hot_path.hpp).
+#include "stitch/hot_path.hpp"  // IWYU pragma: export

@@ -1,0 +1,202 @@
+// The block operations every cache hit runs, defined inline: handing a block out with its
+// split, the free's accounting (release), returning a block to its pool with its merges,
+// and the arena's recycling of block objects. They are what a malloc and a free that find
+// their memory cached cost (docs/hot-path.md): inlined into malloc and free they spare a
+// call frame each (about 70 instructions of a pair's 710). engine.hpp includes this file
+// at its end; the rest of the blocks' concern (find_free, turning pages void) is in
+// blocks.cpp.
+#pragma once
+
+#include <algorithm>
+#include <iterator>
+
+#include "core/rounding.hpp"
+#include "stitch/engine.hpp"
+
+// Forces inlining where the hot path calls; elsewhere the compiler inlines as it sees fit.
+#define CCALLOC_HOT [[gnu::always_inline]] inline
+
+namespace ccalloc::core {
+
+// Blocks are recycled by their arena: splits and merges on the hot path do not allocate.
+// A spare keeps its (empty) stream-use vector's capacity and needs only the fields a block
+// may have changed reset.
+CCALLOC_HOT StitchEngine::Block* StitchEngine::new_block(Arena& arena) {
+  Block* b = arena.spare_blocks;
+  if (b == nullptr) return new (arena.block_nodes.take(sizeof(Block), alignof(Block))) Block();
+  arena.spare_blocks = b->next;
+  b->ptr = 0;
+  b->size = 0;
+  b->requested = 0;
+  b->prev = b->next = nullptr;
+  b->space = nullptr;
+  b->kind = Block::Kind::kFree;
+  b->small = false;
+  b->event_count = 0;
+  b->pool_pos = {};
+  return b;
+}
+
+CCALLOC_HOT void StitchEngine::delete_block(Arena& arena, Block* b) {
+  b->stream_uses.clear();
+  b->stack.clear();
+  b->next = arena.spare_blocks;
+  arena.spare_blocks = b;
+}
+
+// Cuts the first `size` bytes of b into a new block of b's kind, linked before it.
+CCALLOC_HOT StitchEngine::Block* StitchEngine::split_off_front(Arena& arena, Block* b,
+                                                               std::size_t size) {
+  Block* f = new_block(arena);
+  f->ptr = b->ptr;
+  f->size = size;
+  f->space = b->space;
+  f->kind = b->kind;
+  f->small = b->small;
+  f->prev = b->prev;
+  f->next = b;
+  if (f->prev != nullptr) {
+    f->prev->next = f;
+  } else {
+    b->space->first = f;
+  }
+  b->prev = f;
+  b->ptr += size;
+  b->size -= size;
+  return f;
+}
+
+// The rest of a split keeps the block's place in the pool when its smaller key still sorts
+// after its predecessor (no tree operation on the usual hit).
+CCALLOC_HOT DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, std::size_t size,
+                                             std::size_t requested, const Origin& stack) {
+  Block* block = *pos;
+  const bool small = block->small;
+  Pool& pool = arena.pool(small);
+  if (block->size - size >= kMinBlockSize) {
+    Block* rest = block;
+    block = split_off_front(arena, rest, size);
+    if (pos != pool.begin() && !BySizeThenAddress{}(*std::prev(pos), rest)) {
+      pool.erase(pos);
+      pool.insert(rest);
+    }
+  } else {
+    pool.erase(pos);
+  }
+  block->kind = Block::Kind::kAllocated;
+  block->requested = requested;
+  if (!small) {
+    arena.large_served += block->size;
+    arena.largest_large = std::max(arena.largest_large, block->size);
+  }
+  if (stack) block->stack = stack;  // a free block has none
+  arena.live.insert(block->ptr, block);
+  DeviceStats& st = arena.stats;
+  PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
+  const auto bytes = static_cast<std::int64_t>(block->size);
+  // The segment's pool's entries; the aggregates keep their peaks only (sync_aggregates).
+  const StatType t = pool_stat(block->space->small);
+  bool& in_debt = arena.in_debt;
+  ledger_increase(st.allocation[t], debt.allocation[t], in_debt, 1);
+  ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], in_debt, bytes);
+  ledger_increase(st.active[t], debt.active[t], in_debt, 1);
+  ledger_increase(st.active_bytes[t], debt.active_bytes[t], in_debt, bytes);
+  ledger_increase(st.requested_bytes[t], debt.requested_bytes[t], in_debt,
+                  static_cast<std::int64_t>(requested));
+  ledger_check_aggregate(st.allocation, debt.allocation[kAggregate], in_debt);
+  ledger_check_aggregate(st.allocated_bytes, debt.allocated_bytes[kAggregate], in_debt);
+  ledger_check_aggregate(st.active, debt.active[kAggregate], in_debt);
+  ledger_check_aggregate(st.active_bytes, debt.active_bytes[kAggregate], in_debt);
+  ledger_check_aggregate(st.requested_bytes, debt.requested_bytes[kAggregate], in_debt);
+  record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
+  return block->ptr;
+}
+
+// Returns a block with no outstanding uses to its pool, merged with free neighbours.
+CCALLOC_HOT void StitchEngine::free_block(Arena& arena, Block* b) {
+  const StatType t = pool_stat(b->space->small);  // the pool's entries (sync_aggregates)
+  arena.stats.active[t].decrease(1);
+  arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+  arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+  record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
+  b->kind = Block::Kind::kFree;
+  b->stack.clear();
+  if (sharing_.load(std::memory_order_relaxed)) [[unlikely]]
+    note_free(arena, *b);
+  pool_free(arena, b);
+}
+
+CCALLOC_HOT StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_island) {
+  Space& s = *b->space;
+  Pool& pool = arena.pool(b->small);
+  const auto joins = [b](const Block* n) {
+    return n != nullptr && n->kind == Block::Kind::kFree && n->small == b->small;
+  };
+  Block* const prev = joins(b->prev) ? b->prev : nullptr;
+  Block* const next = joins(b->next) ? b->next : nullptr;
+  if (prev == nullptr && next == nullptr) {
+    pool.insert(b);
+    return keep_island || !b->in_island() ? b : end_island_if_free(arena, b);
+  }
+  // The survivor is a neighbour already in the pool; the others are absorbed into it. It
+  // only grew, so it keeps its place unless it now sorts after its successor.
+  Block* const merged = prev != nullptr ? prev : next;
+  const Pool::iterator pos = pool.find(merged);
+  if (prev != nullptr && next != nullptr) pool.erase(next);
+  const DevicePtr start = prev != nullptr ? prev->ptr : b->ptr;
+  Block* const last = next != nullptr ? next : b;
+  Block* const before = prev != nullptr ? prev->prev : b->prev;
+  Block* const after = last->next;
+  merged->size = last->end() - start;
+  merged->ptr = start;
+  merged->requested = b->requested;  // the freed block's, as before the merge
+  merged->prev = before;
+  merged->next = after;
+  if (before != nullptr) {
+    before->next = merged;
+  } else {
+    s.first = merged;
+  }
+  if (after != nullptr) {
+    after->prev = merged;
+  } else {
+    s.last = merged;
+  }
+  delete_block(arena, b);  // absorbed, as is `next` when both neighbours were free
+  if (prev != nullptr && next != nullptr) delete_block(arena, next);
+  if (std::next(pos) != pool.end() && !BySizeThenAddress{}(merged, *std::next(pos))) {
+    pool.erase(pos);
+    pool.insert(merged);
+  }
+  return keep_island || !merged->in_island() ? merged : end_island_if_free(arena, merged);
+}
+
+// Frees lower the block statistics only: no peak debt to settle.
+CCALLOC_HOT void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
+  // Block statistics count a block in its segment's pool (an island's in the large one),
+  // as PyTorch's tools rebuild them from the snapshot's segments.
+  // The pool's entries only (sync_aggregates).
+  const StatType t = pool_stat(b->space->small);
+  arena.stats.allocation[t].decrease(1);
+  arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+  // The free's own stack (context "all"), else the allocation's.
+  record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, arena.stream,
+               stack ? stack : b->stack);
+  if (stack) b->stack = stack;
+  if (b->stream_uses.empty()) {
+    free_block(arena, b);
+    return;
+  }
+  // Reuse waits for the work queued so far on every other stream that used the block.
+  b->kind = Block::Kind::kPending;
+  if (capturing()) [[unlikely]] {  // no event may be recorded now
+    arena.deferred.push_back(b);
+    deferred_frees_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  record_events(arena, b);
+}
+
+}  // namespace ccalloc::core
+
+#undef CCALLOC_HOT
