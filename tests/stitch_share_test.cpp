@@ -6,6 +6,7 @@
 // events complete only when a test completes them.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <map>
 #include <random>
 #include <vector>
@@ -226,3 +227,127 @@ TEST(StitchShare, NoStreamGetsAHandleWhileAnotherStreamsUseOfItMayStillRun) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------
+// The cycle gate (core/cycle_gate.hpp): a free skips its poll's clock read only where the
+// processor's cycle counter shows that the poll cannot be due.
+
+namespace gate {
+
+using ccalloc::core::cycle_count;
+using ccalloc::core::CycleGate;
+using Steady = std::chrono::steady_clock;
+
+std::int64_t us_since(Steady::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(Steady::now() - t0).count();
+}
+
+void spin_for_us(std::int64_t us) {
+  const auto t0 = Steady::now();
+  while (us_since(t0) < us) {
+  }
+}
+
+}  // namespace gate
+
+TEST(CycleGate, StaysShutWithoutAWallClock) {
+  ccalloc::core::CycleGate g(1000, 0.9, /*on=*/false);
+  gate::spin_for_us(ccalloc::core::CycleGate::kCalibrationUs + 2000);
+  g.observe(ccalloc::core::cycle_count(), 20'000, 1, 0);
+  EXPECT_EQ(g.ticks(), 0u);
+  EXPECT_EQ(g.ticks_for(1000), 0u);
+}
+
+TEST(CycleGate, CalibratesAfterTenMillisecondsAndItsTicksFallWithinTheInterval) {
+  using namespace gate;
+  CycleGate g(1000, 0.9, /*on=*/true);
+  if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
+  g.observe(cycle_count(), 0, 0, 0);
+  EXPECT_EQ(g.ticks(), 0u) << "calibrated before kCalibrationUs";
+  spin_for_us(CycleGate::kCalibrationUs + 1000);
+  g.observe(cycle_count(), 0, 0, 0);
+  ASSERT_GT(g.ticks(), 0u);
+  EXPECT_EQ(g.ticks_for(0), 0u);
+  EXPECT_EQ(g.ticks_for(-5), 0u);
+  EXPECT_NEAR(static_cast<double>(g.ticks_for(500)), static_cast<double>(g.ticks()) / 2,
+              static_cast<double>(g.ticks()) / 100);
+  // The gate's ticks take at most 90 % of the interval (1 ms): a spin until they have
+  // passed lasts under the interval, and near 0.9 ms (loose for sanitizer builds).
+  const auto t0 = Steady::now();
+  const std::uint64_t c0 = cycle_count();
+  while (cycle_count() - c0 < g.ticks()) {
+  }
+  const std::int64_t took = us_since(t0);
+  EXPECT_LT(took, 1000);
+  EXPECT_GT(took, 700);
+}
+
+TEST(CycleGate, ShutsForGoodWhereTheCounterRunsSlowerThanCalibrated) {
+  using namespace gate;
+  CycleGate g(1000, 0.9, /*on=*/true);
+  if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
+  spin_for_us(CycleGate::kCalibrationUs + 1000);
+  g.observe(cycle_count(), 0, 0, 0);
+  const std::uint64_t gate_ticks = g.ticks();
+  ASSERT_GT(gate_ticks, 0u);
+  // A read 1 ms after the previous one by the clock but after 10 % of that by the counter:
+  // a skip could have hidden a due poll.
+  g.observe(1'000'000 + gate_ticks / 9, 1000, 1'000'000, 0);
+  EXPECT_TRUE(g.shut());
+  EXPECT_EQ(g.ticks(), 0u);
+  EXPECT_EQ(g.ticks_for(1000), 0u);
+}
+
+TEST(CycleGate, KeepsOpenWhereTheCounterKeepsItsRate) {
+  using namespace gate;
+  CycleGate g(1000, 0.9, /*on=*/true);
+  if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
+  spin_for_us(CycleGate::kCalibrationUs + 1000);
+  g.observe(cycle_count(), 0, 0, 0);
+  const std::uint64_t gate_ticks = g.ticks();
+  ASSERT_GT(gate_ticks, 0u);
+  // 1 ms by the clock, the calibrated rate's ticks by the counter (gate / 0.9).
+  g.observe(1'000'000 + gate_ticks * 10 / 9, 1000, 1'000'000, 0);
+  EXPECT_FALSE(g.shut());
+  EXPECT_EQ(g.ticks(), gate_ticks);
+}
+
+// With a wall clock the frees of a stream that shares (two streams allocate) read the clock
+// a few times per poll interval instead of once each, and still poll: the fences are
+// recorded as without the gate. The simulated GPU's clock is set to real time as the test
+// goes, as a wall clock would be.
+TEST(StitchShare, FreesReadTheClockOnlyWhereTheirPollMayBeDue) {
+  using namespace gate;
+  if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
+  ccalloc::sim::Options o;
+  o.wall_clock = true;
+  ccalloc::sim::SimDriver gpu(o);
+  StitchEngine engine(gpu, Config::parse("ccalloc"));
+  const auto t0 = Steady::now();
+  const auto tick = [&] { gpu.set_time_us(1'000'000 + us_since(t0)); };
+  tick();
+  engine.free(engine.malloc(kMiB, 1));  // a second stream: sharing begins
+  engine.free(engine.malloc(kMiB, 0));
+  // Calibration: the first poll at least kCalibrationUs after the engine was made.
+  while (us_since(t0) < CycleGate::kCalibrationUs + 2000) {
+    tick();
+    engine.free(engine.malloc(512, 0));
+  }
+  const std::uint64_t reads0 = gpu.clock_reads();
+  const std::size_t fences0 = engine.piece_counts().fences;
+  constexpr int kFrees = 20000;
+  const auto start = Steady::now();
+  for (int i = 0; i < kFrees; ++i) {
+    if (i % 64 == 0) tick();
+    engine.free(engine.malloc(512, 0));
+  }
+  const std::int64_t took_us = us_since(start);
+  const std::uint64_t reads = gpu.clock_reads() - reads0;
+  // Without the gate every free reads the clock at least once (kFrees). With it: a read at
+  // each poll (at most one per interval, with its fence's), and a few as a poll comes due.
+  EXPECT_LT(reads, static_cast<std::uint64_t>(kFrees / 4)) << took_us << " us";
+  // The stream still polled and fenced: about one fence per interval it ran.
+  if (took_us > 3000) {
+    EXPECT_GE(engine.piece_counts().fences, fences0 + 1) << took_us << " us";
+  }
+}

@@ -85,6 +85,7 @@ class CudaDriver final : public Driver {
   bool capture_info(StreamId stream, CaptureInfo& out) override;
   void node_dependencies(GraphNode node, std::vector<GraphNode>& out) override;
   std::int64_t now_us() override;
+  bool wall_clock() const override { return true; }
   std::size_t vm_granularity() override;
   DevicePtr reserve_address_range(std::size_t bytes) override;
   void free_address_range(DevicePtr base, std::size_t bytes) override;

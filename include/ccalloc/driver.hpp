@@ -223,6 +223,11 @@ class Driver {
   // Wall time in microseconds since the Unix epoch, used to stamp trace entries. The
   // simulated GPU returns its virtual clock instead.
   virtual std::int64_t now_us() = 0;
+  // Whether now_us() is wall time, so that the allocator may skip a read where the
+  // processor's cycle counter shows that too little time has passed to change an answer
+  // (core/cycle_gate.hpp). A virtual clock (the simulated GPU's) says false: every read is
+  // made.
+  virtual bool wall_clock() const { return false; }
 
   // A short description for messages, e.g. "simulated GPU 0 (141.00 GiB)".
   virtual std::string name() const = 0;

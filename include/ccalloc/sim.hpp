@@ -175,6 +175,10 @@ struct Options {
   DevicePtr pool_base_address = DevicePtr{0x400000000000};
   // Pinned host memory allocate_host may hand out in all; beyond it, it returns nullptr.
   std::size_t host_capacity = SIZE_MAX;
+  // What wall_clock() says: whether the allocator may treat the virtual clock as wall time
+  // (skip reads the processor's cycle counter shows unneeded, core/cycle_gate.hpp). For
+  // tests that count the allocator's clock reads (clock_reads()); a replay keeps false.
+  bool wall_clock = false;
 };
 
 // One device allocation a recorded run obtained: the oracle hands `address` to the next
@@ -241,6 +245,8 @@ class SimDriver final : public Driver {
   std::size_t host_bytes() const;
 
   Counters counters() const;
+  // Calls of now_us() so far.
+  std::uint64_t clock_reads() const { return clock_reads_.load(std::memory_order_relaxed); }
   double simulated_driver_us() const;
   // Device memory in use: device allocations, physical allocations and the pool's reserved
   // pages together (what counts against the capacity).
@@ -262,6 +268,7 @@ class SimDriver final : public Driver {
   void synchronize_event(EventId event) override;
   void synchronize_stream(StreamId stream) override;
   std::int64_t now_us() override;
+  bool wall_clock() const override { return options_.wall_clock; }
   std::size_t vm_granularity() override;
   DevicePtr reserve_address_range(std::size_t bytes) override;
   void free_address_range(DevicePtr base, std::size_t bytes) override;
@@ -470,6 +477,7 @@ class SimDriver final : public Driver {
   Counters counters_;
   double driver_us_ = 0.0;
   std::atomic<std::int64_t> time_us_{0};
+  std::atomic<std::uint64_t> clock_reads_{0};
 };
 
 }  // namespace ccalloc::sim

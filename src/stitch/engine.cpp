@@ -30,7 +30,11 @@ void Driver::map_range(DevicePtr va, std::size_t bytes, PhysicalHandle handle, s
 namespace ccalloc::core {
 
 StitchEngine::StitchEngine(Driver& driver, Config config)
-    : driver_(driver), config_(std::move(config)), uid_(next_engine_uid()), event_pool_(driver) {
+    : driver_(driver),
+      config_(std::move(config)),
+      uid_(next_engine_uid()),
+      fence_gate_(kFenceIntervalUs, 0.9, driver.wall_clock()),
+      event_pool_(driver) {
   const char* check = std::getenv("CCALLOC_CHECK_INVARIANTS");
   check_invariants_ = check != nullptr && std::strcmp(check, "1") == 0;
   capacity_ = driver_.mem_info().total_bytes;

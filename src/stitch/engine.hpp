@@ -108,6 +108,7 @@
 #include "core/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
+#include "core/cycle_gate.hpp"
 #include "core/device_reserved.hpp"
 #include "core/event_pool.hpp"
 #include "core/history.hpp"
@@ -368,6 +369,12 @@ class StitchEngine final : public Backend {
     bool unfenced GUARDED_BY(mutex) = false;  // a page stamped `epoch`: no fence covers it
     // The last refresh_fences by a free (none yet: far in the past).
     std::int64_t fences_polled_us GUARDED_BY(mutex) = std::numeric_limits<std::int64_t>::min() / 2;
+    // A free's last read of the clock for its poll, by the clock and by the cycle counter,
+    // and how many counter ticks from then certainly pass before the next poll is due (0:
+    // none known; fence_gate_): a free within them skips the read.
+    std::int64_t fence_clock_us GUARDED_BY(mutex) = 0;
+    std::uint64_t fence_clock_cycles GUARDED_BY(mutex) = 0;
+    std::uint64_t fence_clock_span GUARDED_BY(mutex) = 0;
     std::deque<Fence> fences GUARDED_BY(mutex);  // in flight, oldest first
     std::int64_t fences_queried_us GUARDED_BY(mutex) = std::numeric_limits<std::int64_t>::min() / 2;
   };
@@ -582,6 +589,9 @@ class StitchEngine final : public Backend {
   // How long fences take to complete: an average of recent samples (complete_fences).
   std::atomic<std::int64_t> fence_latency_us_{0};
   std::atomic<std::size_t> fence_latency_samples_{0};
+  // A free skips its poll's clock read while the cycle counter shows that the poll cannot
+  // be due, with a 10 % margin (stitch/share.cpp, core/cycle_gate.hpp).
+  CycleGate fence_gate_;
   SegmentMap owners_;              // spaces' reservations; written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events

@@ -22,14 +22,11 @@
 #include <limits>
 
 #include "stitch/engine.hpp"
+#include "stitch/tunables.hpp"
 
 namespace ccalloc::core {
 namespace {
 
-// A stream records at most one fence this often, and a free polls its fences at most this
-// often. A fence costs an event record (about 2 us of CPU on an H100); the frees of the
-// last interval before a stream goes quiet wait for the next poll's fence.
-constexpr std::int64_t kFenceIntervalUs = 1000;
 // Fences in flight per stream: where the GPU runs further behind than this many intervals,
 // the stream records the next one when the oldest completes.
 constexpr std::size_t kMaxFences = 16;
@@ -60,6 +57,13 @@ void StitchEngine::note_free(Arena& arena, const Block& b) {
   for (std::size_t p = p0; p < p1; ++p)
     s.pages[p].freed = arena.epoch;
   arena.unfenced = true;
+  // The poll below returns at once until kFenceIntervalUs after the last: where the cycle
+  // counter shows that this is still so, the clock need not be read to know (a counter
+  // that went backwards shows a huge span: the clock is read).
+  if (arena.fence_clock_span != 0 &&
+      cycle_count() - arena.fence_clock_cycles < arena.fence_clock_span) {
+    return;
+  }
   refresh_fences(arena, /*polled=*/true);
 }
 
@@ -67,8 +71,18 @@ void StitchEngine::refresh_fences(Arena& arena, bool polled) {
   if (capturing()) return;  // no event may be queried or recorded during a capture
   const std::int64_t now = driver_.now_us();
   if (polled) {
-    if (now >= arena.fences_polled_us && now - arena.fences_polled_us < kFenceIntervalUs) return;
-    arena.fences_polled_us = now;
+    const bool due =
+        !(now >= arena.fences_polled_us && now - arena.fences_polled_us < kFenceIntervalUs);
+    if (due) arena.fences_polled_us = now;
+    // The counter against the clock since the last read (calibration, then a check), and
+    // the ticks before the next poll is due.
+    const std::uint64_t cycles = cycle_count();
+    fence_gate_.observe(cycles, now, arena.fence_clock_cycles, arena.fence_clock_us);
+    arena.fence_clock_us = now;
+    arena.fence_clock_cycles = cycles;
+    arena.fence_clock_span =
+        fence_gate_.ticks_for(arena.fences_polled_us + kFenceIntervalUs - now);
+    if (!due) return;
   }
   complete_fences(arena);
   if (!arena.unfenced || arena.fences.size() >= kMaxFences) return;
