@@ -4,9 +4,11 @@
 //
 //   valgrind --tool=callgrind build/release/bin/bench_hit_loop ccalloc 512 100000
 //
-// Arguments: the configuration (CCALLOC_CONF grammar), the request in bytes, the pairs. The
-// first pair, which creates the memory, is made before the loop; the loop's share of the
-// count is the total less a run of 0 pairs.
+// Arguments: the configuration (CCALLOC_CONF grammar), the request in bytes, the pairs, and
+// optionally how many streams have allocated before (default 1: only the loop's; more
+// turn on what a process of several streams runs, such as the stitching policy's sharing
+// of memory between streams). The first pair, which creates the memory, is made before the
+// loop; the loop's share of the count is the total less a run of 0 pairs.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -15,14 +17,17 @@
 #include "ccalloc/sim.hpp"
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s CONF BYTES PAIRS\n", argv[0]);
+  if (argc != 4 && argc != 5) {
+    std::fprintf(stderr, "usage: %s CONF BYTES PAIRS [STREAMS]\n", argv[0]);
     return 2;
   }
   const std::size_t bytes = std::strtoull(argv[2], nullptr, 10);
   const long pairs = std::strtol(argv[3], nullptr, 10);
+  const long streams = argc == 5 ? std::strtol(argv[4], nullptr, 10) : 1;
   ccalloc::sim::SimDriver gpu;
   ccalloc::Allocator allocator(gpu, ccalloc::Config::parse(argv[1]));
+  for (long s = 1; s < streams; ++s)
+    allocator.free(allocator.malloc(bytes, static_cast<ccalloc::StreamId>(7 + s)));
   allocator.free(allocator.malloc(bytes, 7));
   ccalloc::DevicePtr sum = 0;
   for (long i = 0; i < pairs; ++i) {

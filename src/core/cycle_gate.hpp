@@ -88,6 +88,8 @@ class CycleGate {
   }
 
   bool shut() const { return shut_.load(std::memory_order_relaxed); }
+  // Whether the gate may open at all (a wall clock and a cycle counter).
+  bool on() const { return on_; }
 
  private:
   void calibrate(std::uint64_t cycles) {

@@ -4,6 +4,7 @@
 #include "stitch/engine.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -39,6 +40,7 @@ StitchEngine::StitchEngine(Driver& driver, Config config)
   check_invariants_ = check != nullptr && std::strcmp(check, "1") == 0;
   capacity_ = driver_.mem_info().total_bytes;
   page_ = driver_.vm_granularity();
+  if (page_ > 1 && std::has_single_bit(page_)) page_shift_ = std::countr_zero(page_);
   // Dead pages use address space until empty_cache or the OOM ladder unmaps them, so a
   // space reserves twice the device; a full space is followed by a new one.
   space_pages_ = std::max<std::size_t>(1, 2 * (capacity_ / page_ + 1));

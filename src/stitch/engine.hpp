@@ -423,6 +423,11 @@ class StitchEngine final : public Backend {
   bool settled(const Arena& arena) const REQUIRES(arena.mutex);
   Space& new_space(Arena& arena, bool small) REQUIRES(arena.mutex, device_mutex_);
   DevicePtr page_va(const Space& s, std::size_t page) const { return s.base + page * page_; }
+  // The page holding byte `offset` of a space (a shift where the granularity is a power of
+  // two, as CUDA's and the simulated GPU's are: a free of a sharing stream takes two).
+  std::size_t page_index(std::size_t offset) const {
+    return page_shift_ != 0 ? offset >> page_shift_ : offset / page_;
+  }
   // Hands out the pooled block at `pos` (split to `size` when the rest is worth a block).
   DevicePtr hand_out(Arena& arena, Pool::iterator pos, std::size_t size, std::size_t requested,
                      const Origin& stack) REQUIRES(arena.mutex);
@@ -575,6 +580,7 @@ class StitchEngine final : public Backend {
 
   // Set at construction, then read-only.
   std::size_t page_ = 0;          // the driver's granularity
+  unsigned page_shift_ = 0;       // log2(page_) where a power of two above 1, else 0
   std::size_t space_pages_ = 0;   // pages reserved per space
   std::size_t capacity_ = 0;
 

@@ -52,8 +52,8 @@ std::uint64_t StitchEngine::stamp_of(const Space& s, DevicePtr va, std::size_t n
 
 void StitchEngine::note_free(Arena& arena, const Block& b) {
   Space& s = *b.space;
-  const std::size_t p0 = (b.ptr - s.base) / page_;
-  const std::size_t p1 = (b.end() - s.base + page_ - 1) / page_;
+  const std::size_t p0 = page_index(b.ptr - s.base);
+  const std::size_t p1 = page_index(b.end() - s.base + page_ - 1);
   for (std::size_t p = p0; p < p1; ++p)
     s.pages[p].freed = arena.epoch;
   arena.unfenced = true;
@@ -74,14 +74,16 @@ void StitchEngine::refresh_fences(Arena& arena, bool polled) {
     const bool due =
         !(now >= arena.fences_polled_us && now - arena.fences_polled_us < kFenceIntervalUs);
     if (due) arena.fences_polled_us = now;
-    // The counter against the clock since the last read (calibration, then a check), and
-    // the ticks before the next poll is due.
-    const std::uint64_t cycles = cycle_count();
-    fence_gate_.observe(cycles, now, arena.fence_clock_cycles, arena.fence_clock_us);
-    arena.fence_clock_us = now;
-    arena.fence_clock_cycles = cycles;
-    arena.fence_clock_span =
-        fence_gate_.ticks_for(arena.fences_polled_us + kFenceIntervalUs - now);
+    if (fence_gate_.on()) {
+      // The counter against the clock since the last read (calibration, then a check),
+      // and the ticks before the next poll is due.
+      const std::uint64_t cycles = cycle_count();
+      fence_gate_.observe(cycles, now, arena.fence_clock_cycles, arena.fence_clock_us);
+      arena.fence_clock_us = now;
+      arena.fence_clock_cycles = cycles;
+      arena.fence_clock_span =
+          fence_gate_.ticks_for(arena.fences_polled_us + kFenceIntervalUs - now);
+    }
     if (!due) return;
   }
   complete_fences(arena);
