@@ -15,7 +15,8 @@
 //
 // Fences are recorded by frees: a free polls its arena's fences at most once per
 // kFenceIntervalUs, and records one where pages were freed since the last fence and that
-// fence is that old. A growth that would create memory polls every other stream's fences
+// fence is that old (on a wall clock, a free skips the clock read while the cycle counter
+// shows that its poll cannot be due: fence_gate_). A growth that would create memory polls every other stream's fences
 // (under that stream's lock if it can take it at once: a busy stream is skipped) before
 // looking for pages to take.
 #include <algorithm>
