@@ -6,7 +6,9 @@
 // events complete only when a test completes them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <random>
 #include <vector>
@@ -248,6 +250,13 @@ void spin_for_us(std::int64_t us) {
   }
 }
 
+// Calibrates a gate made just before (its first read after kCalibrationUs); its ticks.
+std::uint64_t calibrated(CycleGate& g) {
+  spin_for_us(CycleGate::kCalibrationUs + 1000);
+  g.observe(cycle_count(), 0, 0, 0);
+  return g.ticks();
+}
+
 }  // namespace gate
 
 TEST(CycleGate, StaysShutWithoutAWallClock) {
@@ -260,10 +269,13 @@ TEST(CycleGate, StaysShutWithoutAWallClock) {
 
 TEST(CycleGate, CalibratesAfterTenMillisecondsAndItsTicksFallWithinTheInterval) {
   using namespace gate;
-  CycleGate g(1000, 0.9, /*on=*/true);
   if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
+  const auto made = Steady::now();
+  CycleGate g(1000, 0.9, /*on=*/true);
   g.observe(cycle_count(), 0, 0, 0);
-  EXPECT_EQ(g.ticks(), 0u) << "calibrated before kCalibrationUs";
+  if (us_since(made) < CycleGate::kCalibrationUs) {  // (unless the test was preempted)
+    EXPECT_EQ(g.ticks(), 0u) << "calibrated before kCalibrationUs";
+  }
   spin_for_us(CycleGate::kCalibrationUs + 1000);
   g.observe(cycle_count(), 0, 0, 0);
   ASSERT_GT(g.ticks(), 0u);
@@ -272,23 +284,25 @@ TEST(CycleGate, CalibratesAfterTenMillisecondsAndItsTicksFallWithinTheInterval) 
   EXPECT_NEAR(static_cast<double>(g.ticks_for(500)), static_cast<double>(g.ticks()) / 2,
               static_cast<double>(g.ticks()) / 100);
   // The gate's ticks take at most 90 % of the interval (1 ms): a spin until they have
-  // passed lasts under the interval, and near 0.9 ms (loose for sanitizer builds).
-  const auto t0 = Steady::now();
-  const std::uint64_t c0 = cycle_count();
-  while (cycle_count() - c0 < g.ticks()) {
+  // passed lasts under the interval, and near 0.9 ms. The shortest of five spins: a busy
+  // machine may preempt one, which only lengthens it.
+  std::int64_t shortest = std::numeric_limits<std::int64_t>::max();
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    const auto t0 = Steady::now();
+    const std::uint64_t c0 = cycle_count();
+    while (cycle_count() - c0 < g.ticks()) {
+    }
+    shortest = std::min(shortest, us_since(t0));
   }
-  const std::int64_t took = us_since(t0);
-  EXPECT_LT(took, 1000);
-  EXPECT_GT(took, 700);
+  EXPECT_LT(shortest, 1000);
+  EXPECT_GT(shortest, 700);
 }
 
 TEST(CycleGate, ShutsForGoodWhereTheCounterRunsSlowerThanCalibrated) {
   using namespace gate;
-  CycleGate g(1000, 0.9, /*on=*/true);
   if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
-  spin_for_us(CycleGate::kCalibrationUs + 1000);
-  g.observe(cycle_count(), 0, 0, 0);
-  const std::uint64_t gate_ticks = g.ticks();
+  CycleGate g(1000, 0.9, /*on=*/true);
+  const std::uint64_t gate_ticks = calibrated(g);
   ASSERT_GT(gate_ticks, 0u);
   // A read 1 ms after the previous one by the clock but after 10 % of that by the counter:
   // a skip could have hidden a due poll.
@@ -300,11 +314,9 @@ TEST(CycleGate, ShutsForGoodWhereTheCounterRunsSlowerThanCalibrated) {
 
 TEST(CycleGate, KeepsOpenWhereTheCounterKeepsItsRate) {
   using namespace gate;
-  CycleGate g(1000, 0.9, /*on=*/true);
   if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
-  spin_for_us(CycleGate::kCalibrationUs + 1000);
-  g.observe(cycle_count(), 0, 0, 0);
-  const std::uint64_t gate_ticks = g.ticks();
+  CycleGate g(1000, 0.9, /*on=*/true);
+  const std::uint64_t gate_ticks = calibrated(g);
   ASSERT_GT(gate_ticks, 0u);
   // 1 ms by the clock, the calibrated rate's ticks by the counter (gate / 0.9).
   g.observe(1'000'000 + gate_ticks * 10 / 9, 1000, 1'000'000, 0);
