@@ -326,8 +326,9 @@ TEST(CycleGate, KeepsOpenWhereTheCounterKeepsItsRate) {
 
 // With a wall clock the frees of a stream that shares (two streams allocate) read the clock
 // a few times per poll interval instead of once each, and still poll: the fences are
-// recorded as without the gate. The simulated GPU's clock is set to real time as the test
-// goes, as a wall clock would be.
+// recorded as without the gate. The simulated GPU's clock is set to real time before each
+// operation, as a wall clock would read (a clock found ahead of the counter by more than
+// the margin, as a stale one set at intervals can be, shuts the gate: CycleGate's check).
 TEST(StitchShare, FreesReadTheClockOnlyWhereTheirPollMayBeDue) {
   using namespace gate;
   if (cycle_count() == 0) GTEST_SKIP() << "no cycle counter on this processor";
@@ -337,22 +338,26 @@ TEST(StitchShare, FreesReadTheClockOnlyWhereTheirPollMayBeDue) {
   StitchEngine engine(gpu, Config::parse("ccalloc"));
   const auto t0 = Steady::now();
   const auto tick = [&] { gpu.set_time_us(1'000'000 + us_since(t0)); };
+  // Another stream allocates: sharing begins with the loop's stream, 0.
+  const DevicePtr other = engine.malloc(kMiB, 1);
   tick();
-  engine.free(engine.malloc(kMiB, 1));  // a second stream: sharing begins
-  engine.free(engine.malloc(kMiB, 0));
-  // Calibration: the first poll at least kCalibrationUs after the engine was made.
-  while (us_since(t0) < CycleGate::kCalibrationUs + 2000) {
+  engine.free(other);
+  // The clock is set just before each free, which reads it: a malloc that grows (slow in
+  // sanitizer builds) must not leave it behind real time.
+  const auto pair = [&] {
+    const DevicePtr p = engine.malloc(512, 0);
     tick();
-    engine.free(engine.malloc(512, 0));
-  }
+    engine.free(p);
+  };
+  // Calibration: the first poll at least kCalibrationUs after the engine was made.
+  while (us_since(t0) < CycleGate::kCalibrationUs + 2000)
+    pair();
   const std::uint64_t reads0 = gpu.clock_reads();
   const std::size_t fences0 = engine.piece_counts().fences;
   constexpr int kFrees = 20000;
   const auto start = Steady::now();
-  for (int i = 0; i < kFrees; ++i) {
-    if (i % 64 == 0) tick();
-    engine.free(engine.malloc(512, 0));
-  }
+  for (int i = 0; i < kFrees; ++i)
+    pair();
   const std::int64_t took_us = us_since(start);
   const std::uint64_t reads = gpu.clock_reads() - reads0;
   // Without the gate every free reads the clock at least once (kFrees). With it: a read at
