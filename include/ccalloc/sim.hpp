@@ -245,7 +245,7 @@ class SimDriver final : public Driver {
   std::size_t host_bytes() const;
 
   Counters counters() const;
-  // Calls of now_us() so far.
+  // Calls of now_us() so far, counted where Options::wall_clock is set (else 0).
   std::uint64_t clock_reads() const { return clock_reads_.load(std::memory_order_relaxed); }
   double simulated_driver_us() const;
   // Device memory in use: device allocations, physical allocations and the pool's reserved

@@ -38,7 +38,7 @@ inline std::uint64_t cycle_count() {
 
 class CycleGate {
  public:
-  // Calibration waits this long after start(): the counter's rate over 10 ms is known to
+  // Calibration waits this long after construction: the counter's rate over 10 ms is known to
   // far better than the margin.
   static constexpr std::int64_t kCalibrationUs = 10'000;
 

@@ -93,8 +93,12 @@ inline void ledger_increase(Stat& stat, std::int64_t& debt, bool& in_debt, std::
 // current and cumulative counts are the pools' sums, written by sync_aggregate before
 // anything reads the entry (the ledger's shares, reset_peaks, the checkers), or read as
 // pools_current().
+// The current of a statistic kept per pool (the aggregate entry may be stale).
+inline std::int64_t pools_current(const StatArray& stat) {
+  return stat[kSmallPool].current + stat[kLargePool].current;
+}
 inline void ledger_check_aggregate(StatArray& stat, std::int64_t& debt, bool& in_debt) {
-  const std::int64_t now = stat[kSmallPool].current + stat[kLargePool].current;
+  const std::int64_t now = pools_current(stat);
   Stat& agg = stat[kAggregate];
   if (now > agg.peak) [[unlikely]] {
     debt += now - agg.peak;
@@ -103,7 +107,7 @@ inline void ledger_check_aggregate(StatArray& stat, std::int64_t& debt, bool& in
   }
 }
 inline void sync_aggregate(StatArray& stat) {
-  stat[kAggregate].current = stat[kSmallPool].current + stat[kLargePool].current;
+  stat[kAggregate].current = pools_current(stat);
   stat[kAggregate].allocated = stat[kSmallPool].allocated + stat[kLargePool].allocated;
   stat[kAggregate].freed = stat[kSmallPool].freed + stat[kLargePool].freed;
 }
@@ -114,9 +118,13 @@ inline void sync_block_aggregates(DeviceStats& s) {
     sync_aggregate(*a);
   }
 }
-// The current of a statistic kept per pool (the aggregate entry may be stale).
-inline std::int64_t pools_current(const StatArray& stat) {
-  return stat[kSmallPool].current + stat[kLargePool].current;
+// The same for every arena, under an engine's lock over all of them (as ledger_shares_of).
+template <typename AllLock, typename Arenas>
+void sync_block_aggregates_of(const AllLock& all, const Arenas& arenas) {
+  for (auto* arena : arenas) {
+    all.held(*arena);
+    sync_block_aggregates(arena->stats);
+  }
 }
 // An increase of a pool's entry of a statistic kept per pool: ledger_increase for the
 // pool's, the aggregate's peak checked against the pools' sum.
@@ -146,9 +154,9 @@ template <typename AllLock, typename Arenas>
 std::vector<LedgerShare> ledger_shares_of(const AllLock& all, const Arenas& arenas) {
   std::vector<LedgerShare> shares;
   shares.reserve(arenas.size());
+  sync_block_aggregates_of(all, arenas);
   for (auto* arena : arenas) {
     all.held(*arena);
-    sync_block_aggregates(arena->stats);
     shares.push_back(LedgerShare{&arena->stats, &arena->debts, &arena->in_debt});
   }
   return shares;

@@ -142,10 +142,7 @@ Engine::InvariantWalk Engine::walk_for_invariants(const AllArenasLock& all) cons
 
 void Engine::check_invariants() const {
   AllArenasLock all(*this);
-  for (Arena* arena : all.by_stream()) {  // aggregates from their pools' (core/peak_ledger.hpp)
-    all.held(*arena);
-    sync_block_aggregates(arena->stats);
-  }
+  sync_block_aggregates_of(all, all.by_stream());  // aggregates from their pools'
   const InvariantWalk walk = walk_for_invariants(all);
   check_blocks_tile_segments(walk);
   check_free_blocks_merged(walk);

@@ -94,27 +94,25 @@ CCALLOC_HOT DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, s
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
   const auto bytes = static_cast<std::int64_t>(block->size);
-  // The segment's pool's entries; the aggregates keep their peaks only (sync_aggregates).
+  // The segment's pool's entries; the aggregates keep their peaks only
+  // (core/peak_ledger.hpp).
   const StatType t = pool_stat(block->space->small);
-  bool& in_debt = arena.in_debt;
-  ledger_increase(st.allocation[t], debt.allocation[t], in_debt, 1);
-  ledger_increase(st.allocated_bytes[t], debt.allocated_bytes[t], in_debt, bytes);
-  ledger_increase(st.active[t], debt.active[t], in_debt, 1);
-  ledger_increase(st.active_bytes[t], debt.active_bytes[t], in_debt, bytes);
-  ledger_increase(st.requested_bytes[t], debt.requested_bytes[t], in_debt,
-                  static_cast<std::int64_t>(requested));
-  ledger_check_aggregate(st.allocation, debt.allocation[kAggregate], in_debt);
-  ledger_check_aggregate(st.allocated_bytes, debt.allocated_bytes[kAggregate], in_debt);
-  ledger_check_aggregate(st.active, debt.active[kAggregate], in_debt);
-  ledger_check_aggregate(st.active_bytes, debt.active_bytes[kAggregate], in_debt);
-  ledger_check_aggregate(st.requested_bytes, debt.requested_bytes[kAggregate], in_debt);
+  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
+  };
+  increase(st.allocation, debt.allocation, 1);
+  increase(st.allocated_bytes, debt.allocated_bytes, bytes);
+  increase(st.active, debt.active, 1);
+  increase(st.active_bytes, debt.active_bytes, bytes);
+  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested));
   record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
   return block->ptr;
 }
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 CCALLOC_HOT void StitchEngine::free_block(Arena& arena, Block* b) {
-  const StatType t = pool_stat(b->space->small);  // the pool's entries (sync_aggregates)
+  const StatType t = pool_stat(b->space->small);  // the pool's entries only
   arena.stats.active[t].decrease(1);
   arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
   arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
@@ -175,7 +173,7 @@ CCALLOC_HOT StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b,
 CCALLOC_HOT void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
   // Block statistics count a block in its segment's pool (an island's in the large one),
   // as PyTorch's tools rebuild them from the snapshot's segments.
-  // The pool's entries only (sync_aggregates).
+  // The pool's entries only (core/peak_ledger.hpp).
   const StatType t = pool_stat(b->space->small);
   arena.stats.allocation[t].decrease(1);
   arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));

@@ -26,10 +26,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
                          " (ccalloc policy): " + what);
   };
   using Kind = Block::Kind;
-  for (Arena* arena : all.arenas()) {  // aggregates from their pools' (core/peak_ledger.hpp)
-    all.held(*arena);
-    sync_block_aggregates(arena->stats);
-  }
+  sync_block_aggregates_of(all, all.arenas());  // aggregates from their pools'
   std::vector<DeviceStats> recount(all.arenas().size());  // by arena (owner - 1)
   std::size_t free_blocks = 0, allocated_blocks = 0, pending_blocks = 0;
   // Physical bytes of live blocks: (handle, piece, first byte, end byte in the piece).
