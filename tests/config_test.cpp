@@ -204,7 +204,9 @@ INSTANTIATE_TEST_SUITE_P(
         BoolKey{"graph_capture_record_stream_reuse", &Config::graph_capture_record_stream_reuse},
         BoolKey{"pinned_use_cuda_host_register", &Config::pinned_use_cuda_host_register},
         BoolKey{"pinned_use_background_threads", &Config::pinned_use_background_threads},
-        BoolKey{"uncached", &Config::uncached}),
+        BoolKey{"uncached", &Config::uncached},
+        BoolKey{"stitch_segments", &Config::stitch_segments},
+        BoolKey{"stream_borrow_wait", &Config::stream_borrow_wait}),
     [](const testing::TestParamInfo<BoolKey>& param) { return std::string(param.param.key); });
 
 // ---------------------------------------------------------------------------------------
@@ -605,7 +607,7 @@ TEST(ConfigToString, DefaultsAreWrittenInFull) {
             "release_lock_on_cudamalloc:False,per_process_memory_fraction:1,"
             "graph_capture_record_stream_reuse:False,pinned_use_cuda_host_register:False,"
             "pinned_num_register_threads:1,pinned_use_background_threads:False,uncached:False,"
-            "stitch_segments:True");
+            "stitch_segments:True,stream_borrow_wait:True");
 }
 
 TEST(ConfigPreset, CcallocPresetDiffersFromPytorchInStitchingAndExpandableSegmentsOnly) {
@@ -624,6 +626,14 @@ TEST(ConfigPreset, CcallocPresetDiffersFromPytorchInStitchingAndExpandableSegmen
   EXPECT_TRUE(Config::parse("pytorch,expandable_segments:True").expandable_segments);
   EXPECT_FALSE(Config::parse("ccalloc,stitch_segments:False").stitch_segments);
   EXPECT_TRUE(Config::parse("pytorch,stitch_segments:True").stitch_segments);
+  // stream_borrow_wait is on in both: it is read only under stitch_segments, and the
+  // pytorch preset's written form leaves it out.
+  EXPECT_TRUE(ccalloc.stream_borrow_wait);
+  EXPECT_TRUE(pytorch.stream_borrow_wait);
+  EXPECT_EQ(pytorch.to_string().find("stream_borrow_wait"), std::string::npos);
+  EXPECT_FALSE(Config::parse("ccalloc,stream_borrow_wait:False").stream_borrow_wait);
+  const Config off = Config::parse("stream_borrow_wait:False");
+  EXPECT_EQ(WithoutSource(Config::parse(off.to_string())), WithoutSource(off));
 }
 
 TEST(ConfigToString, NonUniformRoundupTableIsWrittenInBracketForm) {

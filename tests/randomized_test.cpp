@@ -104,12 +104,19 @@ struct Live {
   std::vector<StreamId> uses;  // other streams recorded with record_stream
 };
 
-// A block freed after record_stream(): pending until every stream in `waiting` has
-// completed, then back in its pool at the next malloc (or sync of all streams).
+// A block freed after record_stream(): pending until the work of every stream in `waiting`
+// queued before the free has completed, then back in its pool at the next malloc (or sync
+// of all streams). The test's own event, recorded on each of those streams just after the
+// free (after the allocator's), completes when the allocator's does: completing one stream
+// may complete another's work, up to what it waited for.
 struct Awaiting {
   std::size_t rounded = 0;
   std::size_t requested = 0;
-  std::vector<StreamId> waiting;  // streams whose event has not completed yet
+  struct Use {
+    StreamId stream;
+    ccalloc::EventId after_free;
+  };
+  std::vector<Use> waiting;  // uses whose work before the free has not completed yet
 };
 
 struct Counts {
@@ -155,10 +162,9 @@ class Harness {
       if (::testing::Test::HasFatalFailure()) return;
     }
     gpu_.complete_all();
-    for (auto& [ptr, a] : awaiting_)
-      a.waiting.clear();
+    note_completions();
     alloc_.empty_cache();
-    awaiting_.clear();
+    forget_awaiting();
     sync_count_ = alloc_.stats().num_sync_all_streams;
     deep_check("after drain");
     alloc_.check_invariants();
@@ -312,7 +318,7 @@ class Harness {
       if (a.waiting.empty()) continue;
       ASSERT_TRUE(p + a.rounded <= ptr || ptr + rounded <= p)
           << where() << ": block at " << p << " reused before the event on its use stream "
-          << a.waiting.front() << " completed";
+          << a.waiting.front().stream << " completed";
     }
     occupied_.emplace(ptr, rounded);
     live_.push_back(Live{ptr, size, rounded, stream, {}});
@@ -332,7 +338,7 @@ class Harness {
     const std::int64_t syncs = alloc_.stats().num_sync_all_streams;
     if (syncs != sync_count_) {
       sync_count_ = syncs;
-      awaiting_.clear();
+      forget_awaiting();
     }
   }
 
@@ -350,7 +356,13 @@ class Harness {
     if (!l.uses.empty()) {
       ++counts_.pending_frees;
       ASSERT_EQ(awaiting_.count(l.ptr), 0u) << where();
-      awaiting_.emplace(l.ptr, Awaiting{l.rounded, l.requested, l.uses});
+      Awaiting a{l.rounded, l.requested, {}};
+      for (StreamId u : l.uses) {
+        const ccalloc::EventId e = gpu_.create_event();
+        gpu_.record_event(e, u);
+        a.waiting.push_back({u, e});
+      }
+      awaiting_.emplace(l.ptr, std::move(a));
     }
     recently_freed_[uniform(std::size(recently_freed_))] = l.ptr;
   }
@@ -367,23 +379,36 @@ class Harness {
     }
   }
 
-  void complete(StreamId s) {
-    for (auto& [ptr, a] : awaiting_)
-      std::erase(a.waiting, s);
+  // A sync of all streams completed every pending free.
+  void forget_awaiting() {
+    for (auto& [ptr, a] : awaiting_) {
+      for (const Awaiting::Use& u : a.waiting)
+        gpu_.destroy_event(u.after_free);
+    }
+    awaiting_.clear();
+  }
+
+  // Drops the uses whose work before the free has completed.
+  void note_completions() {
+    for (auto& [ptr, a] : awaiting_) {
+      std::erase_if(a.waiting, [this](const Awaiting::Use& u) {
+        if (!gpu_.query_event(u.after_free)) return false;
+        gpu_.destroy_event(u.after_free);
+        return true;
+      });
+    }
   }
 
   void do_complete_stream() {
     ++counts_.completions;
-    const StreamId s = random_stream();
-    gpu_.complete_stream(s);
-    complete(s);
+    gpu_.complete_stream(random_stream());
+    note_completions();
   }
 
   void do_complete_all() {
     ++counts_.completions;
     gpu_.complete_all();
-    for (StreamId s : kStreams)
-      complete(s);
+    note_completions();
   }
 
   void do_empty_cache() {
@@ -391,7 +416,7 @@ class Harness {
     alloc_.empty_cache();
     note_sync();
     EXPECT_TRUE(awaiting_.empty()) << where() << ": empty_cache did not sync pending frees";
-    awaiting_.clear();
+    forget_awaiting();
     deep_check("after empty_cache");
     // Every wholly free segment went back to the device. (Under the stitching policy a
     // free run can share a mapping with live pages, which keeps it; its stitch tests

@@ -109,6 +109,52 @@ TEST(SimDriver, WaitedForFollowsStreamWaits) {
   EXPECT_FALSE(gpu.waited_for(2, e));
 }
 
+// Waits chain: a stream that waited on another's event after that stream had itself waited
+// on a third is ordered after the third's work up to there, not after what the third queued
+// later; and a stream's work cannot complete past a wait before what it waits for.
+TEST(SimDriver, WaitsAreTransitiveAndCompletionRunsWhatAWaitNeeds) {
+  SimDriver gpu;
+  const EventId on3 = gpu.create_event();
+  const EventId later3 = gpu.create_event();
+  const EventId on2 = gpu.create_event();
+  const EventId before_wait2 = gpu.create_event();
+  gpu.record_event(on3, 3);
+  gpu.record_event(before_wait2, 2);
+  gpu.stream_wait_event(2, on3);  // stream 2's work from here runs after on3
+  gpu.record_event(on2, 2);
+  gpu.record_event(later3, 3);
+  gpu.stream_wait_event(1, on2);
+  EXPECT_TRUE(gpu.waited_for(1, on2));
+  EXPECT_TRUE(gpu.waited_for(1, on3));       // through stream 2's wait
+  EXPECT_FALSE(gpu.waited_for(1, later3));   // queued on stream 3 after what 2 waited for
+  EXPECT_TRUE(gpu.waited_for(1, before_wait2));
+  // Stream 2 completing past its wait means stream 3 ran up to on3, not further.
+  gpu.complete_stream(2);
+  EXPECT_TRUE(gpu.query_event(on2));
+  EXPECT_TRUE(gpu.query_event(on3));
+  EXPECT_FALSE(gpu.query_event(later3));
+  // Completing stream 1 (whose wait on on2 is done) completes nothing more.
+  gpu.complete_stream(1);
+  EXPECT_FALSE(gpu.query_event(later3));
+}
+
+// Completing a stream only up to an event before its wait does not run the stream waited on.
+TEST(SimDriver, CompletingBeforeAWaitLeavesTheStreamWaitedOnAlone) {
+  SimDriver gpu;
+  const EventId first = gpu.create_event();
+  const EventId after = gpu.create_event();
+  const EventId other = gpu.create_event();
+  gpu.record_event(other, 2);
+  gpu.record_event(first, 1);
+  gpu.stream_wait_event(1, other);
+  gpu.record_event(after, 1);
+  gpu.complete_event(first);
+  EXPECT_FALSE(gpu.query_event(other));
+  EXPECT_FALSE(gpu.query_event(after));
+  gpu.complete_event(after);
+  EXPECT_TRUE(gpu.query_event(other));
+}
+
 TEST(SimDriver, VirtualClockStartsAtZeroAndFollowsSetTime) {
   SimDriver d;
   EXPECT_EQ(d.now_us(), 0);

@@ -579,7 +579,11 @@ TEST(StitchPolicy, MemoryFractionCapsReservedAndFallsBackToExactGrowth) {
 }
 
 TEST(StitchPolicy, GcThresholdReleasesTheCacheBeforeCreatingPastIt) {
-  Fixture f(64 * kMiB, "ccalloc,stitch_segments:True,garbage_collection_threshold:0.5");
+  // Without stream_borrow_wait, which would take stream 1's pages behind a wait on its
+  // fence instead (stitch_share_test).
+  Fixture f(64 * kMiB,
+            "ccalloc,stitch_segments:True,garbage_collection_threshold:0.5,"
+            "stream_borrow_wait:False");
   f.engine.free(f.engine.malloc(20 * kMiB, 1));
   f.engine.malloc(16 * kMiB, 0);  // 20 + 16 > 32 MiB: stream 1's cache goes first
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one new 20 MiB chunk

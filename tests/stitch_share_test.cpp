@@ -1,8 +1,10 @@
 // Sharing physical memory between streams under the `ccalloc` preset (src/stitch/share.cpp,
 // docs/ccalloc-policy.md rule 9): a stream's growth takes the handles of another stream's
-// free pages once a fence recorded on that stream after their frees has completed, or, where
+// free pages once a fence recorded on that stream after their frees has completed; where
 // every fence of that stream has completed, behind a device-side wait on a fence recorded
-// then; never while their uses may still run. Exact values on the simulated GPU, whose
+// then; and under stream_borrow_wait (the default) also while that stream's work may still
+// reach their frees, behind a device-side wait on the oldest fence that covers them. Never
+// while their uses may still run without a wait. Exact values on the simulated GPU, whose
 // events complete only when a test completes them.
 #include <gtest/gtest.h>
 
@@ -30,8 +32,8 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 // A device too small for a 20 MiB chunk: growth creates exactly what a request lacks, in
 // handles of two pieces (4 MiB).
 struct Fixture {
-  explicit Fixture(std::size_t capacity = 18 * kMiB)
-      : gpu(options(capacity)), engine(gpu, Config::parse("ccalloc")) {
+  explicit Fixture(std::size_t capacity = 18 * kMiB, const char* conf = "ccalloc")
+      : gpu(options(capacity)), engine(gpu, Config::parse(conf)) {
     engine.set_check_invariants(true);
   }
   static ccalloc::sim::Options options(std::size_t capacity) {
@@ -80,8 +82,10 @@ TEST(StitchShare, AGrowthTakesAnotherStreamsFreeHandleOnceItsFenceHasCompleted) 
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
 }
 
-TEST(StitchShare, PagesWhoseStreamMayStillUseThemAreNotTaken) {
-  Fixture f;
+constexpr const char* kNoWait = "ccalloc,stream_borrow_wait:False";
+
+TEST(StitchShare, WithoutBorrowWaitsPagesWhoseStreamMayStillUseThemAreNotTaken) {
+  Fixture f(18 * kMiB, kNoWait);
   f.engine.malloc(4 * kMiB, 0);
   const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
   f.engine.free(a);  // its fence has not completed: stream 1 may still be using a
@@ -90,6 +94,91 @@ TEST(StitchShare, PagesWhoseStreamMayStillUseThemAreNotTaken) {
   EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 0u);
   EXPECT_EQ(f.engine.piece_counts().dead_pages, 0u);
   EXPECT_EQ(f.gpu.counters().stream_waits, 0u);
+}
+
+TEST(StitchShare, ABusyStreamsPagesServeBehindAWaitOnTheFenceAfterTheirFree) {
+  Fixture f;
+  const DevicePtr b = f.engine.malloc(4 * kMiB, 0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
+  f.engine.free(a);  // fence 1 over a, pending: stream 1 may still be using a
+  const ccalloc::EventId later = f.gpu.create_event();
+  f.gpu.record_event(later, 1);  // stream 1's work after the fence
+  const DevicePtr c = f.engine.malloc(4 * kMiB, 0);
+  EXPECT_EQ(c, b + 4 * kMiB);  // a's handle, mapped at stream 0's frontier
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(8 * kMiB));
+  const StitchEngine::PieceCounts counts = f.engine.piece_counts();
+  EXPECT_EQ(counts.borrowed_handles, 1u);
+  EXPECT_EQ(counts.borrow_waits, 1u);
+  EXPECT_EQ(counts.busy_borrow_waits, 1u);
+  EXPECT_EQ(counts.fences, 1u);  // the fence in flight, not a new one
+  EXPECT_EQ(counts.dead_pages, 2u);
+  EXPECT_EQ(f.gpu.counters().stream_waits, 1u);
+  EXPECT_EQ(f.gpu.counters().event_synchronizes + f.gpu.counters().stream_synchronizes, 0u);
+  EXPECT_FALSE(f.gpu.waited_for(0, later));  // stream 1's later work is not waited for
+}
+
+TEST(StitchShare, TheWaitIsOnTheOldestFenceThatCoversWhatIsTaken) {
+  Fixture f;
+  f.engine.malloc(2 * kMiB, 0);
+  const DevicePtr x = f.engine.malloc(4 * kMiB, 1);
+  f.engine.malloc(4 * kMiB, 1);  // kept: x and a are not one free block
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
+  const ccalloc::EventId use_of_x = f.gpu.create_event();
+  f.gpu.record_event(use_of_x, 1);
+  f.gpu.set_time_us(0);
+  f.engine.free(x);  // fence 1 over x
+  const ccalloc::EventId between = f.gpu.create_event();
+  f.gpu.record_event(between, 1);
+  f.gpu.set_time_us(2000);
+  f.engine.free(a);  // fence 2 over a
+  EXPECT_EQ(f.engine.piece_counts().fences, 2u);
+  // Stream 0 lacks one handle: x's (of two blocks of one size, the lower address), behind
+  // fence 1 alone.
+  f.engine.malloc(4 * kMiB, 0);
+  const StitchEngine::PieceCounts counts = f.engine.piece_counts();
+  EXPECT_EQ(counts.borrowed_handles, 1u);
+  EXPECT_EQ(counts.busy_borrow_waits, 1u);
+  EXPECT_EQ(counts.fences, 2u);
+  EXPECT_EQ(f.gpu.counters().stream_waits, 1u);
+  EXPECT_TRUE(f.gpu.waited_for(0, use_of_x));
+  EXPECT_FALSE(f.gpu.waited_for(0, between));
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(14 * kMiB));
+}
+
+TEST(StitchShare, HandlesThatNeedNoWaitOnPendingWorkAreTakenFirst) {
+  Fixture f;
+  f.engine.malloc(2 * kMiB, 0);
+  const DevicePtr small = f.engine.malloc(4 * kMiB, 1);
+  const DevicePtr big = f.engine.malloc(8 * kMiB, 2);  // two handles of 4 MiB
+  f.gpu.set_time_us(0);
+  f.engine.free(big);  // stream 2's fence, completed below
+  f.gpu.complete_stream(2);
+  f.engine.free(small);  // stream 1's fence, pending
+  f.engine.malloc(4 * kMiB, 0);
+  // Stream 1's block is the smaller, but its work may still run: one of stream 2's
+  // handles serves, with no wait.
+  const StitchEngine::PieceCounts counts = f.engine.piece_counts();
+  EXPECT_EQ(counts.borrowed_handles, 1u);
+  EXPECT_EQ(counts.borrow_waits, 0u);
+  EXPECT_EQ(f.gpu.counters().stream_waits, 0u);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(14 * kMiB));
+}
+
+// A handle taken behind a wait carries it: a third stream that takes it from the borrower
+// is ordered after the first stream's use too (through the borrower's fence).
+TEST(StitchShare, AHandleTakenBehindAWaitPassesOnOnlyBehindTheBorrowersFence) {
+  Fixture f;
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 2);
+  const ccalloc::EventId use_of_a = f.gpu.create_event();
+  f.gpu.record_event(use_of_a, 2);
+  f.engine.free(a);  // stream 2's fence, pending
+  const DevicePtr b = f.engine.malloc(4 * kMiB, 1);  // a's handle, behind a wait
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 1u);
+  f.engine.free(b);  // stream 1's fence over b; stream 1 has run nothing yet
+  f.engine.malloc(4 * kMiB, 3);  // the same handle again, behind stream 1's fence
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 2u);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(4 * kMiB));
+  EXPECT_TRUE(f.gpu.waited_for(3, use_of_a));
 }
 
 TEST(StitchShare, AnIdleStreamsNewerFreesServeBehindAWaitOnAFenceRecordedThen) {
@@ -112,8 +201,8 @@ TEST(StitchShare, AnIdleStreamsNewerFreesServeBehindAWaitOnAFenceRecordedThen) {
   EXPECT_EQ(f.gpu.counters().stream_waits, waits + 1);
 }
 
-TEST(StitchShare, AStreamWithAFenceInFlightLendsOnlyWhatItsCompletedFencesCover) {
-  Fixture f;
+TEST(StitchShare, WithoutBorrowWaitsAStreamWithAFenceInFlightLendsOnlyWhatItsFencesCover) {
+  Fixture f(18 * kMiB, kNoWait);
   f.engine.malloc(2 * kMiB, 0);
   const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
   const DevicePtr x = f.engine.malloc(4 * kMiB, 1);
@@ -136,6 +225,7 @@ TEST(StitchShare, ACaptureRecordsAndQueriesNoFence) {
   f.engine.malloc(2 * kMiB, 0);
   f.engine.free(f.engine.malloc(4 * kMiB, 1));
   const std::size_t fences = f.engine.piece_counts().fences;
+  const std::size_t borrowed = f.engine.piece_counts().borrowed_handles;
   f.gpu.begin_capture(9);  // every event call throws while a stream captures
   f.engine.begin_capture();
   for (StreamId s : {StreamId{0}, StreamId{1}}) {
@@ -145,16 +235,27 @@ TEST(StitchShare, ACaptureRecordsAndQueriesNoFence) {
   f.engine.end_capture();
   f.gpu.end_capture(9);
   EXPECT_EQ(f.engine.piece_counts().fences, fences);
-  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 0u);
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, borrowed);
 }
 
 // Random work on three streams, with record_stream, completions that come late and the
 // clock moving on: whenever a malloc hands out memory on a handle that another stream's
 // allocations used last, their work (an event the test records, before each free, on every
 // stream that used the allocation) has completed, or the new stream waited for it.
-TEST(StitchShare, NoStreamGetsAHandleWhileAnotherStreamsUseOfItMayStillRun) {
-  Fixture f(96 * kMiB);
-  std::mt19937 rng(37);
+// The random work below on a device of `capacity` (its handles: 2 pieces up to 2 GiB, 32
+// pieces from 32 GiB), the requests above 1 MiB scaled by `scale`.
+struct ShareRun {
+  std::size_t capacity;
+  std::size_t scale;
+  unsigned seed;
+  int ops = 3000;  // 30 ms in a plain build at 96 MiB
+};
+
+class StitchShareRandom : public testing::TestWithParam<ShareRun> {};
+
+TEST_P(StitchShareRandom, NoStreamGetsAHandleWhileAnotherStreamsUseOfItMayStillRun) {
+  Fixture f(GetParam().capacity);
+  std::mt19937 rng(GetParam().seed);
   struct Use {
     StreamId stream;
     ccalloc::EventId event;
@@ -167,10 +268,12 @@ TEST(StitchShare, NoStreamGetsAHandleWhileAnotherStreamsUseOfItMayStillRun) {
     std::vector<StreamId> uses;
   };
   std::vector<Live> live;
-  const std::size_t sizes[] = {128 * 1024, 1 * kMiB, 3 * kMiB, 6 * kMiB, 10 * kMiB, 24 * kMiB};
+  const std::size_t m = GetParam().scale;
+  const std::size_t sizes[] = {128 * 1024, 1 * kMiB, 3 * kMiB * m, 6 * kMiB * m, 10 * kMiB * m,
+                               24 * kMiB * m};
   std::int64_t now = 0;
   int checked = 0;
-  const int ops = 3000;  // 30 ms in a plain build: no scaling for the sanitizers
+  const int ops = GetParam().ops;  // no scaling for the sanitizers
   for (int i = 0; i < ops; ++i) {
     now += static_cast<std::int64_t>(rng() % 3000);
     f.gpu.set_time_us(now);
@@ -225,8 +328,21 @@ TEST(StitchShare, NoStreamGetsAHandleWhileAnotherStreamsUseOfItMayStillRun) {
   const StitchEngine::PieceCounts counts = f.engine.piece_counts();
   EXPECT_GT(counts.borrowed_handles, 0u);
   EXPECT_GT(counts.borrow_waits, 0u);
+  EXPECT_GT(counts.busy_borrow_waits, 0u);
   EXPECT_GT(checked, 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Devices, StitchShareRandom,
+    testing::Values(ShareRun{96 * kMiB, 1, 37}, ShareRun{96 * kMiB, 1, 38},
+                    // Handles of 32 pieces: a growth may take one that its request does
+                    // not reach (the borrowed-behind-a-wait stamp, grow.cpp).
+                    ShareRun{std::size_t{32} << 30, 24, 40, 1200},
+                    ShareRun{std::size_t{32} << 30, 24, 41, 1200}),
+    [](const testing::TestParamInfo<ShareRun>& p) {
+      return std::to_string(p.param.capacity >> 20) + "MiB_x" + std::to_string(p.param.scale) +
+             "_seed" + std::to_string(p.param.seed);
+    });
 
 }  // namespace
 

@@ -55,6 +55,8 @@ ALLOCATORS = {
     "native": ("pytorch", {}),
     "expandable": ("pytorch", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     "ccalloc": ("ccalloc", {"CCALLOC_CONF": "ccalloc"}),
+    # The default policy without waits on a busy stream's fences (rule 9's trade, off).
+    "ccalloc_nowait": ("ccalloc", {"CCALLOC_CONF": "ccalloc,stream_borrow_wait:False"}),
 }
 # A driver-call probe's keys (probes.py): memory calls counted, the time in them, and the
 # stitching policy's sharing between streams (cumulative, reported for the whole run).
@@ -62,7 +64,7 @@ CALL_KEYS = ("device_alloc", "device_free", "malloc", "free", "create", "release
              "set_access", "unmap")
 TIME_KEY = "call_ns"
 SHARING_KEYS = ("fences", "borrowed_handles", "borrowed_pieces", "borrow_waits",
-                "fence_latency_us")
+                "fence_latency_us", "busy_borrow_waits")
 
 
 def parse_cpus(text):
@@ -277,7 +279,8 @@ def table(summary, allocators):
                     lines.append(f"  {name} {a} rank {rank}: {sh['fences']} fences (recent latency "
                                  f"{sh['fence_latency_us']} us), {sh['borrowed_handles']} handles "
                                  f"({sh['borrowed_pieces']} pieces) taken from other streams, "
-                                 f"{sh['borrow_waits']} behind a wait")
+                                 f"{sh['borrow_waits']} behind a wait "
+                                 f"({sh.get('busy_borrow_waits')} on a busy stream)")
     return "\n".join(lines)
 
 

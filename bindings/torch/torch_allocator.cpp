@@ -1038,19 +1038,20 @@ __attribute__((visibility("default"))) int ccalloc_torch_native_installed(void) 
 // cuMemSetAccess, cuMemUnmap, nanoseconds in all of them), then the stitching policy's
 // sharing between streams (fences recorded, handles and pieces one stream took from
 // another, growths that waited on the device for a fence, the fences' recent average
-// latency in microseconds; zeros under another policy). Fills at most `n` values of `out`
-// and returns how many it has (13), or -1 with the reason in `error` (device -1: current).
+// latency in microseconds, and those of the waits on a stream with fences in flight; zeros
+// under another policy). Fills at most `n` values of `out`
+// and returns how many it has (14), or -1 with the reason in `error` (device -1: current).
 __attribute__((visibility("default"))) int ccalloc_torch_memory_calls(int device,
                                                                       std::uint64_t* out, size_t n,
                                                                       char* error,
                                                                       size_t capacity) {
   try {
     ccalloc::Allocator& a = ccalloc::torch_bridge::native_allocator(device);
-    std::vector<std::uint64_t> v(13, 0);
+    std::vector<std::uint64_t> v(14, 0);
     if (const auto* cuda = dynamic_cast<const ccalloc::cuda::CudaDriver*>(&a.driver())) {
       const auto c = cuda->memory_calls();
       v = {c.malloc, c.free, c.create, c.release, c.map, c.set_access, c.unmap, c.ns,
-           0,        0,      0,        0,         0};
+           0,        0,      0,        0,         0,     0};
     }
     if (const auto* stitch = dynamic_cast<const ccalloc::core::StitchBackend*>(
             &ccalloc::core::BackendAccess::of(a))) {
@@ -1060,6 +1061,7 @@ __attribute__((visibility("default"))) int ccalloc_torch_memory_calls(int device
       v[10] = p.borrowed_pieces;
       v[11] = p.borrow_waits;
       v[12] = static_cast<std::uint64_t>(p.fence_latency_us);
+      v[13] = p.busy_borrow_waits;
     }
     for (size_t i = 0; i < n && i < v.size(); ++i)
       out[i] = v[i];

@@ -55,6 +55,12 @@ struct Config {
   // (`stitch_segments:False` gives PyTorch's policy on expandable segments). The native
   // backend only; `uncached` and `backend:cudaMallocAsync` take precedence.
   bool stitch_segments = true;
+  // Under the stitching policy: a stream short of memory may take another stream's freed
+  // pages while that stream's GPU work may still reach their frees, and its own work then
+  // waits on the device (cudaStreamWaitEvent) for the fence after them. False: only pages
+  // whose frees the GPU has passed (a completed fence) or an idle stream's are taken.
+  // Trades some overlap of the streams for memory (docs/ccalloc-policy.md, rule 9).
+  bool stream_borrow_wait = true;
   // Address space reserved for each expandable segment: a fraction of device memory, or an
   // absolute size; at most (and by default) 9/8 of device memory. 0: the default.
   double expandable_segments_reserve_fraction = 0.0;

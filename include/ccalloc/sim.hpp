@@ -332,8 +332,14 @@ class SimDriver final : public Driver {
     std::uint64_t completed = 0;  // events completed so far (a prefix)
     // With Options::gpu_lag_us: (time recorded, position) of events not yet completed.
     std::deque<std::pair<std::int64_t, std::uint64_t>> lagging;
-    // Streams this one waited on (stream_wait_event), with the furthest position waited for.
-    std::unordered_map<StreamId, std::uint64_t> waited;
+    // Its waits on other streams (stream_wait_event), in the order queued: work queued
+    // after position `at` here runs only once `stream` has completed through `through`.
+    struct Wait {
+      std::uint64_t at = 0;
+      StreamId stream = 0;
+      std::uint64_t through = 0;
+    };
+    std::vector<Wait> waits;
   };
   struct Mapping {
     std::size_t bytes = 0;
@@ -400,7 +406,15 @@ class SimDriver final : public Driver {
   std::size_t device_used() const;
   bool event_done(const Event& e) const;
   // Completes what Options::gpu_lag_us says the GPU has run by now on `stream`. mutex_ held.
-  void catch_up(StreamState& stream);
+  void catch_up(StreamId stream);
+  // Completes `stream` through position `through`, and with it, through their positions,
+  // the streams its waits queued before there waited for: the GPU cannot have run past a
+  // wait before the work it waits for. mutex_ held.
+  void advance(StreamId stream, std::uint64_t through);
+  // Whether work queued on `waiter` now runs after position `sequence` of `stream`: a wait
+  // on it there or later, directly or through the waits of the streams waited for (each
+  // counting those queued before the position waited for). mutex_ held.
+  bool ordered_after(StreamId waiter, StreamId stream, std::uint64_t sequence) const;
   Event& event_ref(EventId event);
   FreeMark mark_free(StreamId stream);
   bool mark_done(const FreeMark& m) const;

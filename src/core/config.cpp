@@ -40,6 +40,7 @@ Config pytorch_defaults() {
   c.garbage_collection_threshold = 0.0;
   c.expandable_segments = false;
   c.stitch_segments = false;
+  c.stream_borrow_wait = true;  // read only under stitch_segments
   c.expandable_segments_reserve_fraction = 0.0;
   c.expandable_segments_reserve_bytes = 0;
   c.release_lock_on_cudamalloc = false;
@@ -86,13 +87,14 @@ constexpr std::string_view kKeyBackgroundThreads = "pinned_use_background_thread
 constexpr std::string_view kKeyReserveSegment = "pinned_reserve_segment_size_mb";
 constexpr std::string_view kKeyUncached = "uncached";
 constexpr std::string_view kKeyStitch = "stitch_segments";
+constexpr std::string_view kKeyBorrowWait = "stream_borrow_wait";
 
 constexpr std::string_view kAllKeys[] = {
     kKeyBackend,         kKeyMaxSplit,          kKeyMaxNonSplitRounding, kKeyLargeSegment,
     kKeyRoundup,         kKeyGcThreshold,       kKeyExpandable,          kKeyReleaseLock,
     kKeyReleaseLockHip,  kKeyMemoryFraction,    kKeyGraphReuse,          kKeyHostRegister,
     kKeyHostRegisterHip, kKeyRegisterThreads,   kKeyBackgroundThreads,   kKeyReserveSegment,
-    kKeyUncached,        kKeyExpandableReserve, kKeyStitch,
+    kKeyUncached,        kKeyExpandableReserve, kKeyStitch,              kKeyBorrowWait,
 };
 
 bool is_known_key(std::string_view key) {
@@ -484,6 +486,8 @@ void set_value(Config& c, const Entry& e) {
     c.uncached = scalar_bool(e);
   } else if (key == kKeyStitch) {
     c.stitch_segments = scalar_bool(e);
+  } else if (key == kKeyBorrowWait) {
+    c.stream_borrow_wait = scalar_bool(e);
   }
 }
 
@@ -583,7 +587,10 @@ std::string Config::to_string() const {
     add(kKeyReserveSegment, std::to_string(pinned_reserve_segment_size_mb));
   }
   add(kKeyUncached, format_bool(uncached));
-  if (stitch_segments) add(kKeyStitch, format_bool(stitch_segments));
+  if (stitch_segments) {
+    add(kKeyStitch, format_bool(stitch_segments));
+    add(kKeyBorrowWait, format_bool(stream_borrow_wait));
+  }
   return out;
 }
 

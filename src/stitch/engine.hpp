@@ -217,6 +217,9 @@ class StitchEngine final : public Backend {
     // their pieces) that a stream's growth took from another stream's free pages.
     std::size_t fences = 0;
     std::size_t borrow_waits = 0;  // growths that waited on the device for a donor's fence
+    // Of those, the waits on a donor with fences in flight: its work before the fence may
+    // still run, and the growing stream's next work waits for it (stream_borrow_wait).
+    std::size_t busy_borrow_waits = 0;
     std::size_t borrowed_handles = 0;
     std::size_t borrowed_pieces = 0;
     std::int64_t fence_latency_us = 0;  // recent average; 0 before the first sample
@@ -591,7 +594,8 @@ class StitchEngine final : public Backend {
   std::atomic<std::size_t> arena_count_{0};  // arenas in arena_table_ (owners 1 .. count)
   std::atomic<bool> sharing_{false};         // more than one stream allocates: begin_sharing()
   std::atomic<std::size_t> fences_recorded_{0};
-  std::atomic<std::size_t> borrow_waits_{0};  // growths that waited for a fence recorded then
+  std::atomic<std::size_t> borrow_waits_{0};       // growths that waited for a donor's fence
+  std::atomic<std::size_t> busy_borrow_waits_{0};  // of those, on a donor with fences in flight
   // How long fences take to complete: an average of recent samples (complete_fences).
   std::atomic<std::int64_t> fence_latency_us_{0};
   std::atomic<std::size_t> fence_latency_samples_{0};

@@ -220,8 +220,11 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
   if (fresh) s = &new_space(arena, small);
   std::vector<Handle*> order;  // as mapped at the frontier
   // The stamp each one's pages take there (Arena::epoch): a handle moved within the
-  // stream keeps its pages' latest; one with its uses done (spare, another stream's, new)
-  // comes with none.
+  // stream keeps its pages' latest; one with its uses done (spare, new, another stream's
+  // behind a completed fence) comes with none. Another stream's handle taken behind a wait
+  // (plan_borrow) takes this stream's epoch: its uses there are done only once this
+  // stream has passed the wait, so a third stream may take it only behind this stream's
+  // next fence.
   std::vector<std::uint64_t> stamps;
   for (Handle* h : from_spare) {
     for (std::uint32_t i = 0; i < pieces_of(h); ++i)
@@ -236,7 +239,15 @@ StitchEngine::Grow StitchEngine::grow(Arena& arena, bool small, std::size_t size
     Arena& owner = *l.block->space->arena;
     owner.mutex.assert_held();  // this arena's, or a donor's (plan_borrow)
     const std::size_t n = pieces_of(l.handle);
-    stamps.push_back(&owner == &arena ? stamp_of(*l.block->space, l.lo, n) : 0);
+    const std::uint64_t stamp = stamp_of(*l.block->space, l.lo, n);
+    if (&owner == &arena) {
+      stamps.push_back(stamp);
+    } else if (stamp > owner.safe_epoch) {
+      stamps.push_back(arena.epoch);
+      arena.unfenced = true;
+    } else {
+      stamps.push_back(0);
+    }
     if (&owner != &arena) {
       ++borrowed_handles_;
       borrowed_pieces_ += n;

@@ -159,7 +159,11 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
                                       std::vector<Lend>& out) NO_THREAD_SAFETY_ANALYSIS {
   if (!sharing_.load(std::memory_order_relaxed) || capturing()) return 0;
   const std::size_t first = out.size();
-  std::vector<Lend> candidates;
+  struct Candidate {
+    Lend lend;
+    bool waits;  // on a fence still in flight
+  };
+  std::vector<Candidate> candidates;
   const std::size_t count = arena_count_.load(std::memory_order_acquire);
   for (std::size_t owner = 1; owner <= count; ++owner) {
     Arena* x = arena_table_.get(static_cast<SegmentMap::Owner>(owner));
@@ -173,61 +177,84 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
       if (!x->mutex.try_lock()) continue;
       held.emplace_back(x->mutex, std::adopt_lock);
     }
-    // A stream whose fences have all completed has run its queue up to its last fence, and
-    // little or nothing since: its pages freed after that fence may serve too, once this
-    // stream waits (on the device) for a fence recorded now; a busy stream's may not.
+    // Pages whose stamp a completed fence covers serve as they are. A stream whose fences
+    // have all completed has run its queue up to its last fence, and little or nothing
+    // since: its newer frees serve too, behind a wait (on the device) on a fence recorded
+    // now, which costs nothing. Under stream_borrow_wait a busy stream's pages serve as
+    // well, behind a wait on the oldest fence that covers them: this stream's work then
+    // starts only once that stream's has passed their frees.
     complete_fences(*x);
-    const std::uint64_t usable = x->fences.empty() ? x->epoch : x->safe_epoch;
+    const std::uint64_t usable =
+        config_.stream_borrow_wait || x->fences.empty() ? x->epoch : x->safe_epoch;
     for (Block* b : x->pool(small)) {
       if (b->in_island()) continue;  // the small pool's pages in a large space
       find_whole_handle(*b, [&](DevicePtr va, Handle* h) {
-        if (stamp_of(*b->space, va, h->live_at.size()) <= usable) {
-          candidates.push_back(Lend{h, b, va});
+        const std::uint64_t stamp = stamp_of(*b->space, va, h->live_at.size());
+        if (stamp <= usable) {
+          const bool waits = stamp > x->safe_epoch && !x->fences.empty();
+          candidates.push_back(Candidate{Lend{h, b, va}, waits});
         }
         return false;
       });
     }
   }
-  // The smallest free blocks first: the least useful to keep whole (as lending goes).
-  std::sort(candidates.begin(), candidates.end(), [](const Lend& a, const Lend& b) {
-    if (a.block != b.block) return BySizeThenAddress{}(a.block, b.block);
-    return a.lo < b.lo;
+  // Handles that need no wait on pending work first; then the smallest free blocks: the
+  // least useful to keep whole (as lending goes).
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.waits != b.waits) return b.waits;
+    if (a.lend.block != b.lend.block) return BySizeThenAddress{}(a.lend.block, b.lend.block);
+    return a.lend.lo < b.lend.lo;
   });
   // Enough to create nothing, where that fits; else, where the growth creates more than
   // `least` anyway, pieces that each spare creating one, as long as what is still created
-  // comes to `least`. Where fences complete slowly, only enough to create nothing, and never
-  // more than the growth would create (`lacking`, at least `least`): a donor that needs its
-  // pages again would have to wait long to take them back, and creates memory instead.
+  // comes to `least`. Where a donor that needs its pages again could not take them back
+  // soon (no stream_borrow_wait, and fences that complete slowly), only enough to create
+  // nothing, and never more than the growth would create (`lacking`, at least `least`):
+  // the donor would create memory instead.
   const std::size_t would_create = std::max(lacking, least);
   const auto take = [&](std::size_t cap, std::size_t enough) {
     out.resize(first);
     std::size_t taken = 0;
-    for (const Lend& l : candidates) {
+    for (const Candidate& c : candidates) {
       if (taken >= enough) break;
-      const std::size_t n = l.handle->live_at.size();
+      const std::size_t n = c.lend.handle->live_at.size();
       if (taken + n > cap) continue;
-      out.push_back(l);
+      out.push_back(c.lend);
       taken += n;
     }
     return taken;
   };
-  const bool quick = fence_latency_samples_.load(std::memory_order_relaxed) >= kLatencySamples &&
-                     fence_latency_us_.load(std::memory_order_relaxed) <= kQuickFenceUs;
+  const bool quick = config_.stream_borrow_wait ||
+                     (fence_latency_samples_.load(std::memory_order_relaxed) >= kLatencySamples &&
+                      fence_latency_us_.load(std::memory_order_relaxed) <= kQuickFenceUs);
   std::size_t taken = take(quick ? SIZE_MAX : would_create, lacking);
   if (taken < lacking)
     taken = quick && lacking > least ? take(lacking - least, lacking - least) : take(0, 0);
-  // Pages freed since their stream's last fence: this stream waits for a fence recorded now.
-  std::vector<Arena*> waited;
+  // Pages freed past a stream's completed fences: this stream waits, once per donor, for
+  // the oldest fence in flight that covers all it takes from that donor, or for one
+  // recorded now where no fence covers them yet.
+  std::vector<std::pair<Arena*, std::uint64_t>> needs;  // donor, the newest stamp taken
   for (std::size_t i = first; i < out.size(); ++i) {
     const Lend& l = out[i];
     Arena* x = l.block->space->arena;
-    if (stamp_of(*l.block->space, l.lo, l.handle->live_at.size()) <= x->safe_epoch ||
-        std::find(waited.begin(), waited.end(), x) != waited.end()) {
-      continue;
+    const std::uint64_t stamp = stamp_of(*l.block->space, l.lo, l.handle->live_at.size());
+    if (stamp <= x->safe_epoch) continue;
+    const auto it = std::find_if(needs.begin(), needs.end(),
+                                 [x](const auto& n) { return n.first == x; });
+    if (it == needs.end()) {
+      needs.emplace_back(x, stamp);
+    } else {
+      it->second = std::max(it->second, stamp);
     }
-    waited.push_back(x);
-    driver_.stream_wait_event(arena.stream, record_fence(*x));
+  }
+  for (const auto& [x, stamp] : needs) {
+    const bool busy = !x->fences.empty();
+    const auto covering = std::find_if(x->fences.begin(), x->fences.end(),
+                                       [stamp](const Fence& f) { return f.epoch >= stamp; });
+    const EventId e = covering != x->fences.end() ? covering->event : record_fence(*x);
+    driver_.stream_wait_event(arena.stream, e);
     borrow_waits_.fetch_add(1, std::memory_order_relaxed);
+    if (busy) busy_borrow_waits_.fetch_add(1, std::memory_order_relaxed);
   }
   return taken;
 }

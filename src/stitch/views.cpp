@@ -91,6 +91,7 @@ StitchEngine::PieceCounts StitchEngine::piece_counts() const {
   c.spare = spare_.size();
   c.fences = fences_recorded_.load(std::memory_order_relaxed);
   c.borrow_waits = borrow_waits_.load(std::memory_order_relaxed);
+  c.busy_borrow_waits = busy_borrow_waits_.load(std::memory_order_relaxed);
   c.fence_latency_us = fence_latency_us_.load(std::memory_order_relaxed);
   c.fence_latency_samples = fence_latency_samples_.load(std::memory_order_relaxed);
   c.borrowed_handles = borrowed_handles_;

@@ -126,6 +126,11 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
   });
   add("simulated_driver_ms", "-",
       [](const Result& r) { return fixed(r.simulated_driver_us / 1000.0, 1); });
+  // Device-side waits of one stream on another that the allocator inserted (the stitching
+  // policy's borrowing between streams).
+  add("stream_waits", "-", [](const Result& r) {
+    return grouped(static_cast<std::int64_t>(r.driver_counters.stream_waits));
+  });
 
   std::vector<std::size_t> width(header.size(), 0);
   for (std::size_t c = 0; c < header.size(); ++c)
@@ -186,7 +191,8 @@ nlohmann::json to_json(const Result& r) {
       {"release_physical", c.physical_releases},
       {"map", c.maps},
       {"unmap", c.unmaps},
-      {"synchronize", c.event_synchronizes + c.stream_synchronizes + c.device_synchronizes}};
+      {"synchronize", c.event_synchronizes + c.stream_synchronizes + c.device_synchronizes},
+      {"stream_wait", c.stream_waits}};
   j["oracle_hits"] = r.oracle_hits;
   j["oracle_diverged"] = r.oracle_diverged;
   j["memory_stats"] = r.stats.to_map();

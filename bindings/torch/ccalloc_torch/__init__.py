@@ -191,14 +191,15 @@ def stats(device=None):
 
 _MEMORY_CALLS = ("malloc", "free", "create", "release", "map", "set_access", "unmap", "call_ns",
                  "fences", "borrowed_handles", "borrowed_pieces", "borrow_waits",
-                 "fence_latency_us")
+                 "fence_latency_us", "busy_borrow_waits")
 
 
 def driver_calls(device=None):
     """The device's memory calls since its allocator was made (cudaMalloc, cudaFree,
     cuMemCreate, cuMemRelease, cuMemMap, cuMemSetAccess, cuMemUnmap, and the nanoseconds
     spent in them: call_ns), and the stitching policy's sharing between streams (fences,
-    borrowed_handles, borrowed_pieces, borrow_waits, fence_latency_us), as a dict. Needs
+    borrowed_handles, borrowed_pieces, borrow_waits, fence_latency_us, busy_borrow_waits:
+    the waits on a stream whose work before the fence could still run), as a dict. Needs
     ccalloc installed natively."""
     lib = _native_lib
     if lib is None or not _native():

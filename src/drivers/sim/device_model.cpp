@@ -15,25 +15,15 @@
 #include <cinttypes>
 #include <cstdio>
 #include <initializer_list>
+#include <limits>
 #include <string>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "drivers/sim/sim_common.hpp"
 
 namespace ccalloc::sim {
-namespace {
-
-// Completes `e` and everything queued before it on its stream. A template only because
-// the event and stream types are private to SimDriver.
-template <typename Streams, typename Event>
-void complete_through(Streams& streams, const Event& e) {
-  if (!e.recorded) return;
-  auto& s = streams.at(e.stream);
-  s.completed = std::max(s.completed, e.sequence);
-}
-
-}  // namespace
-
 void SimDriver::set_address_oracle(std::vector<OracleEntry> sequence) {
   std::lock_guard lock(mutex_);
   oracle_ = std::move(sequence);
@@ -195,16 +185,57 @@ bool SimDriver::query_event(EventId event) {
   const Event& e = event_ref(event);
   ++counters_.event_queries;
   driver_us_ += options_.cost.event_query_us;
-  if (e.recorded) catch_up(streams_.at(e.stream));
+  if (e.recorded) catch_up(e.stream);
   return event_done(e);
 }
 
-void SimDriver::catch_up(StreamState& stream) {
+void SimDriver::catch_up(StreamId id) {
   const std::int64_t now = time_us_.load(std::memory_order_relaxed);
+  StreamState& stream = streams_.at(id);
+  std::uint64_t through = 0;
   while (!stream.lagging.empty() && stream.lagging.front().first + options_.gpu_lag_us <= now) {
-    stream.completed = std::max(stream.completed, stream.lagging.front().second);
+    through = std::max(through, stream.lagging.front().second);
     stream.lagging.pop_front();
   }
+  if (through != 0) advance(id, through);
+}
+
+void SimDriver::advance(StreamId id, std::uint64_t through) {
+  StreamState& s = streams_.at(id);
+  if (through <= s.completed) return;
+  s.completed = through;
+  // A copy: advancing another stream may add entries to streams_ (never here: a wait's
+  // stream has recorded the position waited for) but keeps this one's waits as they are.
+  const std::vector<StreamState::Wait> waits = s.waits;
+  for (const StreamState::Wait& w : waits) {
+    if (w.at < through) advance(w.stream, w.through);
+  }
+}
+
+bool SimDriver::ordered_after(StreamId waiter, StreamId stream, std::uint64_t sequence) const {
+  // Depth first over (stream, horizon): the waits of `at` < horizon count. A stream seen
+  // with a horizon at least as far needs no second visit.
+  std::unordered_map<StreamId, std::uint64_t> seen;
+  std::vector<std::pair<StreamId, std::uint64_t>> todo{
+      {waiter, std::numeric_limits<std::uint64_t>::max()}};
+  while (!todo.empty()) {
+    const auto [id, horizon] = todo.back();
+    todo.pop_back();
+    const auto it = streams_.find(id);
+    if (it == streams_.end()) continue;
+    for (const StreamState::Wait& w : it->second.waits) {
+      if (w.at >= horizon) continue;
+      if (w.stream == stream && w.through >= sequence) return true;
+      const auto [at, fresh] = seen.try_emplace(w.stream, w.through);
+      if (!fresh) {
+        if (at->second >= w.through) continue;
+        at->second = w.through;
+      }
+      // Waits queued on that stream before the position waited for.
+      todo.emplace_back(w.stream, w.through);
+    }
+  }
+  return false;
 }
 
 void SimDriver::begin_capture(StreamId stream) {
@@ -311,23 +342,21 @@ void SimDriver::forbid_during_capture(const char* what) const {
 
 void SimDriver::complete_event(EventId event) {
   std::lock_guard lock(mutex_);
-  complete_through(streams_, event_ref(event));
+  const Event& e = event_ref(event);
+  if (e.recorded) advance(e.stream, e.sequence);
 }
 
 void SimDriver::complete_stream(StreamId stream) {
   std::lock_guard lock(mutex_);
   const auto it = streams_.find(stream);
-  if (it != streams_.end()) it->second.completed = it->second.recorded;
+  if (it != streams_.end()) advance(stream, it->second.recorded);
 }
 
 bool SimDriver::waited_for(StreamId waiter, EventId event) {
   std::lock_guard lock(mutex_);
   const Event& e = event_ref(event);
   if (!e.recorded || e.stream == waiter) return true;
-  const auto s = streams_.find(waiter);
-  if (s == streams_.end()) return false;
-  const auto w = s->second.waited.find(e.stream);
-  return w != s->second.waited.end() && w->second >= e.sequence;
+  return ordered_after(waiter, e.stream, e.sequence);
 }
 
 void SimDriver::complete_all() {
@@ -339,7 +368,8 @@ void SimDriver::complete_all() {
 void SimDriver::synchronize_event(EventId event) {
   std::lock_guard lock(mutex_);
   forbid_during_capture("synchronize_event");
-  complete_through(streams_, event_ref(event));
+  const Event& e = event_ref(event);
+  if (e.recorded) advance(e.stream, e.sequence);
   ++counters_.event_synchronizes;
   driver_us_ += options_.cost.synchronize_us;
 }
@@ -348,7 +378,7 @@ void SimDriver::synchronize_stream(StreamId stream) {
   std::lock_guard lock(mutex_);
   forbid_during_capture("synchronize_stream");
   const auto it = streams_.find(stream);
-  if (it != streams_.end()) it->second.completed = it->second.recorded;
+  if (it != streams_.end()) advance(stream, it->second.recorded);
   ++counters_.stream_synchronizes;
   driver_us_ += options_.cost.synchronize_us;
 }
@@ -373,8 +403,13 @@ void SimDriver::stream_wait_event(StreamId stream, EventId event) {
   const Event& e = event_ref(event);
   // Waiting on an event never recorded is a no-op, as in CUDA.
   if (e.recorded && e.stream != stream) {
-    std::uint64_t& waited = streams_[stream].waited[e.stream];
-    waited = std::max(waited, e.sequence);
+    StreamState& s = streams_[stream];
+    // A wait whose work has completed orders nothing that completion does not: everything
+    // it reaches completed with it (advance).
+    std::erase_if(s.waits, [this](const StreamState::Wait& w) {
+      return streams_.at(w.stream).completed >= w.through;
+    });
+    s.waits.push_back(StreamState::Wait{s.recorded, e.stream, e.sequence});
   }
   ++counters_.stream_waits;
   driver_us_ += options_.cost.stream_wait_us;

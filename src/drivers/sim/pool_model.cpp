@@ -36,13 +36,8 @@ bool SimDriver::mark_done(const FreeMark& m) const {
 // stream once the free has completed (ReuseAllowOpportunistic).
 bool SimDriver::usable_by(FreeMarks& marks, StreamId stream) const {
   std::erase_if(marks, [this](const FreeMark& m) { return mark_done(m); });
-  const auto self = streams_.find(stream);
   for (const FreeMark& m : marks) {
-    if (m.stream == stream) continue;
-    if (self != streams_.end()) {
-      const auto w = self->second.waited.find(m.stream);
-      if (w != self->second.waited.end() && w->second >= m.sequence) continue;
-    }
+    if (m.stream == stream || ordered_after(stream, m.stream, m.sequence)) continue;
     return false;
   }
   return true;
