@@ -186,12 +186,14 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
     complete_fences(*x);
     const std::uint64_t usable =
         config_.stream_borrow_wait || x->fences.empty() ? x->epoch : x->safe_epoch;
+    const std::uint64_t safe = x->safe_epoch;
+    const bool busy = !x->fences.empty();
     for (Block* b : x->pool(small)) {
       if (b->in_island()) continue;  // the small pool's pages in a large space
       find_whole_handle(*b, [&](DevicePtr va, Handle* h) {
         const std::uint64_t stamp = stamp_of(*b->space, va, h->live_at.size());
         if (stamp <= usable) {
-          const bool waits = stamp > x->safe_epoch && !x->fences.empty();
+          const bool waits = stamp > safe && busy;
           candidates.push_back(Candidate{Lend{h, b, va}, waits});
         }
         return false;
@@ -247,7 +249,9 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
       it->second = std::max(it->second, stamp);
     }
   }
-  for (const auto& [x, stamp] : needs) {
+  for (const auto& need : needs) {
+    Arena* x = need.first;
+    const std::uint64_t stamp = need.second;
     const bool busy = !x->fences.empty();
     const auto covering = std::find_if(x->fences.begin(), x->fences.end(),
                                        [stamp](const Fence& f) { return f.epoch >= stamp; });
