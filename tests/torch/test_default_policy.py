@@ -1,9 +1,10 @@
 """ccalloc's default preset (CCALLOC_CONF=ccalloc: the stitching policy for the default pools,
 private pools on expandable segments beside it) against PyTorch's defaults: CUDA graphs,
 torch.compile(mode="reduce-overhead") and MemPool behave as on PyTorch's allocator, a workload
-of varying sizes reserves less at the same allocated bytes, and CUDA tensors cross between
+of varying sizes reserves less at the same allocated bytes, CUDA tensors cross between
 processes (PyTorch's 'e' format where the tensor's physical allocations are of one size,
-ccalloc's 'h' where they differ). The other files compare exact figures under the `pytorch`
+ccalloc's 'h' where they differ), and a busy side stream's freed memory serves another stream
+behind a device-side wait, with the side stream's results intact. The other files compare exact figures under the `pytorch`
 preset; these check behaviour, since the policies' reserved bytes differ by design."""
 
 import pytest
@@ -172,3 +173,46 @@ def test_cuda_tensors_cross_between_processes(child, split, handle_type):
     assert result["child_sum"] == sum(range(1000, 2000)) and result["child_exact"], result
     assert result["parent_sees_child_write"], result
     assert result["parent_reads_child_tensor"], result
+
+
+# A side stream frees a tensor while its kernels that read it are still queued behind a long
+# sleep; the default stream then needs as much memory. Under stream_borrow_wait (the preset's
+# default) it takes the side stream's pages behind a device-side wait: no new memory, and the
+# side stream's sum still reads its own values. Without it the default stream creates memory.
+BORROW_BEHIND_A_WAIT = """
+import ccalloc_torch
+n = (64 << 20) // 4
+side = torch.cuda.Stream()
+warm = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # the default stream's own range
+with torch.cuda.stream(side):
+    a = torch.ones(n, device="cuda")
+    torch.cuda._sleep(500_000_000)  # the side stream's queue runs behind this for a while
+    a.mul_(2)
+    total = a.sum()
+    del a
+reserved = torch.cuda.memory_reserved()
+b = torch.full((n,), 3.0, device="cuda")
+b.add_(1)
+torch.cuda.synchronize()
+calls = ccalloc_torch.driver_calls()
+emit(reserved_before=reserved, reserved_after=torch.cuda.memory_reserved(),
+     total=total.item(), b_ok=bool((b == 4).all().item()),
+     busy_waits=calls["busy_borrow_waits"], waits=calls["borrow_waits"],
+     borrowed=calls["borrowed_handles"])
+"""
+
+
+def test_a_busy_side_streams_freed_memory_serves_behind_a_device_wait():
+    result = run("ccalloc", BORROW_BEHIND_A_WAIT, preset=PRESET)
+    assert result["total"] == 2.0 * ((64 << 20) // 4), result
+    assert result["b_ok"], result
+    assert result["reserved_after"] == result["reserved_before"], result
+    assert result["busy_waits"] >= 1 and result["borrowed"] >= 1, result
+
+
+def test_without_borrow_waits_the_default_stream_creates_memory_instead():
+    result = run("ccalloc", BORROW_BEHIND_A_WAIT, preset=PRESET + ",stream_borrow_wait:False")
+    assert result["total"] == 2.0 * ((64 << 20) // 4), result
+    assert result["b_ok"], result
+    assert result["reserved_after"] >= result["reserved_before"] + (64 << 20), result
+    assert result["busy_waits"] == 0, result
