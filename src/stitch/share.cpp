@@ -161,7 +161,7 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
   const std::size_t first = out.size();
   struct Candidate {
     Lend lend;
-    bool waits;  // on a fence still in flight
+    bool waits;  // on a fence in flight, or on one recorded now
   };
   std::vector<Candidate> candidates;
   const std::size_t count = arena_count_.load(std::memory_order_acquire);
@@ -187,21 +187,21 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
     const std::uint64_t usable =
         config_.stream_borrow_wait || x->fences.empty() ? x->epoch : x->safe_epoch;
     const std::uint64_t safe = x->safe_epoch;
-    const bool busy = !x->fences.empty();
     for (Block* b : x->pool(small)) {
       if (b->in_island()) continue;  // the small pool's pages in a large space
       find_whole_handle(*b, [&](DevicePtr va, Handle* h) {
         const std::uint64_t stamp = stamp_of(*b->space, va, h->live_at.size());
         if (stamp <= usable) {
-          const bool waits = stamp > safe && busy;
+          const bool waits = stamp > safe;  // on a fence in flight or recorded now
           candidates.push_back(Candidate{Lend{h, b, va}, waits});
         }
         return false;
       });
     }
   }
-  // Handles that need no wait on pending work first; then the smallest free blocks: the
-  // least useful to keep whole (as lending goes).
+  // Handles whose uses a completed fence covers first (no wait: a wait on a fence recorded
+  // now may hold this stream behind all the work its donor has queued since); then the
+  // smallest free blocks: the least useful to keep whole (as lending goes).
   std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
     if (a.waits != b.waits) return b.waits;
     if (a.lend.block != b.lend.block) return BySizeThenAddress{}(a.lend.block, b.lend.block);
