@@ -11,14 +11,18 @@
 // recorded on the stream) closes the epoch. Once the fence has completed (queried, never
 // waited for), every page stamped at or below its epoch may back another stream's growth
 // with no synchronization: the handle is mapped at the borrower's frontier, and its pages
-// in the lender's space become void (dead), as a lend within one stream leaves them.
+// in the lender's space become void (dead), as a lend within one stream leaves them. Under
+// stream_borrow_wait a page whose fence is still in flight may serve too: the borrower's
+// stream then waits on the device (cudaStreamWaitEvent) for the oldest fence covering it,
+// and the handle takes the borrower's epoch, so that it passes on only behind a fence of
+// the borrower's recorded after that wait.
 //
 // Fences are recorded by frees: a free polls its arena's fences at most once per
 // kFenceIntervalUs, and records one where pages were freed since the last fence and that
 // fence is that old (on a wall clock, a free skips the clock read while the cycle counter
 // shows that its poll cannot be due: fence_gate_). A growth that would create memory polls every other stream's fences
-// (under that stream's lock if it can take it at once: a busy stream is skipped) before
-// looking for pages to take.
+// (under that stream's lock if it can take it at once: a stream whose lock is held is
+// skipped) before looking for pages to take.
 #include <algorithm>
 #include <limits>
 
