@@ -15,6 +15,10 @@ that varies per step and per rank:
 Whether c10d calls record_stream on the collectives' tensors is
 TORCH_NCCL_AVOID_RECORD_STREAMS, which the caller sets (scale.py runs FSDP2 both ways).
 
+With --gate DIR every rank runs each step only when the parent says so, through files in DIR
+(scale.py --gated runs the allocators' jobs side by side, taking turns step by step): before
+step i it writes ready.i.RANK and waits for go.i; after it, done.i.RANK.
+
 Rank 0 prints one line `RESULT {json}` with every rank's step times, losses, peaks and
 per-step driver-call counters (see run_one.py and scale.py). With --record every rank
 records its allocation history from the first allocation and writes it, frames removed, as
@@ -31,6 +35,32 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "torch"))
 sys.path.insert(0, HERE)
+
+
+class FileGate:
+    """The ranks' side of scale.py's turns (--gate DIR): no rank of this job works while
+    another job's step is timed."""
+
+    def __init__(self, directory, rank):
+        self.dir, self.rank = directory, rank
+
+    def _touch(self, name):
+        with open(os.path.join(self.dir, name), "w"):
+            pass
+
+    def before(self, step):
+        import time
+
+        self._touch(f"ready.{step}.{self.rank}")
+        go = os.path.join(self.dir, f"go.{step}")
+        deadline = time.monotonic() + 600
+        while not os.path.exists(go):
+            if time.monotonic() > deadline:
+                sys.exit(f"run_dist.py: no go for step {step} in 600 s")
+            time.sleep(0.0002)
+
+    def after(self, step, seconds):
+        self._touch(f"done.{step}.{self.rank}")
 
 
 def build(kind, local_rank):
@@ -65,6 +95,7 @@ def main():
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--out", default=".")
     parser.add_argument("--name", help="file stem of the recordings (default: the workload)")
+    parser.add_argument("--gate", metavar="DIR", help="take turns with other jobs (scale.py --gated)")
     args = parser.parse_args()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if args.allocator == "ccalloc":
@@ -86,6 +117,8 @@ def main():
     rng = random.Random(20 + rank)
     gen = torch.Generator(device="cuda").manual_seed(20 + rank)
     workloads.step_probe = probes.driver_calls(args.allocator)
+    if args.gate:
+        workloads.step_gate = FileGate(args.gate, rank)
 
     def make_step(step):
         seq = rng.randint(128, 1024)

@@ -10,9 +10,10 @@ allocator, PyTorch with expandable_segments:True and ccalloc's default preset.
 Every run is a fresh process (torchrun with one process per GPU for the distributed
 cases). Round k runs the allocators in the given order when k is even and in the reverse
 order when k is odd (A B C, C B A, A B C, ...), so that drift of the machine reaches every
-allocator alike; all processes are pinned to the same CPUs. With --gated, a round of a
-single-GPU case runs the allocators' processes side by side instead, taking turns step by
-step in alternating order (A B C on one step, C B A on the next). For each case and allocator
+allocator alike; all processes are pinned to the same CPUs. With --gated, a round runs the
+allocators' processes side by side instead (for a distributed case, one torchrun job each on
+the same GPUs), taking turns step by step in alternating order (A B C on one step, C B A on
+the next), so that each step's times compare on the machine as it is at that moment. For each case and allocator
 the table gives:
   - peak reserved and peak requested bytes, per rank (the largest rank's) and their ratio;
   - the step time: the median over rounds of each round's median step (the slowest rank's
@@ -181,6 +182,84 @@ def run_gated(name, allocators, cpus, timeout, flip):
                     proc.wait()
 
 
+def run_gated_dist(name, allocators, gpus, cpus, timeout, flip):
+    """The distributed form of run_gated: one torchrun job per allocator, all up at once on
+    the same GPUs, taking turns step by step through files (run_dist.py --gate): each step
+    runs on every job back to back, in alternating order, and a job starts its step only once
+    the job before it has finished its own and reached its next gate (or exited, after the
+    last step). Returns {allocator: result}."""
+    import shutil
+    import tempfile
+    import time
+
+    case = CASES[name]
+    total = WARMUP[case["workload"]] + case["steps"]
+    jobs, results = {}, {}
+    root = tempfile.mkdtemp(prefix="scale_gate_")
+
+    def wait_for(a, prefix, what):
+        deadline = time.monotonic() + timeout
+        want = [os.path.join(root, a, f"{prefix}.{r}") for r in range(gpus)]
+        while not all(os.path.exists(f) for f in want):
+            if jobs[a][0].poll() is not None:
+                return f"exited ({jobs[a][0].returncode}) before {what}"
+            if time.monotonic() > deadline:
+                return f"timed out before {what}"
+            time.sleep(0.0002)
+        return None
+
+    try:
+        for a in allocators:
+            os.makedirs(os.path.join(root, a))
+            out = open(os.path.join(root, a + ".out"), "w+")
+            cmd = command(name, a, gpus) + ["--gate", os.path.join(root, a)]
+            jobs[a] = (subprocess.Popen(
+                cmd, env=environment(a, case), stdout=out, stderr=subprocess.STDOUT, text=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None), out)
+        order = list(reversed(allocators)) if flip else list(allocators)
+        failed = {}
+        for step in range(total):
+            for a in order:
+                if a in failed:
+                    continue
+                error = wait_for(a, f"ready.{step}", f"step {step}")
+                if error is None:
+                    with open(os.path.join(root, a, f"go.{step}"), "w"):
+                        pass
+                    error = wait_for(a, f"done.{step}", f"the end of step {step}")
+                if error is None and step == total - 1:
+                    try:  # its end (gather, teardown) before the next job's last step
+                        jobs[a][0].wait(timeout=timeout)
+                    except subprocess.TimeoutExpired:
+                        error = "did not exit after its last step"
+                if error is not None:
+                    failed[a] = error
+            order.reverse()
+        for a in allocators:
+            proc, out = jobs[a]
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            text = out.read()
+            for line in text.splitlines():
+                if line.startswith("RESULT "):
+                    results[a] = json.loads(line[len("RESULT "):])
+            if a not in results:
+                results[a] = {"error": failed.get(a, f"exit {proc.returncode} without a result"),
+                              "tail": text[-3000:]}
+        return results
+    finally:
+        for proc, out in jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def steps_of(result, warmup):
     """Per timed step, the slowest rank's time; per rank, calls per step after the warm-up."""
     ranks = result["ranks"]
@@ -296,9 +375,9 @@ def main():
     parser.add_argument("--record-on", default="native", choices=list(ALLOCATORS),
                         help="the allocator of the recordings (default: native)")
     parser.add_argument("--gated", action="store_true",
-                        help="single-GPU cases: each round runs the allocators' processes side "
-                             "by side, taking turns step by step (their memory is on the GPU at "
-                             "once)")
+                        help="each round runs the allocators' processes (torchrun jobs for the "
+                             "distributed cases) side by side, taking turns step by step (their "
+                             "memory is on the GPUs at once)")
     parser.add_argument("--steps", type=int, help="timed steps of every case (default: its own)")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -329,13 +408,18 @@ def main():
     for name in cases:
         runs = {a: [] for a in allocators}
         for k in range(args.rounds):
-            if args.gated and CASES[name]["kind"] == "one":
-                pair = run_gated(name, allocators, cpus, args.timeout, flip=k % 2 == 1)
+            if args.gated:
+                if CASES[name]["kind"] == "one":
+                    pair = run_gated(name, allocators, cpus, args.timeout, flip=k % 2 == 1)
+                else:
+                    pair = run_gated_dist(name, allocators, args.gpus, cpus, args.timeout,
+                                          flip=k % 2 == 1)
                 for a in allocators:
                     r = pair[a]
                     runs[a].append(r)
                     if "error" in r:
-                        print(f"{name} {a} round {k}: {r['error']}", flush=True)
+                        print(f"{name} {a} round {k}: {r['error']}\n{r.get('tail', '')}",
+                              flush=True)
                     else:
                         t, _ = steps_of(r, WARMUP[CASES[name]["workload"]])
                         print(f"{name} {a} round {k} (gated): median step "
