@@ -96,6 +96,24 @@ TEST(StitchShare, WithoutBorrowWaitsPagesWhoseStreamMayStillUseThemAreNotTaken) 
   EXPECT_EQ(f.gpu.counters().stream_waits, 0u);
 }
 
+// reconfigure() switches the waits live: off, the busy stream's pages stay; on again, the
+// next growth takes them.
+TEST(StitchShare, BorrowWaitsSwitchLiveWithReconfigure) {
+  Fixture f(18 * kMiB, kNoWait);
+  f.engine.malloc(4 * kMiB, 0);
+  const DevicePtr a = f.engine.malloc(4 * kMiB, 1);
+  f.engine.free(a);  // its fence is pending
+  f.engine.malloc(2 * kMiB, 0);
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 0u);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
+  ASSERT_TRUE(f.engine.reconfigure(Config::parse("ccalloc")));
+  EXPECT_TRUE(f.engine.config().stream_borrow_wait);
+  f.engine.malloc(4 * kMiB, 0);
+  EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 1u);
+  EXPECT_EQ(f.engine.piece_counts().busy_borrow_waits, 1u);
+  EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
+}
+
 TEST(StitchShare, ABusyStreamsPagesServeBehindAWaitOnTheFenceAfterTheirFree) {
   Fixture f;
   const DevicePtr b = f.engine.malloc(4 * kMiB, 0);
