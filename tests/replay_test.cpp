@@ -581,6 +581,27 @@ TEST_F(ReplayCli, JsonForTwoConfigsOnResnet) {
   EXPECT_EQ(j[1]["conf"].get<std::string>(), "pytorch,max_split_size_mb:40");
 }
 
+// A recording with three streams: the device-side waits the stitching policy inserts are
+// reported (text row and JSON), and switching them off shows their effect. The default's
+// peak is the one the device measured for the same workload (docs/ccalloc-policy.md).
+TEST_F(ReplayCli, ReportsTheStreamWaitsOfBorrowingOnAMultiStreamRecording) {
+  const std::string trace =
+      std::string(CCALLOC_TRACES_DIR) + "/device/gpt2_sidestreams.pickle.gz";
+  const std::string confs = " --conf ccalloc --conf ccalloc,stream_borrow_wait:False";
+  const CliResult r = run_cli("replay '" + trace + "'" + confs + " --json", dir_);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j[0]["peak_requested_bytes"].get<std::int64_t>(), 20346751484);
+  EXPECT_EQ(j[0]["peak_reserved_bytes"].get<std::int64_t>(), 20642267136);
+  EXPECT_EQ(j[0]["driver_calls"]["stream_wait"].get<std::int64_t>(), 9);
+  EXPECT_EQ(j[1]["peak_reserved_bytes"].get<std::int64_t>(), 21885878272);
+  EXPECT_EQ(j[1]["driver_calls"]["stream_wait"].get<std::int64_t>(), 0);
+  const CliResult text = run_cli("replay '" + trace + "'" + confs, dir_);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("stream_waits"), std::string::npos) << text.out;
+}
+
 TEST_F(ReplayCli, EmitTraceWritesTheRecordedSegmentAllocs) {
   const std::string out = dir_.file("emitted.csv");
   const CliResult r = run_cli(
