@@ -31,6 +31,7 @@ import os
 import pickle
 import random
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "torch"))
@@ -49,8 +50,6 @@ class FileGate:
             pass
 
     def before(self, step):
-        import time
-
         self._touch(f"ready.{step}.{self.rank}")
         go = os.path.join(self.dir, f"go.{step}")
         deadline = time.monotonic() + 600

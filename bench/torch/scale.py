@@ -32,9 +32,12 @@ DIR/measured.json with every run's peaks."""
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -188,10 +191,6 @@ def run_gated_dist(name, allocators, gpus, cpus, timeout, flip):
     runs on every job back to back, in alternating order, and a job starts its step only once
     the job before it has finished its own and reached its next gate (or exited, after the
     last step). Returns {allocator: result}."""
-    import shutil
-    import tempfile
-    import time
-
     case = CASES[name]
     total = WARMUP[case["workload"]] + case["steps"]
     jobs, results = {}, {}

@@ -411,6 +411,8 @@ class SimDriver final : public Driver {
   // the streams its waits queued before there waited for: the GPU cannot have run past a
   // wait before the work it waits for. mutex_ held.
   void advance(StreamId stream, std::uint64_t through);
+  // advance() through `e` and what was queued before it on its stream, where recorded.
+  void complete_through(const Event& e);
   // Whether work queued on `waiter` now runs after position `sequence` of `stream`: a wait
   // on it there or later, directly or through the waits of the streams waited for (each
   // counting those queued before the position waited for). mutex_ held.

@@ -169,8 +169,8 @@ class StitchEngine final : public Backend {
   // Applies `config` live: the memory fraction, the request rounding
   // (roundup_power2_divisions, max_non_split_rounding_size), the GC threshold and the chunk
   // (large_segment_size) and stream_borrow_wait take effect; the other keys are recorded
-  // (they have no effect on this policy). Throws ConfigError, changing nothing, for backend, stitch_segments or
-  // uncached.
+  // (they have no effect on this policy). Throws ConfigError, changing nothing, for backend,
+  // stitch_segments or uncached.
   bool reconfigure(const Config& config) override EXCLUDES(registry_mutex_, device_mutex_);
   const char* policy_name() const override { return "the stitching policy (stitch_segments)"; }
   Driver& driver() const override { return driver_; }

@@ -204,12 +204,15 @@ void SimDriver::advance(StreamId id, std::uint64_t through) {
   StreamState& s = streams_.at(id);
   if (through <= s.completed) return;
   s.completed = through;
-  // A copy: advancing another stream may add entries to streams_ (never here: a wait's
-  // stream has recorded the position waited for) but keeps this one's waits as they are.
-  const std::vector<StreamState::Wait> waits = s.waits;
-  for (const StreamState::Wait& w : waits) {
+  // Advancing another stream neither adds streams (a wait's stream has recorded the position
+  // waited for) nor changes waits, and a way back here returns at once: `s` stays as it is.
+  for (const StreamState::Wait& w : s.waits) {
     if (w.at < through) advance(w.stream, w.through);
   }
+}
+
+void SimDriver::complete_through(const Event& e) {
+  if (e.recorded) advance(e.stream, e.sequence);
 }
 
 bool SimDriver::ordered_after(StreamId waiter, StreamId stream, std::uint64_t sequence) const {
@@ -342,8 +345,7 @@ void SimDriver::forbid_during_capture(const char* what) const {
 
 void SimDriver::complete_event(EventId event) {
   std::lock_guard lock(mutex_);
-  const Event& e = event_ref(event);
-  if (e.recorded) advance(e.stream, e.sequence);
+  complete_through(event_ref(event));
 }
 
 void SimDriver::complete_stream(StreamId stream) {
@@ -368,8 +370,7 @@ void SimDriver::complete_all() {
 void SimDriver::synchronize_event(EventId event) {
   std::lock_guard lock(mutex_);
   forbid_during_capture("synchronize_event");
-  const Event& e = event_ref(event);
-  if (e.recorded) advance(e.stream, e.sequence);
+  complete_through(event_ref(event));
   ++counters_.event_synchronizes;
   driver_us_ += options_.cost.synchronize_us;
 }
