@@ -22,8 +22,8 @@
 // speed ratio in the same round): thread workloads come out bimodal on a shared VM, and the
 // two columns' own medians can differ by which of their rounds fell in a slow phase.
 // The single-thread workloads run pinned to one CPU, thread t of the thread workloads to the
-// t-th of CPUs 1..8 of the allowed set: an unpinned thread that the scheduler moves between
-// cores gave bimodal repetitions.
+// t-th of eight CPUs on distinct physical cores where the machine has them (plan_pinning):
+// an unpinned thread that the scheduler moves between cores gave bimodal repetitions.
 // The CUDA context, each allocator's first segments and the pool are warmed before timing.
 #include <cuda_runtime_api.h>
 #include <sched.h>
@@ -155,6 +155,7 @@ struct Pinning {
   int single = -1;           // CPU of the single-thread workloads; -1: not pinned
   std::vector<int> threads;  // CPU of thread t of the thread workloads; empty: not pinned
   std::string off;           // why pinning is off, when it is
+  std::size_t cores = 0;     // physical cores among the allowed CPUs (0: not looked at)
 
   std::string describe() const {
     if (single < 0) return "off (" + off + "); allowed CPUs " + cpu_list(allowed);
@@ -164,14 +165,54 @@ struct Pinning {
     if (std::unique(sorted.begin(), sorted.end()) != sorted.end()) {
       distinct = " (shared: fewer than " + std::to_string(kMaxThreads + 1) + " CPUs allowed)";
     }
+    if (distinct.empty() && cores < threads.size()) {
+      distinct = " (" + std::to_string(cores) + " physical cores: some threads share one)";
+    }
+    std::string listed;
+    for (const int cpu : threads)
+      listed += (listed.empty() ? "" : ",") + std::to_string(cpu);
     return "single-thread workloads on CPU " + std::to_string(single) +
-           "; thread t of the thread workloads on the t-th of CPUs " + cpu_list(threads) +
-           distinct + "; allowed CPUs " + cpu_list(allowed);
+           "; thread t of the thread workloads on the t-th of CPUs " + listed + distinct +
+           "; allowed CPUs " + cpu_list(allowed) + " on " + std::to_string(cores) +
+           " physical cores";
   }
 };
 
-// The second allowed CPU for the single-thread workloads (the first tends to take more of
-// the system's interrupts and housekeeping), the 2nd..9th for the threads.
+// The physical core of a CPU as the kernel reports it ("package:core"), or the CPU's own
+// number where the topology is not readable.
+std::string core_of(int cpu) {
+  const std::string dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/";
+  std::string package, core;
+  std::ifstream(dir + "physical_package_id") >> package;
+  std::ifstream(dir + "core_id") >> core;
+  if (package.empty() || core.empty()) return "cpu" + std::to_string(cpu);
+  return package + ":" + core;
+}
+
+// The allowed CPUs in the order the workloads take them: one CPU of each physical core
+// first (hyperthreads of one core share its execution units, so two threads on siblings
+// run at well under twice one thread's speed), the core of the first allowed CPU last (it
+// tends to take more of the system's interrupts and housekeeping), siblings after that.
+std::vector<int> cpus_by_core(const std::vector<int>& allowed, std::size_t* cores) {
+  std::vector<std::string> seen;
+  std::vector<int> first, rest;
+  for (const int cpu : allowed) {
+    const std::string core = core_of(cpu);
+    if (std::find(seen.begin(), seen.end(), core) == seen.end()) {
+      seen.push_back(core);
+      first.push_back(cpu);
+    } else {
+      rest.push_back(cpu);
+    }
+  }
+  *cores = seen.size();
+  if (first.size() > 1) std::rotate(first.begin(), first.begin() + 1, first.end());
+  first.insert(first.end(), rest.begin(), rest.end());
+  return first;
+}
+
+// The single-thread workloads on the first CPU of cpus_by_core's order, thread t of the
+// thread workloads on its t-th: eight threads on eight cores where there are as many.
 Pinning plan_pinning(bool enabled) {
   Pinning p;
   p.allowed = allowed_cpus();
@@ -183,8 +224,8 @@ Pinning plan_pinning(bool enabled) {
     p.off = std::string("sched_getaffinity: ") + std::strerror(errno);
     return p;
   }
-  const std::size_t n = p.allowed.size();
-  const int single = p.allowed[std::min<std::size_t>(1, n - 1)];
+  const std::vector<int> order = cpus_by_core(p.allowed, &p.cores);
+  const int single = order.front();
   {
     const ScopedPin probe(single);  // the kernel (or a container) may refuse
     if (!probe.pinned()) {
@@ -194,7 +235,7 @@ Pinning plan_pinning(bool enabled) {
   }
   p.single = single;
   for (std::size_t t = 0; t < kMaxThreads; ++t)
-    p.threads.push_back(p.allowed[(1 + t) % n]);
+    p.threads.push_back(order[t % order.size()]);
   return p;
 }
 
@@ -593,6 +634,7 @@ class Bench {
         << ", \"single_thread_cpu\": "
         << (pinning_.single < 0 ? std::string("null") : std::to_string(pinning_.single))
         << ", \"thread_cpus\": " << ints(pinning_.threads)
+        << ", \"physical_cores\": " << pinning_.cores
         << ", \"off\": " << (pinning_.off.empty() ? "null" : quote(pinning_.off))
         << "},\n  \"results\": [";
     bool first = true;
