@@ -8,7 +8,10 @@
 // optionally how many streams have allocated before (default 1: only the loop's; more
 // turn on what a process of several streams runs, such as the stitching policy's sharing
 // of memory between streams). The first pair, which creates the memory, is made before the
-// loop; the loop's share of the count is the total less a run of 0 pairs.
+// loop; the loop's share of the count is the total less a run of 0 pairs. The loop's wall
+// time per pair goes to stderr ("ns_per_pair N"), for timing two builds side by side
+// (scripts/hit-ab).
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -30,11 +33,15 @@ int main(int argc, char** argv) {
     allocator.free(allocator.malloc(bytes, static_cast<ccalloc::StreamId>(7 + s)));
   allocator.free(allocator.malloc(bytes, 7));
   ccalloc::DevicePtr sum = 0;
+  const auto start = std::chrono::steady_clock::now();
   for (long i = 0; i < pairs; ++i) {
     const ccalloc::DevicePtr p = allocator.malloc(bytes, 7);
     sum ^= p;
     allocator.free(p);
   }
+  const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+  if (pairs > 0)
+    std::fprintf(stderr, "ns_per_pair %.2f\n", took.count() / static_cast<double>(pairs));
   std::printf("%llu\n", static_cast<unsigned long long>(sum));
   return 0;
 }

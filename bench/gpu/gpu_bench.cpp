@@ -614,6 +614,9 @@ class Bench {
         std::printf("* %s: %s\n", c.name.c_str(), s->note.c_str());
       }
     }
+    std::printf(
+        "threads: each thread on a stream of its own, not the default stream (the `ccalloc`"
+        " preset stamps its frees for sharing between streams there)\n");
     for (const auto& [name, error] : errors_) {
       std::printf("! %s failed: %s\n", name.c_str(), error.c_str());
     }
