@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ccalloc/driver.hpp"
+#include "core/cache_line.hpp"
 #include "core/stacks.hpp"
 
 namespace ccalloc::core {
@@ -209,8 +210,8 @@ class BlockRecycler {
   Block* make() {
     Block* b = free_;
     if (b == nullptr) {
-      owned_.push_back(std::make_unique<Block>());
-      return owned_.back().get();
+      owned_.push_back(std::make_unique<Padded>());
+      return &owned_.back()->block;
     }
     free_ = b->next;
     b->next = nullptr;
@@ -229,7 +230,11 @@ class BlockRecycler {
   }
 
  private:
-  std::vector<std::unique_ptr<Block>> owned_;
+  // Whole cache lines each (core/cache_line.hpp): blocks are written on every hit.
+  struct alignas(kCacheLine) Padded {
+    Block block;
+  };
+  std::vector<std::unique_ptr<Padded>> owned_;
   Block* free_ = nullptr;
 };
 

@@ -6,8 +6,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "ccalloc/driver.hpp"
+#include "core/cache_line.hpp"
 
 namespace ccalloc::core {
 
@@ -80,7 +82,7 @@ class PtrMap {
   void rehash(std::size_t capacity) {
     auto old = std::move(slots_);
     const std::size_t old_capacity = capacity_;
-    slots_ = std::make_unique<Slot[]>(capacity);
+    slots_ = Slots(capacity);
     capacity_ = capacity;
     mask_ = capacity - 1;
     shift_ = 64 - static_cast<unsigned>(__builtin_ctzll(capacity));
@@ -90,7 +92,10 @@ class PtrMap {
     }
   }
 
-  std::unique_ptr<Slot[]> slots_;
+  // Whole cache lines (core/cache_line.hpp): a map is written on every malloc and free of
+  // its arena.
+  using Slots = std::vector<Slot, CacheLineAllocator<Slot>>;
+  Slots slots_;
   std::size_t capacity_ = 0;
   std::size_t mask_ = 0;
   unsigned shift_ = 64;

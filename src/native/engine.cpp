@@ -1,5 +1,7 @@
 // The hot path: malloc, free, record_stream, and the block operations they use.
 // The OOM ladder lives in oom_ladder.cpp, events in events.cpp.
+#include "native/engine.hpp"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -8,7 +10,6 @@
 #include <optional>
 #include <utility>
 
-#include "native/engine.hpp"
 #include "core/arena_cache.hpp"
 #include "core/arena_engine.hpp"
 #include "core/common.hpp"
@@ -34,10 +35,7 @@ bool env_flag(const char* name) {
 // Public operations
 
 Engine::Engine(Driver& driver, Config config)
-    : driver_(driver),
-      config_(std::move(config)),
-      uid_(next_engine_uid()),
-      event_pool_(driver) {
+    : driver_(driver), config_(std::move(config)), uid_(next_engine_uid()), event_pool_(driver) {
   check_invariants_ = env_flag("CCALLOC_CHECK_INVARIANTS");
   capacity_ = driver_.mem_info().total_bytes;
   device_stats_.max_split_size =
@@ -149,7 +147,8 @@ CCALLOC_HOT Request Engine::make_request(std::size_t size, StreamId stream) cons
   return r;
 }
 
-CCALLOC_HOT Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req, bool advance_gc_clock) {
+CCALLOC_HOT Engine::PoolPos Engine::find_free_block(Arena& arena, const Request& req,
+                                                    bool advance_gc_clock) {
   FreePool& pool = arena.pool_for(req.small);
   if (advance_gc_clock && gc_enabled()) {
     pool_searches_[req.small ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
@@ -173,7 +172,8 @@ CCALLOC_HOT Engine::PoolPos Engine::find_free_block(Arena& arena, const Request&
   return pos;
 }
 
-CCALLOC_HOT DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos, const Request& req) {
+CCALLOC_HOT DevicePtr Engine::hand_out(Arena& arena, Block* block, PoolPos pos,
+                                       const Request& req) {
   block = carve(arena, block, pos, req);
   arena.live.insert(block->ptr, block);
   record_trace(TraceAction::kAlloc, block->ptr, req.requested, arena.stream, block);
@@ -214,7 +214,8 @@ CCALLOC_HOT Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const 
     remaining->prev = block;
     remaining->ptr += req.size;
     remaining->size -= req.size;
-    if (remaining->segment_stack) std::swap(block->segment_stack, remaining->segment_stack);  // the new head's
+    if (remaining->segment_stack)
+      std::swap(block->segment_stack, remaining->segment_stack);  // the new head's
     if (pooled) {
       remaining->gc_count_base = gc_clock(pool);
       fix_pool_position(pool, pos, Change::kShrank);
@@ -346,14 +347,13 @@ CCALLOC_HOT void Engine::free_block(Arena& arena, Block* block) {
   PeakBaselines& debt = arena.debts;
   const StatType t = pool_stat(pool.is_small);  // the pool's entries only
   if (net_split_blocks > 0) {
-    ledger_increase_pool(st.inactive_split, debt.inactive_split[t],
-                         debt.inactive_split[kAggregate], arena.in_debt, t, net_split_blocks);
+    ledger_increase_pool(st.inactive_split, debt.inactive_split[t], debt.inactive_split[kAggregate],
+                         arena.in_debt, t, net_split_blocks);
   }
   if (net_split_blocks < 0) st.inactive_split[t].decrease(-net_split_blocks);
   if (net_split_bytes > 0) {
     ledger_increase_pool(st.inactive_split_bytes, debt.inactive_split_bytes[t],
-                         debt.inactive_split_bytes[kAggregate], arena.in_debt, t,
-                         net_split_bytes);
+                         debt.inactive_split_bytes[kAggregate], arena.in_debt, t, net_split_bytes);
   }
   if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
   st.active[t].decrease(1);
@@ -450,7 +450,7 @@ NodeRecycler::~NodeRecycler() {
   while (free_ != nullptr) {
     FreeNode* n = free_;
     free_ = n->next;
-    ::operator delete (n, std::align_val_t{node_align_});
+    ::operator delete (n, std::align_val_t{std::max(node_align_, kCacheLine)});
   }
 }
 
@@ -466,14 +466,18 @@ void* NodeRecycler::take_new(std::size_t bytes, std::size_t align) {
     free_ = n->next;
     return n;
   }
-  return ::operator new (std::max(bytes, sizeof(FreeNode)),
-                         std::align_val_t{std::max(align, alignof(FreeNode))});
+  // Whole cache lines (core/cache_line.hpp): nodes are written on every hit, and another
+  // arena's must not share their lines.
+  return ::operator new (
+      cache_lines(std::max(bytes, sizeof(FreeNode))),
+      std::align_val_t{std::max(std::max(align, alignof(FreeNode)), kCacheLine)});
 }
 
 void NodeRecycler::give_back_other(void* node, std::size_t bytes, std::size_t align) {
   if (std::max(bytes, sizeof(FreeNode)) != node_bytes_ ||
       std::max(align, alignof(FreeNode)) != node_align_) {
-    ::operator delete (node, std::align_val_t{std::max(align, alignof(FreeNode))});
+    ::operator delete (node,
+                       std::align_val_t{std::max(std::max(align, alignof(FreeNode)), kCacheLine)});
     return;
   }
   auto* n = static_cast<FreeNode*>(node);

@@ -285,13 +285,15 @@ class StitchEngine final : public Backend {
     // its unmap carries it when the unmapping operation has none, as PyTorch's segments).
     Origin stack;
   };
-  struct Space {
+  // Whole cache lines, as its pages (core/cache_line.hpp): a split and a merge at its start
+  // write `first`, and a free on a stream that shares stamps its pages.
+  struct alignas(kCacheLine) Space {
     Arena* arena = nullptr;
     bool small = false;
     DevicePtr base = 0;
-    std::size_t reserved_pages = 0;           // the reservation, in pages
-    std::vector<Page> pages;                  // up to the frontier
-    std::map<std::size_t, Mapping> mappings;  // by first page
+    std::size_t reserved_pages = 0;                     // the reservation, in pages
+    std::vector<Page, CacheLineAllocator<Page>> pages;  // up to the frontier
+    std::map<std::size_t, Mapping> mappings;            // by first page
     Block* first = nullptr;
     Block* last = nullptr;
     // The mapping that holds `page`, or mappings.end().
@@ -403,7 +405,8 @@ class StitchEngine final : public Backend {
 
   // The stream's arena: the thread's cache, else the registry (arena_for_registry).
   Arena& arena_for(StreamId stream) EXCLUDES(registry_mutex_) {
-    if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) [[likely]] return *cached;
+    if (Arena* cached = ThreadArenaCache<Arena>::find(uid_, stream)) [[likely]]
+      return *cached;
     return arena_for_registry(stream);
   }
   Arena& arena_for_registry(StreamId stream) EXCLUDES(registry_mutex_);
@@ -582,15 +585,15 @@ class StitchEngine final : public Backend {
   [[gnu::always_inline]] Origin capture() const { return recorder_.capture(); }
 
   // Set at construction, then read-only.
-  std::size_t page_ = 0;          // the driver's granularity
-  unsigned page_shift_ = 0;       // log2(page_) where a power of two above 1, else 0
-  std::size_t space_pages_ = 0;   // pages reserved per space
+  std::size_t page_ = 0;         // the driver's granularity
+  unsigned page_shift_ = 0;      // log2(page_) where a power of two above 1, else 0
+  std::size_t space_pages_ = 0;  // pages reserved per space
   std::size_t capacity_ = 0;
 
   mutable Mutex registry_mutex_ ACQUIRED_BEFORE(device_mutex_, trace_mutex_);
   std::vector<std::unique_ptr<Arena>> arenas_ GUARDED_BY(registry_mutex_);
   std::unordered_map<StreamId, Arena*> arena_by_stream_ GUARDED_BY(registry_mutex_);
-  OwnerTable<Arena> arena_table_;  // written under registry_mutex_
+  OwnerTable<Arena> arena_table_;            // written under registry_mutex_
   std::atomic<std::size_t> arena_count_{0};  // arenas in arena_table_ (owners 1 .. count)
   std::atomic<bool> sharing_{false};         // more than one stream allocates: begin_sharing()
   std::atomic<std::size_t> fences_recorded_{0};
@@ -602,19 +605,19 @@ class StitchEngine final : public Backend {
   // A free skips its poll's clock read while the cycle counter shows that the poll cannot
   // be due, with a 10 % margin (stitch/share.cpp, core/cycle_gate.hpp).
   CycleGate fence_gate_;
-  SegmentMap owners_;              // spaces' reservations; written under device_mutex_
+  SegmentMap owners_;  // spaces' reservations; written under device_mutex_
   EventPool event_pool_;
   std::atomic<std::int64_t> pending_events_{0};  // sum of Arena::pending_events
   std::atomic<std::int64_t> deferred_frees_{0};  // sum of Arena::deferred sizes
   std::atomic<int> captures_underway_{0};
   PeerReserved peer_reserved_;
   DeviceReserved* device_reserved_ = nullptr;  // both engines' reserved bytes, or none
-  JointSettlement* joint_ = nullptr;            // settled with another engine's arenas, or alone
+  JointSettlement* joint_ = nullptr;           // settled with another engine's arenas, or alone
 
   mutable Mutex device_mutex_ ACQUIRED_BEFORE(trace_mutex_);
   std::optional<std::size_t> limit_ GUARDED_BY(device_mutex_);
   double fraction_ GUARDED_BY(device_mutex_) = 1.0;
-  PublishedSize reserved_ GUARDED_BY(device_mutex_);  // pieces held x page_
+  PublishedSize reserved_ GUARDED_BY(device_mutex_);        // pieces held x page_
   std::size_t chunk_pieces_ GUARDED_BY(device_mutex_) = 0;  // least pieces large growth creates
   std::map<PhysicalHandle, std::unique_ptr<Handle>> handles_ GUARDED_BY(device_mutex_);
   // pieces live nowhere
@@ -631,7 +634,7 @@ class StitchEngine final : public Backend {
 
   mutable Mutex trace_mutex_;
   std::vector<TraceObserver> trace_observers_ GUARDED_BY(trace_mutex_);
-  OomFallbacks oom_fallbacks_;  // set before use, then read-only
+  OomFallbacks oom_fallbacks_;        // set before use, then read-only
   std::atomic<bool> tracing_{false};  // history recorded or observers attached
 };
 
