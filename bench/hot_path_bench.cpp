@@ -3,6 +3,7 @@
 // And bench_gpu's random workload (random_ops.hpp), whose mallocs split and whose frees
 // merge blocks among up to 256 live ones: the free pools' cost, again with the memory
 // created before the timed passes. And a loop of a large and a small request on one stream.
+// And, as a control for thread scaling, the pair with an allocator per thread (`_private`).
 // Each policy is measured in the same run: the native engine (`pytorch` preset) and the
 // `ccalloc` preset (the stitching policy with its private pools beside it).
 //
@@ -44,6 +45,28 @@ void BM_CacheHitPair(benchmark::State& state) {
 
 // One pass over the random sequence per iteration (the frees of what it leaves live untimed),
 // on an allocator of its own; the first pass (untimed) creates the memory the later ones reuse.
+// The control for thread scaling: each thread with an allocator (and simulated GPU) of its
+// own, so that nothing at all is shared between the threads. Where this scales no better
+// than BM_CacheHitPair's threads, the machine, not the allocator's shared state, sets the
+// limit (a shared VM's cores do not each run at one lone thread's speed).
+template <const char* kPreset>
+void BM_CacheHitPairPrivate(benchmark::State& state) {
+  const auto size = static_cast<std::size_t>(state.range(0));
+  ccalloc::sim::SimDriver gpu;
+  ccalloc::Allocator allocator(gpu, ccalloc::Config::parse(kPreset));
+  const ccalloc::StreamId stream = 7 + static_cast<ccalloc::StreamId>(state.thread_index());
+  allocator.free(allocator.malloc(size, stream));
+  for (auto _ : state) {
+    ccalloc::DevicePtr p = allocator.malloc(size, stream);
+    benchmark::DoNotOptimize(p);
+    allocator.free(p);
+  }
+  state.SetItemsProcessed(state.iterations());
+  state.counters["ns_per_pair"] =
+      benchmark::Counter(static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 template <const char* kPreset>
 void BM_RandomMix(benchmark::State& state) {
   static const std::vector<ccalloc_bench::Op> ops = ccalloc_bench::make_random_ops(200'000);
@@ -127,6 +150,19 @@ BENCHMARK(BM_CacheHitPair<kStitch>)
     ->Name("stitch")
     ->Arg(512)
     ->Arg(1 << 20)
+    ->ThreadRange(2, 8)
+    ->UseRealTime();
+
+BENCHMARK(BM_CacheHitPairPrivate<kNative>)->Name("native_private")->Arg(512)->UseRealTime();
+BENCHMARK(BM_CacheHitPairPrivate<kStitch>)->Name("stitch_private")->Arg(512)->UseRealTime();
+BENCHMARK(BM_CacheHitPairPrivate<kNative>)
+    ->Name("native_private")
+    ->Arg(512)
+    ->ThreadRange(2, 8)
+    ->UseRealTime();
+BENCHMARK(BM_CacheHitPairPrivate<kStitch>)
+    ->Name("stitch_private")
+    ->Arg(512)
     ->ThreadRange(2, 8)
     ->UseRealTime();
 
