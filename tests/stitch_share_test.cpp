@@ -484,8 +484,11 @@ TEST(StitchShare, FreesReadTheClockOnlyWhereTheirPollMayBeDue) {
     engine.free(p);
   };
   // Calibration: the first poll at least kCalibrationUs after the engine was made.
+  EXPECT_FALSE(engine.piece_counts().clock_gate_open);
   while (us_since(t0) < CycleGate::kCalibrationUs + 2000)
     pair();
+  EXPECT_TRUE(engine.piece_counts().clock_gate_open);
+  EXPECT_FALSE(engine.piece_counts().clock_gate_shut);
   const std::uint64_t reads0 = gpu.clock_reads();
   const std::size_t fences0 = engine.piece_counts().fences;
   constexpr int kFrees = 20000;
@@ -501,4 +504,18 @@ TEST(StitchShare, FreesReadTheClockOnlyWhereTheirPollMayBeDue) {
   if (took_us > 3000) {
     EXPECT_GE(engine.piece_counts().fences, fences0 + 1) << took_us << " us";
   }
+  EXPECT_FALSE(engine.piece_counts().clock_gate_shut);
+}
+
+// The simulated GPU's own clock is virtual (replays): the gate never opens, and no
+// decision depends on the processor's counter.
+TEST(StitchShare, NoClockGateOnAVirtualClock) {
+  ccalloc::sim::SimDriver gpu;
+  StitchEngine engine(gpu, Config::parse("ccalloc"));
+  engine.free(engine.malloc(kMiB, 1));
+  gate::spin_for_us(gate::CycleGate::kCalibrationUs + 2000);
+  for (int i = 0; i < 100; ++i)
+    engine.free(engine.malloc(512, 0));
+  EXPECT_FALSE(engine.piece_counts().clock_gate_open);
+  EXPECT_FALSE(engine.piece_counts().clock_gate_shut);
 }

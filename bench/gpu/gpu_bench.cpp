@@ -49,7 +49,9 @@
 #include "ccalloc/cuda.hpp"
 #include "ccalloc/process.hpp"
 #include "ccalloc/stats.hpp"
+#include "core/backend_access.hpp"
 #include "random_ops.hpp"
+#include "stitch/backend.hpp"
 #if CCALLOC_BENCH_WITH_TORCH
 #include "torch_backend.hpp"
 #endif
@@ -1000,6 +1002,19 @@ int run(int argc, char** argv) {
     std::printf("\nresults written to %s\n", opt.json.c_str());
   }
   bench.print_table();
+  // The `ccalloc` preset's gate of the frees' clock reads (core/cycle_gate.hpp): a gate shut
+  // during a run makes every free on a side stream read the clock from then on.
+  for (const auto& [name, alloc] :
+       {std::pair<const char*, ccalloc::Allocator*>{"ccalloc", &pa.allocator(0)},
+        std::pair<const char*, ccalloc::Allocator*>{"ccalloc (direct)", &direct}}) {
+    if (const auto* stitch = dynamic_cast<const ccalloc::core::StitchBackend*>(
+            &ccalloc::core::BackendAccess::of(*alloc))) {
+      const auto c = stitch->stitch_engine().piece_counts();
+      std::printf("%s: clock gate %s; %zu fences recorded\n", name,
+                  c.clock_gate_shut ? "shut" : (c.clock_gate_open ? "open" : "not calibrated"),
+                  c.fences);
+    }
+  }
   for (auto s : streams)
     (void)cudaStreamDestroy(s);
   return ok ? 0 : 1;

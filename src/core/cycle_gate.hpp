@@ -64,9 +64,13 @@ class CycleGate {
 
   // Where the caller read its clock (its hot path's slow branch): calibrates once enough
   // time has passed since construction, and checks the counter against the clock after:
-  // `cycles` and `us` are the counter and the clock now, `since_cycles` and `since_us` at
-  // the caller's previous read (0 and anything: none). A counter found running slower than
-  // calibrated by more than the margin shuts the gate for good.
+  // `us` is the clock now and `cycles` the counter read after it; `since_us` is the clock at
+  // the caller's previous read and `since_cycles` the counter read before that (0 and
+  // anything: none). So cycles - since_cycles covers at least the clock's interval however
+  // long the thread was preempted between the reads: a pair read the other way round lets
+  // one preemption of a tenth of the interval look like a slow counter (on a busy virtual
+  // machine, some engine's gate then shut in most runs). A counter found running slower
+  // than calibrated by more than the margin shuts the gate for good.
   void observe(std::uint64_t cycles, std::int64_t us, std::uint64_t since_cycles,
                std::int64_t since_us) {
     if (!on_ || shut_.load(std::memory_order_relaxed)) return;
@@ -79,8 +83,8 @@ class CycleGate {
     // Ticks the counter would show for this much clock time at the calibrated rate, less
     // the margin: fewer than that, and a skip could have hidden a due read.
     const double elapsed_us = static_cast<double>(us - since_us);
-    const double expected = elapsed_us * static_cast<double>(gate) /
-                            (static_cast<double>(interval_us_) * fraction_);
+    const double expected =
+        elapsed_us * static_cast<double>(gate) / (static_cast<double>(interval_us_) * fraction_);
     if (elapsed_us >= 100.0 && static_cast<double>(cycles - since_cycles) < fraction_ * expected) {
       shut_.store(true, std::memory_order_relaxed);
       ticks_.store(0, std::memory_order_relaxed);
@@ -99,8 +103,8 @@ class CycleGate {
     if (elapsed < kCalibrationUs || cycles <= start_cycles_) return;
     const double per_us =
         static_cast<double>(cycles - start_cycles_) / static_cast<double>(elapsed);
-    const auto gate = static_cast<std::uint64_t>(per_us * static_cast<double>(interval_us_) *
-                                                 fraction_);
+    const auto gate =
+        static_cast<std::uint64_t>(per_us * static_cast<double>(interval_us_) * fraction_);
     // Concurrent calibrations store about the same value.
     if (gate > 0) ticks_.store(gate, std::memory_order_relaxed);
   }

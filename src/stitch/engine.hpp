@@ -224,6 +224,10 @@ class StitchEngine final : public Backend {
     std::size_t borrowed_pieces = 0;
     std::int64_t fence_latency_us = 0;  // recent average; 0 before the first sample
     std::size_t fence_latency_samples = 0;
+    // The cycle gate of the frees' clock reads (core/cycle_gate.hpp): calibrated and open,
+    // or shut for good (a counter found slower than calibrated).
+    bool clock_gate_open = false;
+    bool clock_gate_shut = false;
   };
   PieceCounts piece_counts() const EXCLUDES(registry_mutex_, device_mutex_);
 

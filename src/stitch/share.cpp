@@ -20,9 +20,9 @@
 // Fences are recorded by frees: a free polls its arena's fences at most once per
 // kFenceIntervalUs, and records one where pages were freed since the last fence and that
 // fence is that old (on a wall clock, a free skips the clock read while the cycle counter
-// shows that its poll cannot be due: fence_gate_). A growth that would create memory polls every other stream's fences
-// (under that stream's lock if it can take it at once: a stream whose lock is held is
-// skipped) before looking for pages to take.
+// shows that its poll cannot be due: fence_gate_). A growth that would create memory polls every
+// other stream's fences (under that stream's lock if it can take it at once: a stream whose lock is
+// held is skipped) before looking for pages to take.
 #include <algorithm>
 #include <limits>
 
@@ -74,6 +74,9 @@ void StitchEngine::note_free(Arena& arena, const Block& b) {
 
 void StitchEngine::refresh_fences(Arena& arena, bool polled) {
   if (capturing()) return;  // no event may be queried or recorded during a capture
+  // The counter is read on both sides of the clock: a thread preempted between two of the
+  // reads must neither shut the gate (CycleGate::observe) nor stretch the next skip.
+  const std::uint64_t before = polled && fence_gate_.on() ? cycle_count() : 0;
   const std::int64_t now = driver_.now_us();
   if (polled) {
     const bool due =
@@ -81,11 +84,11 @@ void StitchEngine::refresh_fences(Arena& arena, bool polled) {
     if (due) arena.fences_polled_us = now;
     if (fence_gate_.on()) {
       // The counter against the clock since the last read (calibration, then a check),
-      // and the ticks before the next poll is due.
-      const std::uint64_t cycles = cycle_count();
-      fence_gate_.observe(cycles, now, arena.fence_clock_cycles, arena.fence_clock_us);
+      // and the ticks before the next poll is due, counted from the read before the clock.
+      const std::uint64_t after = cycle_count();
+      fence_gate_.observe(after, now, arena.fence_clock_cycles, arena.fence_clock_us);
       arena.fence_clock_us = now;
-      arena.fence_clock_cycles = cycles;
+      arena.fence_clock_cycles = before;
       arena.fence_clock_span =
           fence_gate_.ticks_for(arena.fences_polled_us + kFenceIntervalUs - now);
     }
@@ -245,8 +248,8 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
     Arena* x = l.block->space->arena;
     const std::uint64_t stamp = stamp_of(*l.block->space, l.lo, l.handle->live_at.size());
     if (stamp <= x->safe_epoch) continue;
-    const auto it = std::find_if(needs.begin(), needs.end(),
-                                 [x](const auto& n) { return n.first == x; });
+    const auto it =
+        std::find_if(needs.begin(), needs.end(), [x](const auto& n) { return n.first == x; });
     if (it == needs.end()) {
       needs.emplace_back(x, stamp);
     } else {

@@ -92,6 +92,8 @@ StitchEngine::PieceCounts StitchEngine::piece_counts() const {
   c.fences = fences_recorded_.load(std::memory_order_relaxed);
   c.borrow_waits = borrow_waits_.load(std::memory_order_relaxed);
   c.busy_borrow_waits = busy_borrow_waits_.load(std::memory_order_relaxed);
+  c.clock_gate_open = fence_gate_.ticks() != 0;
+  c.clock_gate_shut = fence_gate_.shut();
   c.fence_latency_us = fence_latency_us_.load(std::memory_order_relaxed);
   c.fence_latency_samples = fence_latency_samples_.load(std::memory_order_relaxed);
   c.borrowed_handles = borrowed_handles_;
@@ -347,8 +349,9 @@ std::vector<SegmentInfo> StitchEngine::segments() const {
             seg->context = mapped_by(*s, b->ptr, page_).context;
           }
           const BlockState state = count_block(*seg, *b);
-          seg->blocks.push_back(BlockInfo{b->ptr, b->size, b->requested, state,
-                                          state != BlockState::kInactive ? b->stack.context : nullptr});
+          seg->blocks.push_back(
+              BlockInfo{b->ptr, b->size, b->requested, state,
+                        state != BlockState::kInactive ? b->stack.context : nullptr});
         }
         add_pieces(out, from, *s, page_);
       }
@@ -408,7 +411,8 @@ Snapshot StitchEngine::snapshot(std::int64_t other_active_bytes) {
             block.island = b->in_island();
             block.state = count_block(*seg, *b);
             seg->blocks.push_back(block);
-            segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack : Origin{});
+            segs.back().second.push_back(block.state != BlockState::kInactive ? b->stack
+                                                                              : Origin{});
           }
           add_pieces(segs, from, *sp, page_);
         }
