@@ -26,10 +26,9 @@ ccalloc::Allocator& allocator_for() {
   return allocator;
 }
 
-template <const char* kPreset>
-void BM_CacheHitPair(benchmark::State& state) {
+// Cache-hit pairs of state.range(0) bytes on the thread's own stream of `allocator`.
+void hit_pairs(benchmark::State& state, ccalloc::Allocator& allocator) {
   const auto size = static_cast<std::size_t>(state.range(0));
-  ccalloc::Allocator& allocator = allocator_for<kPreset>();
   const ccalloc::StreamId stream = 7 + static_cast<ccalloc::StreamId>(state.thread_index());
   allocator.free(allocator.malloc(size, stream));  // warm: the memory exists from here on
   for (auto _ : state) {
@@ -43,30 +42,24 @@ void BM_CacheHitPair(benchmark::State& state) {
                          benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
-// One pass over the random sequence per iteration (the frees of what it leaves live untimed),
-// on an allocator of its own; the first pass (untimed) creates the memory the later ones reuse.
+template <const char* kPreset>
+void BM_CacheHitPair(benchmark::State& state) {
+  hit_pairs(state, allocator_for<kPreset>());
+}
+
 // The control for thread scaling: each thread with an allocator (and simulated GPU) of its
 // own, so that nothing at all is shared between the threads. Where this scales no better
 // than BM_CacheHitPair's threads, the machine, not the allocator's shared state, sets the
 // limit (a shared VM's cores do not each run at one lone thread's speed).
 template <const char* kPreset>
 void BM_CacheHitPairPrivate(benchmark::State& state) {
-  const auto size = static_cast<std::size_t>(state.range(0));
   ccalloc::sim::SimDriver gpu;
   ccalloc::Allocator allocator(gpu, ccalloc::Config::parse(kPreset));
-  const ccalloc::StreamId stream = 7 + static_cast<ccalloc::StreamId>(state.thread_index());
-  allocator.free(allocator.malloc(size, stream));
-  for (auto _ : state) {
-    ccalloc::DevicePtr p = allocator.malloc(size, stream);
-    benchmark::DoNotOptimize(p);
-    allocator.free(p);
-  }
-  state.SetItemsProcessed(state.iterations());
-  state.counters["ns_per_pair"] =
-      benchmark::Counter(static_cast<double>(state.iterations()),
-                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  hit_pairs(state, allocator);
 }
 
+// One pass over the random sequence per iteration (the frees of what it leaves live untimed),
+// on an allocator of its own; the first pass (untimed) creates the memory the later ones reuse.
 template <const char* kPreset>
 void BM_RandomMix(benchmark::State& state) {
   static const std::vector<ccalloc_bench::Op> ops = ccalloc_bench::make_random_ops(200'000);

@@ -28,7 +28,7 @@ namespace ccalloc::core {
 // a device call of tens of microseconds. Sleepers announce themselves in a counter of their
 // own, which an unlock reads after releasing. Without a fence between that store and that
 // load (the fence would cost what the exchange did) an unlock can miss a sleeper that
-// announced itself at the same moment: so a sleeper never sleeps longer than kSleepSlice
+// announced itself at the same moment: so a sleeper never sleeps longer than kSleepSliceNs
 // before it looks again. A missed wake-up costs at most that slice; mutual exclusion rests
 // on the compare-exchange alone and is never at stake.
 class CAPABILITY("mutex") ArenaMutex {
@@ -71,8 +71,9 @@ class CAPABILITY("mutex") ArenaMutex {
     }
     for (;;) {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      // Tried after the announcement: an unlock that came before it is seen here, one that
-      // comes after it sees the sleeper (or the slice ends the sleep).
+      // Tried after the announcement: an unlock that came before it is seen here; one that
+      // comes after it wakes the sleeper, or, where it missed the announcement, the slice
+      // ends the sleep.
       const bool taken = try_acquire();
       if (!taken) sleep_while_held();
       sleepers_.fetch_sub(1, std::memory_order_relaxed);
