@@ -170,12 +170,9 @@ struct Pinning {
     if (distinct.empty() && cores < threads.size()) {
       distinct = " (" + std::to_string(cores) + " physical cores: some threads share one)";
     }
-    std::string listed;
-    for (const int cpu : threads)
-      listed += (listed.empty() ? "" : ",") + std::to_string(cpu);
     return "single-thread workloads on CPU " + std::to_string(single) +
-           "; thread t of the thread workloads on the t-th of CPUs " + listed + distinct +
-           "; allowed CPUs " + cpu_list(allowed) + " on " + std::to_string(cores) +
+           "; thread t of the thread workloads on the t-th of CPUs " + cpu_list(threads) +
+           distinct + "; allowed CPUs " + cpu_list(allowed) + " on " + std::to_string(cores) +
            " physical cores";
   }
 };

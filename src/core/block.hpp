@@ -9,9 +9,11 @@
 // and two free neighbours never coexist: they merge when the second one is freed.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <set>
 #include <vector>
 
@@ -61,6 +63,16 @@ class NodeRecycler {
   struct FreeNode {
     FreeNode* next;
   };
+  // A node as kept here (room for the free list's link), and its storage's alignment: whole
+  // cache lines (core/cache_line.hpp), as nodes are written on every hit and another arena's
+  // must not share their lines.
+  static std::size_t node_size(std::size_t bytes) { return std::max(bytes, sizeof(FreeNode)); }
+  static std::size_t node_alignment(std::size_t align) {
+    return std::max(align, alignof(FreeNode));
+  }
+  static std::align_val_t storage_alignment(std::size_t node_align) {
+    return std::align_val_t{std::max(node_align, kCacheLine)};
+  }
   FreeNode* free_ = nullptr;
   std::size_t node_bytes_ = 0;  // the one node size this recycler serves
   std::size_t node_align_ = 0;

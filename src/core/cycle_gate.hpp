@@ -69,8 +69,8 @@ class CycleGate {
   // anything: none). So cycles - since_cycles covers at least the clock's interval however
   // long the thread was preempted between the reads: a pair read the other way round lets
   // one preemption of a tenth of the interval look like a slow counter (on a busy virtual
-  // machine, some engine's gate then shut in most runs). A counter found running slower
-  // than calibrated by more than the margin shuts the gate for good.
+  // machine, one engine's gate shut in three of seven benchmark runs so). A counter found
+  // running slower than calibrated by more than the margin shuts the gate for good.
   void observe(std::uint64_t cycles, std::int64_t us, std::uint64_t since_cycles,
                std::int64_t since_us) {
     if (!on_ || shut_.load(std::memory_order_relaxed)) return;

@@ -450,34 +450,27 @@ NodeRecycler::~NodeRecycler() {
   while (free_ != nullptr) {
     FreeNode* n = free_;
     free_ = n->next;
-    ::operator delete (n, std::align_val_t{std::max(node_align_, kCacheLine)});
+    ::operator delete(n, storage_alignment(node_align_));
   }
 }
 
 // The first node fixes the size this recycler serves (take()'s inline path for the rest).
 void* NodeRecycler::take_new(std::size_t bytes, std::size_t align) {
   if (node_bytes_ == 0) {
-    node_bytes_ = std::max(bytes, sizeof(FreeNode));
-    node_align_ = std::max(align, alignof(FreeNode));
+    node_bytes_ = node_size(bytes);
+    node_align_ = node_alignment(align);
   }
-  if (free_ != nullptr && std::max(bytes, sizeof(FreeNode)) == node_bytes_ &&
-      std::max(align, alignof(FreeNode)) == node_align_) {
+  if (free_ != nullptr && node_size(bytes) == node_bytes_ && node_alignment(align) == node_align_) {
     FreeNode* n = free_;
     free_ = n->next;
     return n;
   }
-  // Whole cache lines (core/cache_line.hpp): nodes are written on every hit, and another
-  // arena's must not share their lines.
-  return ::operator new (
-      cache_lines(std::max(bytes, sizeof(FreeNode))),
-      std::align_val_t{std::max(std::max(align, alignof(FreeNode)), kCacheLine)});
+  return ::operator new(cache_lines(node_size(bytes)), storage_alignment(node_alignment(align)));
 }
 
 void NodeRecycler::give_back_other(void* node, std::size_t bytes, std::size_t align) {
-  if (std::max(bytes, sizeof(FreeNode)) != node_bytes_ ||
-      std::max(align, alignof(FreeNode)) != node_align_) {
-    ::operator delete (node,
-                       std::align_val_t{std::max(std::max(align, alignof(FreeNode)), kCacheLine)});
+  if (node_size(bytes) != node_bytes_ || node_alignment(align) != node_align_) {
+    ::operator delete(node, storage_alignment(node_alignment(align)));
     return;
   }
   auto* n = static_cast<FreeNode*>(node);
