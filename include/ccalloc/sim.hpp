@@ -178,6 +178,10 @@ struct Options {
   // What wall_clock() says: whether the allocator may treat the virtual clock as wall time
   // (skip reads the processor's cycle counter shows unneeded, core/cycle_gate.hpp). For
   // tests that count the allocator's clock reads (clock_reads()); a replay keeps false.
+  // Where set, the clock runs in real time from whatever set_time_us() last set, as a wall
+  // clock does: a clock read inside an operation then reads the time of that read, not of
+  // an earlier set (a test preempted between the two would otherwise look to the cycle
+  // gate like a slow cycle counter).
   bool wall_clock = false;
 };
 
@@ -231,7 +235,8 @@ class SimDriver final : public Driver {
   // Whether `waiter` has waited (stream_wait_event) for `event`'s position on its stream or
   // a later one: work queued on `waiter` since then runs after the event's work.
   bool waited_for(StreamId waiter, EventId event);
-  // Sets the virtual clock returned by now_us().
+  // Sets the virtual clock returned by now_us() (from which it runs on in real time under
+  // Options::wall_clock).
   void set_time_us(std::int64_t t);
 
   // Copies bytes into or out of device memory: device allocations, mapped physical
@@ -492,6 +497,9 @@ class SimDriver final : public Driver {
   std::size_t host_bytes_ = 0;
   Counters counters_;
   double driver_us_ = 0.0;
+  // The virtual clock's reading; under Options::wall_clock, its offset from steady_us().
+  std::int64_t clock_us() const;
+  static std::int64_t steady_us();
   std::atomic<std::int64_t> time_us_{0};
   std::atomic<std::uint64_t> clock_reads_{0};
 };

@@ -173,7 +173,7 @@ void SimDriver::record_event(EventId event, StreamId stream) {
   e.sequence = ++s.recorded;
   if (options_.events_complete_immediately) s.completed = s.recorded;
   if (options_.gpu_lag_us >= 0 && stream < options_.lagged_streams_end) {
-    s.lagging.emplace_back(time_us_.load(std::memory_order_relaxed), e.sequence);
+    s.lagging.emplace_back(clock_us(), e.sequence);
   }
   ++counters_.event_records;
   driver_us_ += options_.cost.event_record_us;
@@ -190,7 +190,7 @@ bool SimDriver::query_event(EventId event) {
 }
 
 void SimDriver::catch_up(StreamId id) {
-  const std::int64_t now = time_us_.load(std::memory_order_relaxed);
+  const std::int64_t now = clock_us();
   StreamState& stream = streams_.at(id);
   std::uint64_t through = 0;
   while (!stream.lagging.empty() && stream.lagging.front().first + options_.gpu_lag_us <= now) {

@@ -8,6 +8,7 @@
 //   used_ + physical_bytes_ + pool_pages_ * vm_granularity <= capacity: device allocations,
 //   physical allocations and the pool's reserved pages all count against it, and each model
 //   checks device_used() before it takes memory.
+#include <chrono>
 #include <string>
 #include <utility>
 
@@ -59,8 +60,19 @@ void SimDriver::fail(const std::string& what) const {
   throw DriverError("ccalloc: " + what + " on " + device_label(options_.device));
 }
 
+std::int64_t SimDriver::steady_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 void SimDriver::set_time_us(std::int64_t t) {
-  time_us_.store(t, std::memory_order_relaxed);
+  time_us_.store(options_.wall_clock ? t - steady_us() : t, std::memory_order_relaxed);
+}
+
+std::int64_t SimDriver::clock_us() const {
+  const std::int64_t t = time_us_.load(std::memory_order_relaxed);
+  return options_.wall_clock ? t + steady_us() : t;
 }
 
 // Read without the mutex: trace entries stamp every allocator action with it.
@@ -68,7 +80,7 @@ std::int64_t SimDriver::now_us() {
   // Counted for tests of the wall-clock path only: a replay reads it on every free of a
   // stream that shares.
   if (options_.wall_clock) clock_reads_.fetch_add(1, std::memory_order_relaxed);
-  return time_us_.load(std::memory_order_relaxed);
+  return clock_us();
 }
 
 Counters SimDriver::counters() const {
