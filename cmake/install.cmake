@@ -17,6 +17,9 @@ if(SKBUILD)
   get_target_property(ccalloc_torch_rpath ccalloc_torch BUILD_RPATH)
   set_target_properties(ccalloc_torch PROPERTIES INSTALL_RPATH "${ccalloc_torch_rpath}")
   install(TARGETS ccalloc_shared ccalloc_torch LIBRARY DESTINATION ccalloc_torch)
+  # Into site-packages itself, where Python runs it at every start: CCALLOC_ENABLE=1 then
+  # installs ccalloc at the program's `import torch` (ccalloc_torch/_autoinstall.py).
+  install(FILES ${PROJECT_SOURCE_DIR}/bindings/torch/ccalloc_torch.pth DESTINATION .)
   if(TARGET ccalloc_torch_hooks)  # the CUDAPluggableAllocator fallback, where it was built
     get_target_property(ccalloc_hooks_rpath ccalloc_torch_hooks BUILD_RPATH)
     set_target_properties(ccalloc_torch_hooks PROPERTIES INSTALL_RPATH "${ccalloc_hooks_rpath}")

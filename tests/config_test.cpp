@@ -539,13 +539,45 @@ TEST_F(ConfigEnvironmentTest, NoVariablesGiveDefaults) {
   EXPECT_EQ(Config::from_environment(), Config{});
 }
 
-TEST_F(ConfigEnvironmentTest, CcallocConfWinsOverBothPyTorchVariables) {
-  env_.Set("CCALLOC_CONF", "max_split_size_mb:64");
-  env_.Set("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128");
-  env_.Set("PYTORCH_ALLOC_CONF", "max_split_size_mb:256");
+TEST_F(ConfigEnvironmentTest, PytorchKeysApplyOnTopOfTheCcallocConfPreset) {
+  env_.Set("CCALLOC_CONF", "pytorch,max_split_size_mb:64,garbage_collection_threshold:0.5");
+  env_.Set("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.5,max_split_size_mb:128");
+  env_.Set("PYTORCH_ALLOC_CONF", "max_split_size_mb:256");  // not read: the CUDA name is set
   const Config c = Config::from_environment();
-  EXPECT_EQ(c.max_split_size, 64 * kMiB);
-  EXPECT_EQ(c.source, "max_split_size_mb:64");
+  EXPECT_EQ(c.preset, "pytorch");
+  EXPECT_FALSE(c.stitch_segments);
+  EXPECT_EQ(c.per_process_memory_fraction, 0.5);
+  EXPECT_EQ(c.max_split_size, 128 * kMiB);  // set in both: PyTorch's variable wins
+  EXPECT_EQ(c.garbage_collection_threshold, 0.5);
+  EXPECT_EQ(c.source,
+            "pytorch,max_split_size_mb:64,garbage_collection_threshold:0.5,"
+            "per_process_memory_fraction:0.5,max_split_size_mb:128");
+}
+
+TEST_F(ConfigEnvironmentTest, CcallocConfAloneOrPytorchVariableAlone) {
+  env_.Set("CCALLOC_CONF", "max_split_size_mb:64");
+  EXPECT_EQ(Config::from_environment().max_split_size, 64 * kMiB);
+  EXPECT_EQ(Config::from_environment().source, "max_split_size_mb:64");
+  unsetenv("CCALLOC_CONF");
+  env_.Set("PYTORCH_ALLOC_CONF", "max_split_size_mb:256");
+  EXPECT_EQ(Config::from_environment().max_split_size, 256 * kMiB);
+  EXPECT_EQ(Config::from_environment().preset, "ccalloc");
+}
+
+TEST_F(ConfigEnvironmentTest, OnlyCcallocConfMayNameAPresetWhenBothAreSet) {
+  env_.Set("CCALLOC_CONF", "ccalloc");
+  env_.Set("PYTORCH_CUDA_ALLOC_CONF", "pytorch,max_split_size_mb:64");
+  try {
+    Config::from_environment();
+    FAIL() << "from_environment() did not throw ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_TRUE(ContainsAll(e.what(), {"PYTORCH_CUDA_ALLOC_CONF=\"pytorch,max_split_size_mb:64\"",
+                                       "CCALLOC_CONF=\"ccalloc\"", "name the preset"}))
+        << e.what();
+  }
+  // Alone, PyTorch's variable may name one.
+  unsetenv("CCALLOC_CONF");
+  EXPECT_EQ(Config::from_environment().preset, "pytorch");
 }
 
 TEST_F(ConfigEnvironmentTest, PytorchCudaAllocConfWinsOverPytorchAllocConf) {
@@ -559,10 +591,12 @@ TEST_F(ConfigEnvironmentTest, PytorchAllocConfIsReadLast) {
   EXPECT_EQ(Config::from_environment().max_split_size, 256 * kMiB);
 }
 
-TEST_F(ConfigEnvironmentTest, EmptyButSetVariableStillWins) {
+TEST_F(ConfigEnvironmentTest, EmptyCcallocConfLeavesPytorchKeysOnTheDefaults) {
   env_.Set("CCALLOC_CONF", "");
-  env_.Set("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
   EXPECT_EQ(Config::from_environment(), Config{});
+  env_.Set("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64");
+  Config expected = Config::parse("max_split_size_mb:64");
+  EXPECT_EQ(Config::from_environment(), expected);
 }
 
 TEST_F(ConfigEnvironmentTest, CcallocNoCachingOneSetsUncached) {
@@ -587,6 +621,15 @@ TEST_F(ConfigEnvironmentTest, NoCachingValuesOtherThanOneAreIgnored) {
 }
 
 TEST_F(ConfigEnvironmentTest, ErrorNamesTheVariableTheStringCameFrom) {
+  env_.Set("CCALLOC_CONF", "pytorch,max_split_size_mb:-1");
+  try {
+    Config::from_environment();
+    FAIL() << "from_environment() did not throw ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_TRUE(ContainsAll(e.what(), {"CCALLOC_CONF", "'max_split_size_mb'", "offset 26"}))
+        << e.what();
+  }
+  env_.Set("CCALLOC_CONF", "pytorch");
   env_.Set("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:yes");
   try {
     Config::from_environment();

@@ -11,6 +11,7 @@
 #include "api/c_context.hpp"
 #include "ccalloc/ccalloc.h"
 #include "ccalloc/cuda.hpp"
+#include "ccalloc/errors.hpp"
 #include "ccalloc/process.hpp"
 #include "ccalloc/sim.hpp"
 #include "ccalloc/snapshot.hpp"
@@ -26,7 +27,7 @@ thread_local int t_current_device = 0;
 // A machine of `n` simulated GPUs whose current device is per thread, as with CUDA.
 ProcessAllocator::Devices simulated_machine(int n) {
   ProcessAllocator::Devices d;
-  d.count = n;
+  d.count = [n] { return n; };
   d.make_driver = [](int device) {
     ccalloc::sim::Options o;
     o.device = device;
@@ -47,6 +48,44 @@ TEST(ProcessAllocator, MallocUsesTheCurrentDevice) {
   EXPECT_EQ(p.stats(1).allocation[ccalloc::kAggregate].current, 1);
   EXPECT_EQ(p.stats(0).allocation[ccalloc::kAggregate].current, 0);
   p.free(ptr);
+}
+
+// As PyTorch at its lazy CUDA initialization: neither the devices nor the config are read
+// before a call needs them, and each is read once (a malformed config again at the next).
+TEST(ProcessAllocator, ReadsDevicesAndConfigAtTheFirstCallThatNeedsThem) {
+  int counted = 0, read = 0;
+  ProcessAllocator::Devices devices = simulated_machine(2);
+  devices.count = [&counted] {
+    ++counted;
+    return 2;
+  };
+  bool malformed = true;
+  ProcessAllocator p(std::move(devices), [&]() -> ccalloc::Config {
+    ++read;
+    if (malformed) throw ccalloc::ConfigError("malformed");
+    return ccalloc::Config::parse("pytorch,max_split_size_mb:64");
+  });
+  EXPECT_EQ(p.existing(0), nullptr);
+  EXPECT_FALSE(p.config_resolved());
+  EXPECT_EQ(counted, 0);
+  EXPECT_EQ(read, 0);
+  p.empty_cache(ProcessAllocator::kAllDevices);  // no device made: counts, reads no config
+  EXPECT_EQ(counted, 1);
+  EXPECT_EQ(read, 0);
+  t_current_device = 0;
+  EXPECT_THROW(p.malloc(4096), ccalloc::ConfigError);
+  EXPECT_EQ(read, 1);
+  EXPECT_EQ(p.existing(0), nullptr);  // the failed call made no allocator
+  malformed = false;
+  const DevicePtr ptr = p.malloc(4096);
+  EXPECT_EQ(read, 2);
+  EXPECT_TRUE(p.config_resolved());
+  EXPECT_EQ(p.allocator(0).config().max_split_size, std::size_t{64} << 20);
+  p.free(p.malloc(1 << 20, 0, 1));
+  p.free(ptr);
+  EXPECT_EQ(counted, 1);
+  EXPECT_EQ(read, 2);
+  EXPECT_EQ(p.device_count(), 2);
 }
 
 TEST(ProcessAllocator, FreeFromAnotherThreadReturnsToTheOwningDevice) {

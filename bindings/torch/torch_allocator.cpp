@@ -180,10 +180,11 @@ struct IpcEntry {
 
 class TorchAllocator final : public c10a::CUDAAllocator {
  public:
-  TorchAllocator()
-      : process_(ccalloc::ProcessAllocator::instance()),
-        config_(process_.config()),
-        expandable_seen_(config_.expandable_segments) {}
+  // Makes no CUDA call and reads no variable: the configuration, the backend's name and
+  // the devices are read when PyTorch initializes CUDA (init()) or at the first allocation,
+  // as PyTorch reads its own, so that installing ccalloc at interpreter start leaves a
+  // process free to set its variables and to fork before its first CUDA use.
+  TorchAllocator() : process_(ccalloc::ProcessAllocator::instance()) {}
 
   // --- c10::Allocator ---
 
@@ -234,7 +235,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     c10a::DeviceStats out;
     if (ccalloc::Allocator* a = existing(device)) out = to_c10(a->stats());
     std::lock_guard lock(create_mutex_);
-    out.max_split_size = init_max_split_ ? *init_max_split_ : reported_max_split(config_);
+    out.max_split_size = init_max_split_ ? *init_max_split_ : reported_max_split(config_locked());
     return out;
   }
 
@@ -284,14 +285,14 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     // max_split_size of that moment whatever is set later; ccalloc's engines come on first
     // use, so the value is kept here.
     std::lock_guard lock(create_mutex_);
-    if (!init_max_split_) init_max_split_ = reported_max_split(config_);
+    if (!init_max_split_) init_max_split_ = reported_max_split(config_locked());
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
     check_device(device);
     if (ccalloc::Allocator* a = existing(device)) return a->memory_fraction();
     std::lock_guard lock(create_mutex_);
-    return config_.per_process_memory_fraction;
+    return config_locked().per_process_memory_fraction;
   }
 
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
@@ -319,10 +320,16 @@ class TorchAllocator final : public c10a::CUDAAllocator {
 
   // The largest cached free block of the device, as cuDNN sizes its workspace with: with
   // *largestBlock 0 on entry, the device's free memory is the first guess (as PyTorch).
+  // Under backend:cudaMallocAsync, the largest request the device's pool serves now, found
+  // as PyTorch's cudaMallocAsync backend finds it (async_workspace_guess).
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     check_device(device);
     translated("cacheInfo", [&] {
       ccalloc::Allocator& a = allocator(device);
+      if (a.config().backend == ccalloc::BackendKind::kCudaMallocAsync) {
+        *largestBlock = async_workspace_guess(a, device);
+        return;
+      }
       if (*largestBlock == 0) *largestBlock = a.mem_get_info().free_bytes;
       for (const ccalloc::SegmentInfo& s : a.segments()) {
         for (const ccalloc::BlockInfo& b : s.blocks) {
@@ -330,6 +337,35 @@ class TorchAllocator final : public c10a::CUDAAllocator {
         }
       }
     });
+  }
+
+  // cuDNN's benchmark takes the workspace it may use from cacheInfo, then asks for it and
+  // skips algorithms whose request raises OutOfMemoryError. The pool cannot say what it
+  // would serve, so, as PyTorch's backend: from the device's free memory (at most what the
+  // memory fraction leaves), halve a trial request on the current stream until one
+  // succeeds, and give it back to the pool (kept there, not returned to the device). The
+  // trials bypass the allocator's statistics and history, and a refused one leaves no
+  // CUDA error behind (the driver clears it).
+  static std::size_t async_workspace_guess(ccalloc::Allocator& a, c10::DeviceIndex device) {
+    const ccalloc::MemInfo info = a.mem_get_info();
+    std::size_t guess = info.free_bytes;
+    if (a.memory_fraction() < 1.0) {
+      const auto limit =
+          static_cast<std::size_t>(a.memory_fraction() * static_cast<double>(info.total_bytes));
+      const auto used =
+          static_cast<std::size_t>(a.stats().allocated_bytes[ccalloc::kAggregate].current);
+      guess = std::min(guess, limit > used ? limit - used : 0);
+    }
+    const auto stream =
+        reinterpret_cast<ccalloc::StreamId>(c10::cuda::getCurrentCUDAStream(device).stream());
+    ccalloc::Driver& driver = a.driver();
+    for (; guess > 0; guess >>= 1) {
+      if (const ccalloc::DevicePtr trial = driver.allocate_async(guess, stream)) {
+        driver.free_async(trial, guess, stream);
+        return guess;
+      }
+    }
+    return 0;
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -555,14 +591,17 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
     history_.annotate(md);
   }
+  // As PyTorch: on the current device's allocator, and only while history is recorded.
   void pushCompileContext(std::string& md) override {
-    if (history_.recording()) History::push_compile_context(md);
+    if (history_.recording()) history_.push_compile_context(current_device(), md);
   }
   void popCompileContext() override {
-    if (history_.recording()) History::pop_compile_context();
+    if (history_.recording()) history_.pop_compile_context(current_device());
   }
-  void setUserMetadata(const std::string& metadata) override { History::set_user_metadata(metadata); }
-  std::string getUserMetadata() override { return History::user_metadata(); }
+  void setUserMetadata(const std::string& metadata) override {
+    history_.set_user_metadata(current_device(), metadata);
+  }
+  std::string getUserMetadata() override { return history_.user_metadata(current_device()); }
 
   void attachOutOfMemoryObserver(c10a::OutOfMemoryObserver observer) override {
     std::lock_guard lock(create_mutex_);
@@ -636,8 +675,12 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   // "ccalloc", unless PyTorch's own variable names a backend: PyTorch parses that variable
   // again at run time (capture, cuDNN, settings changed live) and asserts that the backend
   // it names is the allocator's name, so ccalloc answers with that name ("native" or
-  // "cudaMallocAsync"; docs/pytorch-behaviour.md, §1.1).
-  std::string name() override { return name_; }
+  // "cudaMallocAsync"; docs/pytorch-behaviour.md, §1.1). The name in force is the one of
+  // initialization (init() or the first allocation); before it, what the variables say now.
+  std::string name() override {
+    if (const std::string* named = name_.load(std::memory_order_acquire)) return *named;
+    return backend_named_by_pytorch().value_or("ccalloc");
+  }
 
   // --- Used by the deleter, the install entry point and the sleep entry points. ---
 
@@ -655,7 +698,17 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   void free(void* ptr) {
     if (ptr == nullptr) return;
     trace_gpu_free(ptr);
-    translated("free", [&] { owner(ptr).free(reinterpret_cast<ccalloc::DevicePtr>(ptr)); });
+    translated("free", [&] {
+      ccalloc::Allocator& a = owner(ptr);
+      const auto p = reinterpret_cast<ccalloc::DevicePtr>(ptr);
+      if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+        const std::size_t bytes = a.allocation_size(p);
+        a.free(p);
+        report_to_profiler(a, ptr, -static_cast<std::int64_t>(bytes));
+        return;
+      }
+      a.free(p);
+    });
   }
 
   // torch.cuda.memory._set_allocator_settings(): PyTorch has parsed `settings` into its
@@ -667,9 +720,10 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   // engine's live reconfiguration.
   void apply_settings(const std::string& settings) {
     std::lock_guard lock(create_mutex_);
+    const ccalloc::Config current = config_locked();
     ccalloc::Config merged;
     try {
-      ccalloc::Config base = config_;
+      ccalloc::Config base = current;
       const ccalloc::Config defaults;
       base.max_split_size = defaults.max_split_size;
       base.roundup_power2_divisions = defaults.roundup_power2_divisions;
@@ -680,11 +734,11 @@ class TorchAllocator final : public c10a::CUDAAllocator {
       return;
     }
     const bool fraction_changed =
-        merged.per_process_memory_fraction != config_.per_process_memory_fraction;
+        merged.per_process_memory_fraction != current.per_process_memory_fraction;
     ccalloc::Config others = merged;
-    others.per_process_memory_fraction = config_.per_process_memory_fraction;
-    others.source = config_.source;
-    const bool others_changed = !(others == config_);
+    others.per_process_memory_fraction = current.per_process_memory_fraction;
+    others.source = current.source;
+    const bool others_changed = !(others == current);
     std::string kept;
     bool changed_any = false;
     for (int d = 0; d < kMaxDevices; ++d) {
@@ -757,10 +811,45 @@ class TorchAllocator final : public c10a::CUDAAllocator {
   void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream) {
     ccalloc::Allocator& a = allocator(device);
     void* ptr = translated("malloc", [&] {
-      return reinterpret_cast<void*>(a.malloc(size, reinterpret_cast<ccalloc::StreamId>(stream)));
+      try {
+        return reinterpret_cast<void*>(
+            a.malloc(size, reinterpret_cast<ccalloc::StreamId>(stream)));
+      } catch (const ccalloc::OutOfMemoryError&) {
+        if (c10::memoryProfilingEnabled()) {
+          const ccalloc::DeviceStats s = a.stats();
+          c10::reportOutOfMemoryToProfiler(
+              static_cast<std::int64_t>(size),
+              static_cast<std::size_t>(s.allocated_bytes[ccalloc::kAggregate].current),
+              static_cast<std::size_t>(s.reserved_bytes[ccalloc::kAggregate].current),
+              c10::Device(c10::DeviceType::CUDA, device));
+        }
+        throw;
+      }
     });
     trace_gpu_alloc(ptr);
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      report_to_profiler(a, ptr, static_cast<std::int64_t>(
+                                     a.allocation_size(reinterpret_cast<ccalloc::DevicePtr>(ptr))));
+    }
     return ptr;
+  }
+
+  // PyTorch's profiler (profile_memory=True on this thread) hears of every allocation and
+  // free with the device's allocated and reserved totals after it, as from PyTorch's
+  // allocator: torch.profiler's memory view, export_memory_timeline and _memory_viz's
+  // profile plot are built from these events. Negative `bytes`: a free.
+  static void report_to_profiler(ccalloc::Allocator& a, void* ptr, std::int64_t bytes) {
+    const ccalloc::DeviceStats s = a.stats();
+    c10::reportMemoryUsageToProfiler(
+        ptr, bytes, static_cast<std::size_t>(s.allocated_bytes[ccalloc::kAggregate].current),
+        static_cast<std::size_t>(s.reserved_bytes[ccalloc::kAggregate].current),
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(a.driver().device())));
+  }
+
+  static int current_device() {
+    c10::DeviceIndex device = 0;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    return device;
   }
 
   int device_count() const {
@@ -800,6 +889,7 @@ class TorchAllocator final : public c10a::CUDAAllocator {
     check_device(static_cast<c10::DeviceIndex>(device));
     std::lock_guard lock(create_mutex_);
     if (ccalloc::Allocator* a = adopted(device)) return *a;
+    (void)config_locked();
     // The process allocator's config for new devices is config_ (apply_settings keeps them
     // equal).
     translated("init", [&] { (void)process_.allocator(device); });
@@ -919,25 +1009,43 @@ class TorchAllocator final : public c10a::CUDAAllocator {
 
   void fill_config_metadata(c10a::AllocatorConfigInfo& md) {
     std::lock_guard lock(create_mutex_);
-    md.garbage_collection_threshold = config_.garbage_collection_threshold;
-    md.max_split_size = config_.max_split_size;
-    md.pinned_num_register_threads = config_.pinned_num_register_threads;
-    md.expandable_segments = config_.expandable_segments;
-    md.release_lock_on_malloc = config_.release_lock_on_cudamalloc;
-    md.pinned_use_host_register = config_.pinned_use_cuda_host_register;
-    md.graph_capture_record_stream_reuse = config_.graph_capture_record_stream_reuse;
+    const ccalloc::Config& c = config_locked();
+    md.garbage_collection_threshold = c.garbage_collection_threshold;
+    md.max_split_size = c.max_split_size;
+    md.pinned_num_register_threads = c.pinned_num_register_threads;
+    md.expandable_segments = c.expandable_segments;
+    md.release_lock_on_malloc = c.release_lock_on_cudamalloc;
+    md.pinned_use_host_register = c.pinned_use_cuda_host_register;
+    md.graph_capture_record_stream_reuse = c.graph_capture_record_stream_reuse;
     md.last_allocator_settings = c10::CachingAllocator::getAllocatorSettings();
-    if (md.last_allocator_settings.empty()) md.last_allocator_settings = config_.source;
-    md.roundup_power2_divisions.assign(config_.roundup_power2_divisions.begin(),
-                                       config_.roundup_power2_divisions.end());
+    if (md.last_allocator_settings.empty()) md.last_allocator_settings = c.source;
+    md.roundup_power2_divisions.assign(c.roundup_power2_divisions.begin(),
+                                       c.roundup_power2_divisions.end());
+  }
+
+  // The configuration and the backend's name, read once, at initialization (init() or the
+  // first allocation); create_mutex_ held. The process allocator reads the variables then
+  // (unless the C API made a device's allocator first, which read them at that call).
+  const ccalloc::Config& config_locked() {
+    if (!config_) {
+      config_ = process_.config();
+      if (config_->expandable_segments) expandable_seen_.store(true);
+      if (name_.load(std::memory_order_acquire) == nullptr) {
+        // Never freed: name() hands out copies without a lock.
+        name_.store(new std::string(backend_named_by_pytorch().value_or("ccalloc")),
+                    std::memory_order_release);
+      }
+    }
+    return *config_;
   }
 
   std::atomic<bool> enabled_{true};
   std::atomic<int> device_count_{0};
-  const std::string name_ = backend_named_by_pytorch().value_or("ccalloc");
+  std::atomic<const std::string*> name_{nullptr};  // set at initialization
   ccalloc::ProcessAllocator& process_;  // the per-device allocators
   std::mutex create_mutex_;
-  ccalloc::Config config_;  // for devices created from now on; guarded by create_mutex_
+  // For devices created from now on, once initialized; guarded by create_mutex_.
+  std::optional<ccalloc::Config> config_;
   // memory_stats()'s max_split_size: the config's at init(), as PyTorch reports it.
   std::optional<std::int64_t> init_max_split_;  // guarded by create_mutex_
   // Some config (at start or set live) had expandable_segments:True.

@@ -176,7 +176,7 @@ class History {
     TraceEntry te(to_c10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
                   reinterpret_cast<void*>(e.stream), MempoolId_t{0, 0}, 0,
                   std::move(context),
-                  t_compile_context.empty() ? "N/A" : t_compile_context.back(), t_user_metadata);
+                  compile_context_locked(device), user_metadata_[index(device)]);
     te.time_.t_ = static_cast<time_t>(e.time_us);
     if (recording && skip_.count(static_cast<int>(te.action_)) == 0) ring(device).push(te);
     return te;
@@ -228,12 +228,27 @@ class History {
     return annotations_;
   }
 
-  static void push_compile_context(const std::string& md) { t_compile_context.push_back(md); }
-  static void pop_compile_context() {
-    if (!t_compile_context.empty()) t_compile_context.pop_back();
+  // The compiled region in force and the user's metadata are the device's, as PyTorch
+  // keeps them (one stack and one string per device allocator, whatever thread pushes):
+  // each trace entry of the device takes the innermost region ("N/A" outside any) and the
+  // metadata set last.
+  void push_compile_context(int device, const std::string& md) {
+    std::lock_guard lock(mutex_);
+    compile_contexts_[index(device)].push_back(md);
   }
-  static void set_user_metadata(const std::string& md) { t_user_metadata = md; }
-  static std::string user_metadata() { return t_user_metadata; }
+  void pop_compile_context(int device) {
+    std::lock_guard lock(mutex_);
+    std::vector<std::string>& stack = compile_contexts_[index(device)];
+    if (!stack.empty()) stack.pop_back();
+  }
+  void set_user_metadata(int device, const std::string& md) {
+    std::lock_guard lock(mutex_);
+    user_metadata_[index(device)] = md;
+  }
+  std::string user_metadata(int device) {
+    std::lock_guard lock(mutex_);
+    return user_metadata_[index(device)];
+  }
 
  private:
   // PyTorch keeps a segment's context on the segment's original block, which moves off the
@@ -315,9 +330,14 @@ class History {
     TraceRing& r = rings_[static_cast<std::size_t>(device)];
     return r;
   }
-
-  static inline thread_local std::vector<std::string> t_compile_context;
-  static inline thread_local std::string t_user_metadata;
+  static std::size_t index(int device) {
+    return static_cast<std::size_t>(std::clamp(device, 0, kMaxDevices - 1));
+  }
+  // mutex_ held.
+  std::string compile_context_locked(int device) const {
+    const std::vector<std::string>& stack = compile_contexts_[index(device)];
+    return stack.empty() ? "N/A" : stack.back();
+  }
 
   std::atomic<bool> recording_{false};
   std::atomic<bool> has_trackers_{false};
@@ -325,6 +345,8 @@ class History {
   std::unordered_set<int> skip_;
   std::size_t max_entries_ = 1;
   std::array<TraceRing, kMaxDevices> rings_;
+  std::array<std::vector<std::string>, kMaxDevices> compile_contexts_;
+  std::array<std::string, kMaxDevices> user_metadata_;
   std::vector<AnnotationEntry> annotations_;
   std::shared_ptr<std::vector<c10a::AllocatorTraceTracker>> trackers_;
   ccalloc::HistoryOptions engine_options_ = engine_options(false, nullptr, RecordContext::NEVER);

@@ -2,7 +2,8 @@
 //
 //   [preset,]key:value(,key:value)*     value := token | [k:v,k:v,...]
 //
-// read from CCALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else PYTORCH_ALLOC_CONF. Whitespace
+// read from CCALLOC_CONF, with the keys of PyTorch's variable (PYTORCH_CUDA_ALLOC_CONF,
+// else PYTORCH_ALLOC_CONF) applied on top (from_environment). Whitespace
 // is ignored; booleans are exactly True/False. An optional bare preset name comes first:
 // `pytorch` is PyTorch's native behaviour exactly (also after ccalloc's own defaults
 // change); `ccalloc` (the default) is ccalloc's recommended behaviour, today PyTorch's
@@ -88,9 +89,12 @@ struct Config {
   // Parses a config string. Throws ConfigError naming the key, the value, the offset and
   // the accepted form.
   static Config parse(std::string_view text);
-  // The config in force for a new allocator: CCALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF,
-  // else PYTORCH_ALLOC_CONF; `uncached` is also set by CCALLOC_NO_CACHING=1 or
-  // PYTORCH_NO_CUDA_MEMORY_CACHING=1.
+  // The config in force for a new allocator: CCALLOC_CONF (the preset and any keys), then
+  // the keys of PyTorch's variable on top of it (PYTORCH_CUDA_ALLOC_CONF if set, else
+  // PYTORCH_ALLOC_CONF: the one PyTorch reads), so a key set in both takes PyTorch's value.
+  // Only CCALLOC_CONF may name a preset where both are set. `uncached` is also set by
+  // CCALLOC_NO_CACHING=1 or PYTORCH_NO_CUDA_MEMORY_CACHING=1. Throws ConfigError naming the
+  // variable, the key and the offset.
   static Config from_environment();
 
   // Divisions that apply to a request of `size` bytes (the table lookup of

@@ -11,6 +11,10 @@
 // A pointer freed from any thread, whatever device is current, goes back to the allocator
 // of the device that allocated it. All methods are thread safe. `device` -1 means the
 // calling thread's current device.
+//
+// Nothing happens at construction: the device count and the configuration are read at the
+// first call that needs them (as PyTorch reads its own at its lazy CUDA initialization), so
+// a process may take the instance, set its variables and fork before any CUDA call.
 #pragma once
 
 #include <array>
@@ -29,18 +33,22 @@ namespace ccalloc {
 class ProcessAllocator {
  public:
   // Where devices come from: real CUDA devices for instance(); a simulated machine in tests.
+  // `count` is asked once, at the first call that needs it.
   struct Devices {
-    int count = 0;
+    std::function<int()> count;
     std::function<std::unique_ptr<Driver>(int device)> make_driver;
     std::function<int()> current_device;
   };
   static constexpr int kMaxDevices = 64;
 
-  // The process's allocator over CUDA devices, with Config::from_environment(). Throws
-  // ConfigError for a malformed environment config (on first use).
+  // The process's allocator over CUDA devices, with Config::from_environment() read at
+  // the first call that needs a config. Throws ConfigError for a malformed environment
+  // config (on that call). Taking the instance makes no CUDA call.
   static ProcessAllocator& instance();
 
   ProcessAllocator(Devices devices, Config config);
+  // The config is `source()`, called once, at the first call that needs it.
+  ProcessAllocator(Devices devices, std::function<Config()> source);
   ~ProcessAllocator();
   ProcessAllocator(const ProcessAllocator&) = delete;
   ProcessAllocator& operator=(const ProcessAllocator&) = delete;
@@ -76,8 +84,11 @@ class ProcessAllocator {
   int device_of(DevicePtr ptr);
   // The allocator of `device` if it was created, else nullptr (never creates one).
   Allocator* existing(int device) const;
-  int device_count() const { return devices_.count; }
-  // The config that devices first used from now on get.
+  // The visible devices (asked once, on the first call that needs them).
+  int device_count() const;
+  // Whether the config has been read (a call needed it, or set_config set it).
+  bool config_resolved() const;
+  // The config that devices first used from now on get (read now if it was not yet).
   Config config() const;
   // Sets the config of devices first used from now on (live allocators keep theirs; the
   // PyTorch adapter reconfigures those itself when PyTorch's settings change).
@@ -91,10 +102,14 @@ class ProcessAllocator {
     std::unique_ptr<Allocator> allocator;
   };
   int resolve(int device) const;
+  const Config& config_locked() const;  // create_mutex_ held
 
   const Devices devices_;
+  mutable std::once_flag counted_;
+  mutable std::atomic<int> count_{-1};  // -1 until asked (once, under counted_)
   mutable std::mutex create_mutex_;
-  Config config_;                          // guarded by create_mutex_
+  const std::function<Config()> source_;  // where config_ comes from, when it is not given
+  mutable std::optional<Config> config_;   // guarded by create_mutex_
   std::optional<HistoryOptions> history_;  // guarded by create_mutex_
   std::array<Slot, kMaxDevices> slots_;
   std::array<std::atomic<Allocator*>, kMaxDevices> allocators_{};

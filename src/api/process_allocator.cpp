@@ -11,11 +11,13 @@ ProcessAllocator& ProcessAllocator::instance() {
   // Deliberately never destroyed: allocations may be freed by other static destructors,
   // and CUDA may already be torn down at exit.
   static ProcessAllocator* const process = [] {
+    // No CUDA call and no variable is read here: both wait for the first call that
+    // needs them (a process may fork, or set its variables, after taking the instance).
     Devices devices;
-    devices.count = cuda::device_count();
+    devices.count = [] { return cuda::device_count(); };
     devices.make_driver = [](int device) { return std::make_unique<cuda::CudaDriver>(device); };
     devices.current_device = [] { return cuda::current_device(); };
-    return new ProcessAllocator(std::move(devices), Config::from_environment());
+    return new ProcessAllocator(std::move(devices), [] { return Config::from_environment(); });
   }();
   return *process;
 }
@@ -23,17 +25,43 @@ ProcessAllocator& ProcessAllocator::instance() {
 ProcessAllocator::ProcessAllocator(Devices devices, Config config)
     : devices_(std::move(devices)), config_(std::move(config)) {}
 
+ProcessAllocator::ProcessAllocator(Devices devices, std::function<Config()> source)
+    : devices_(std::move(devices)), source_(std::move(source)) {}
+
 ProcessAllocator::~ProcessAllocator() = default;
 
+int ProcessAllocator::device_count() const {
+  const int known = count_.load(std::memory_order_acquire);
+  if (known >= 0) return known;
+  std::call_once(counted_, [this] {
+    count_.store(devices_.count ? std::max(devices_.count(), 0) : 0, std::memory_order_release);
+  });
+  return count_.load(std::memory_order_acquire);
+}
+
 int ProcessAllocator::resolve(int device) const {
+  const int count = device_count();
   // With one device visible it is the current one: no runtime call (cudaGetDevice costs
   // about a third of a cached malloc and free through this API).
-  if (device == -1) device = devices_.count == 1 ? 0 : devices_.current_device();
-  if (device < 0 || device >= devices_.count || device >= kMaxDevices) {
+  if (device == -1) device = count == 1 ? 0 : devices_.current_device();
+  if (device < 0 || device >= count || device >= kMaxDevices) {
     throw DriverError("ccalloc: device " + std::to_string(device) + " does not exist (" +
-                      std::to_string(devices_.count) + " visible)");
+                      std::to_string(count) + " visible)");
   }
   return device;
+}
+
+const Config& ProcessAllocator::config_locked() const {
+  if (!config_) {
+    // A malformed variable throws here and is read again at the next call.
+    config_ = source_ ? source_() : Config{};
+  }
+  return *config_;
+}
+
+bool ProcessAllocator::config_resolved() const {
+  std::lock_guard lock(create_mutex_);
+  return config_.has_value();
 }
 
 Allocator* ProcessAllocator::existing(int device) const {
@@ -43,7 +71,7 @@ Allocator* ProcessAllocator::existing(int device) const {
 
 Config ProcessAllocator::config() const {
   std::lock_guard lock(create_mutex_);
-  return config_;
+  return config_locked();
 }
 
 void ProcessAllocator::set_config(const Config& config) {
@@ -58,7 +86,7 @@ Allocator& ProcessAllocator::allocator(int device) {
   if (Allocator* a = existing(device)) return *a;
   Slot& slot = slots_[static_cast<std::size_t>(device)];
   slot.driver = devices_.make_driver(device);
-  slot.allocator = std::make_unique<Allocator>(*slot.driver, config_);
+  slot.allocator = std::make_unique<Allocator>(*slot.driver, config_locked());
   if (history_) slot.allocator->record_history(*history_);
   allocators_[static_cast<std::size_t>(device)].store(slot.allocator.get(),
                                                       std::memory_order_release);
@@ -68,7 +96,7 @@ Allocator& ProcessAllocator::allocator(int device) {
 
 int ProcessAllocator::device_of(DevicePtr ptr) {
   if (ptr == 0) return -1;
-  const int n = std::min(devices_.count, kMaxDevices);
+  const int n = std::min(device_count(), kMaxDevices);
   // The current device is the likely owner; try it first.
   int current = -1;
   try {
@@ -128,7 +156,7 @@ void ProcessAllocator::empty_cache(int device) {
     allocator(device).empty_cache();
     return;
   }
-  for (int d = 0; d < std::min(devices_.count, kMaxDevices); ++d) {
+  for (int d = 0; d < std::min(device_count(), kMaxDevices); ++d) {
     if (Allocator* a = existing(d)) a->empty_cache();
   }
 }
@@ -160,14 +188,14 @@ MemInfo ProcessAllocator::mem_get_info(int device) {
 void ProcessAllocator::record_history(const HistoryOptions& options) {
   std::lock_guard lock(create_mutex_);
   history_ = options;
-  for (int d = 0; d < std::min(devices_.count, kMaxDevices); ++d) {
+  for (int d = 0; d < std::min(device_count(), kMaxDevices); ++d) {
     if (Allocator* a = existing(d)) a->record_history(options);
   }
 }
 
 Snapshot ProcessAllocator::snapshot() {
   Snapshot all;
-  for (int d = 0; d < std::min(devices_.count, kMaxDevices); ++d) {
+  for (int d = 0; d < std::min(device_count(), kMaxDevices); ++d) {
     Allocator* a = existing(d);
     if (a == nullptr) continue;
     Snapshot one = a->snapshot();

@@ -523,17 +523,45 @@ Config Config::parse(std::string_view text) {
 }
 
 Config Config::from_environment() {
-  Config c;
-  for (const char* name : {"CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+  // CCALLOC_CONF picks the preset (and may set keys); PyTorch's own variable, the first of
+  // its two names that is set (as PyTorch reads it), applies its keys on top.
+  const auto read = [](const char* name) -> std::optional<std::string> {
     const char* value = std::getenv(name);
-    if (value == nullptr) continue;
+    if (value == nullptr) return std::nullopt;
+    // Each variable alone first, so that an error names the variable and the offset in it.
     try {
-      c = parse(value);
+      (void)parse(value);
     } catch (const ConfigError& e) {
       throw ConfigError(std::string(e.what()) + " (in environment variable " + name + "=\"" +
                         value + "\")");
     }
-    break;
+    return std::string(value);
+  };
+  const std::optional<std::string> ours = read("CCALLOC_CONF");
+  std::optional<std::string> pytorch;
+  const char* pytorch_name = nullptr;
+  for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+    if ((pytorch = read(name))) {
+      pytorch_name = name;
+      break;
+    }
+  }
+  Config c;
+  const auto blank = [](const std::optional<std::string>& v) {
+    return !v || v->find_first_not_of(" \t") == std::string::npos;
+  };
+  if (blank(ours) || blank(pytorch)) {
+    if (!blank(ours)) c = parse(*ours);
+    if (!blank(pytorch)) c = parse(*pytorch);
+  } else {
+    try {
+      c = parse(*ours + "," + *pytorch);
+    } catch (const ConfigError& e) {
+      // Each parses alone: PyTorch's variable names a preset, which only CCALLOC_CONF may.
+      throw ConfigError(std::string(e.what()) + " (in " + pytorch_name + "=\"" + *pytorch +
+                        "\", applied on top of CCALLOC_CONF=\"" + *ours +
+                        "\": name the preset in CCALLOC_CONF only)");
+    }
   }
   // Only the exact value "1" counts, as PyTorch's check_env.
   for (const char* name : {"CCALLOC_NO_CACHING", "PYTORCH_NO_CUDA_MEMORY_CACHING"}) {

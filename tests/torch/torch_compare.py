@@ -100,7 +100,7 @@ def skip_without_gpu():
         pytest.skip("no CUDA device", allow_module_level=True)
 
 
-def environment(allocator, conf=None, preset="pytorch"):
+def environment(allocator, conf=None, preset="pytorch", extra_env=None):
     env = dict(os.environ)
     for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         env.pop(key, None)
@@ -111,14 +111,21 @@ def environment(allocator, conf=None, preset="pytorch"):
     preset = os.environ.get("CCALLOC_PRESET_OVERRIDE", preset)
     env["CCALLOC_CONF"] = preset + ("," + conf if conf else "")
     env["PYTHONUNBUFFERED"] = "1"
+    # Set last (None: unset), for the tests of how the variables combine.
+    for key, value in (extra_env or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
-def run(allocator, script, conf=None, timeout=600, expect_failure=False, preset="pytorch"):
+def run(allocator, script, conf=None, timeout=600, expect_failure=False, preset="pytorch",
+        extra_env=None):
     """Runs `script` on `allocator` in a fresh interpreter; returns its emitted values."""
     source = PRELUDE + "\n" + textwrap.dedent(script)
     proc = subprocess.run([sys.executable, "-c", source, allocator],
-                          env=environment(allocator, conf, preset),
+                          env=environment(allocator, conf, preset, extra_env),
                           capture_output=True, text=True, timeout=timeout, cwd=HERE)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("CCALLOC_RESULT ")]
     if proc.returncode != 0 and not expect_failure:

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""The variable that switches ccalloc on without a code change (ccalloc_torch.pth and
+ccalloc_torch/_autoinstall.py), without torch or a GPU: a fake `torch` package stands in, so
+the test checks when the hook installs (after torch's module has run, before the program's
+next line), that it imports nothing while the variable is unset, that it leaves other
+imports and torch's loader alone, and that a failed install is said on stderr once and
+never breaks `import torch`. The real install on a GPU: tests/torch/test_lazy_init.py."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BINDINGS = os.path.join(HERE, "..", "bindings", "torch")
+PTH = os.path.join(BINDINGS, "ccalloc_torch.pth")
+sys.path.insert(0, BINDINGS)
+from ccalloc_torch import _autoinstall  # noqa: E402
+
+# A torch package whose module body records that it ran, and whose submodule the hook must
+# leave alone.
+FAKE_TORCH = {
+    "torch/__init__.py": "import sys\nsys.modules[__name__].body_ran = True\nfrom . import sub\n",
+    "torch/sub.py": "value = 42\n",
+}
+
+
+def write_tree(root, files):
+    for name, text in files.items():
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+
+
+class HookInProcess(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        write_tree(self.dir.name, FAKE_TORCH)
+        sys.path.insert(0, self.dir.name)
+        self.saved_meta_path = list(sys.meta_path)
+        self.saved_install = _autoinstall._install
+        self.saved_env = os.environ.get(_autoinstall.VARIABLE)
+        self.calls = []
+
+        def fake_install():
+            torch = sys.modules["torch"]
+            # torch's module has run to its end when ccalloc installs.
+            self.calls.append((getattr(torch, "body_ran", False), "torch.sub" in sys.modules))
+            return "native"
+
+        _autoinstall._install = fake_install
+        for name in ("torch", "torch.sub"):
+            sys.modules.pop(name, None)
+
+    def tearDown(self):
+        sys.meta_path[:] = self.saved_meta_path
+        _autoinstall._install = self.saved_install
+        if self.saved_env is None:
+            os.environ.pop(_autoinstall.VARIABLE, None)
+        else:
+            os.environ[_autoinstall.VARIABLE] = self.saved_env
+        sys.path.remove(self.dir.name)
+        for name in ("torch", "torch.sub"):
+            sys.modules.pop(name, None)
+        self.dir.cleanup()
+
+    def test_installs_once_after_torchs_module_ran(self):
+        os.environ[_autoinstall.VARIABLE] = "1"
+        _autoinstall.enable()
+        _autoinstall.enable()  # a second call adds no second finder
+        self.assertEqual(sum(isinstance(f, _autoinstall._TorchImportFinder) for f in sys.meta_path), 1)
+        import json  # noqa: F401  (another module: untouched, no install)
+        self.assertEqual(self.calls, [])
+        import torch
+        self.assertEqual(self.calls, [(True, True)])
+        self.assertEqual(torch.sub.value, 42)
+        # The finder is gone, and torch's loader still answers what its own would.
+        self.assertFalse(any(isinstance(f, _autoinstall._TorchImportFinder) for f in sys.meta_path))
+        self.assertIn("body_ran", torch.__spec__.loader.get_source("torch"))
+
+    def test_torch_already_imported_installs_at_once(self):
+        import torch  # noqa: F401
+        os.environ[_autoinstall.VARIABLE] = "1"
+        _autoinstall.enable()
+        self.assertEqual(self.calls, [(True, True)])
+
+    def test_other_values_do_nothing(self):
+        for value in ("0", "true", "", "11"):
+            os.environ[_autoinstall.VARIABLE] = value
+            _autoinstall.enable()
+        self.assertFalse(any(isinstance(f, _autoinstall._TorchImportFinder) for f in sys.meta_path))
+        import torch  # noqa: F401
+        self.assertEqual(self.calls, [])
+
+
+class HookAtInterpreterStart(unittest.TestCase):
+    """The shipped .pth in a site folder (the user site, as pip's site-packages would be)."""
+
+    def run_python(self, enable, code):
+        with tempfile.TemporaryDirectory() as base:
+            write_tree(os.path.join(base, "fake"), FAKE_TORCH)
+            env = dict(os.environ, PYTHONUSERBASE=base, PYTHONNOUSERSITE="")
+            env.pop("PYTHONNOUSERSITE")
+            env.pop("CCALLOC_LIBRARY_DIR", None)
+            site_dir = subprocess.run(
+                [sys.executable, "-c", "import site; print(site.getusersitepackages())"],
+                env=env, capture_output=True, text=True, check=True).stdout.strip()
+            os.makedirs(site_dir)
+            # ccalloc_torch and the fake torch on the path (before the shipped .pth runs:
+            # .pth files run in name order), then the shipped line itself.
+            with open(os.path.join(site_dir, "a_paths.pth"), "w") as f:
+                f.write(os.path.abspath(BINDINGS) + "\n" + os.path.join(base, "fake") + "\n")
+            with open(PTH) as src, open(os.path.join(site_dir, "ccalloc_torch.pth"), "w") as dst:
+                dst.write(src.read())
+            if enable is None:
+                env.pop(_autoinstall.VARIABLE, None)
+            else:
+                env[_autoinstall.VARIABLE] = enable
+            return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                  text=True, timeout=120)
+
+    def test_unset_imports_nothing_of_ccalloc(self):
+        r = self.run_python(None, "import sys; import torch; "
+                                  "print(sorted(m for m in sys.modules if 'ccalloc' in m))")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(), "[]")
+        self.assertEqual(r.stderr, "")
+
+    def test_enabled_hook_waits_for_torch(self):
+        r = self.run_python("1", "import sys; print('ccalloc_torch' in sys.modules, "
+                                 "'torch' in sys.modules)")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(), "True False")  # hook armed, torch not imported
+        self.assertEqual(r.stderr, "")
+
+    def test_failed_install_is_said_once_and_import_torch_goes_on(self):
+        # The fake torch has no CUDA allocator to install into: install() fails.
+        r = self.run_python("1", "import torch; import torch; print(torch.sub.value)")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(), "42")
+        lines = [line for line in r.stderr.splitlines() if line.startswith("ccalloc: ")]
+        self.assertEqual(len(lines), 1, r.stderr)
+        self.assertIn("CCALLOC_ENABLE=1, but ccalloc was not installed", lines[0])
+        self.assertIn("PyTorch's own allocator stays in place", lines[0])
+
+
+if __name__ == "__main__":
+    unittest.main()
