@@ -96,31 +96,38 @@ class HookInProcess(unittest.TestCase):
         self.assertEqual(self.calls, [])
 
 
+def hooked_python(base, paths):
+    """A virtual environment in `base` whose site-packages holds the shipped .pth, as
+    `pip install` leaves it, with `paths` (ccalloc_torch's folder, where torch is) on its
+    path ahead of it (.pth files run in name order). Returns its interpreter."""
+    venv = os.path.join(base, "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = os.path.join(venv, "bin", "python")
+    site_dir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site_dir, "a_paths.pth"), "w") as f:
+        f.write("".join(os.path.abspath(p) + "\n" for p in paths))
+    with open(PTH) as src, open(os.path.join(site_dir, "ccalloc_torch.pth"), "w") as dst:
+        dst.write(src.read())
+    return python
+
+
 class HookAtInterpreterStart(unittest.TestCase):
-    """The shipped .pth in a site folder (the user site, as pip's site-packages would be)."""
+    """The shipped .pth in a virtual environment's site-packages."""
 
     def run_python(self, enable, code):
         with tempfile.TemporaryDirectory() as base:
             write_tree(os.path.join(base, "fake"), FAKE_TORCH)
-            env = dict(os.environ, PYTHONUSERBASE=base, PYTHONNOUSERSITE="")
-            env.pop("PYTHONNOUSERSITE")
+            python = hooked_python(base, [BINDINGS, os.path.join(base, "fake")])
+            env = dict(os.environ)
             env.pop("CCALLOC_LIBRARY_DIR", None)
-            site_dir = subprocess.run(
-                [sys.executable, "-c", "import site; print(site.getusersitepackages())"],
-                env=env, capture_output=True, text=True, check=True).stdout.strip()
-            os.makedirs(site_dir)
-            # ccalloc_torch and the fake torch on the path (before the shipped .pth runs:
-            # .pth files run in name order), then the shipped line itself.
-            with open(os.path.join(site_dir, "a_paths.pth"), "w") as f:
-                f.write(os.path.abspath(BINDINGS) + "\n" + os.path.join(base, "fake") + "\n")
-            with open(PTH) as src, open(os.path.join(site_dir, "ccalloc_torch.pth"), "w") as dst:
-                dst.write(src.read())
             if enable is None:
                 env.pop(_autoinstall.VARIABLE, None)
             else:
                 env[_autoinstall.VARIABLE] = enable
-            return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                                  text=True, timeout=120)
+            return subprocess.run([python, "-c", code], env=env, capture_output=True,
+                                  text=True, timeout=120, cwd=base)
 
     def test_unset_imports_nothing_of_ccalloc(self):
         r = self.run_python(None, "import sys; import torch; "

@@ -496,6 +496,24 @@ TEST(ConfigStructure, MissingCommaInsideBracket) {
                           {"expected ',' or ']'", "'roundup_power2_divisions'", "offset 31"}));
 }
 
+TEST(ConfigParse, TheAsyncBackendChecksOnlyTheKeysItUses) {
+  // PyTorch's cudaMallocAsync backend never parses the other keys: a value the native
+  // backend refuses passes (unused); the backend and the memory fraction are still checked.
+  const Config c = Config::parse(
+      "max_split_size_mb:20,backend:cudaMallocAsync,release_lock_on_cudamalloc:none,"
+      "per_process_memory_fraction:0.5");
+  EXPECT_EQ(c.backend, ccalloc::BackendKind::kCudaMallocAsync);
+  EXPECT_EQ(c.per_process_memory_fraction, 0.5);
+  EXPECT_EQ(c.max_split_size, 20 * kMiB);
+  EXPECT_FALSE(c.release_lock_on_cudamalloc);
+  EXPECT_TRUE(ContainsAll(ParseError("backend:cudaMallocAsync,per_process_memory_fraction:2"),
+                          {"'per_process_memory_fraction'", "'2'"}));
+  EXPECT_TRUE(ContainsAll(ParseError("release_lock_on_cudamalloc:none"),
+                          {"'release_lock_on_cudamalloc'", "'none'"}));
+  // Keys still have to be keys.
+  EXPECT_TRUE(ContainsAll(ParseError("backend:cudaMallocAsync,no_such_key:1"), {"no_such_key"}));
+}
+
 // ---------------------------------------------------------------------------------------
 // Environment
 

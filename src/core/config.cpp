@@ -513,12 +513,30 @@ Config Config::parse(std::string_view text) {
   c.preset = preset ? preset->text : std::string(kCcallocPreset);
   c.source = std::string(text);
 
+  // Under backend:cudaMallocAsync PyTorch reads no key but the backend (its stream-ordered
+  // backend never parses the others), so a value it would refuse under the native backend
+  // passes there. ccalloc's async backend uses only the backend and the memory fraction; it
+  // checks those two and, as PyTorch, lets a malformed value of any other key pass unused.
+  const bool async = std::any_of(entries.begin(), entries.end(), [](const Entry& e) {
+    return e.key.text == kKeyBackend && !e.is_list && e.value.text == "cudaMallocAsync";
+  });
+  const auto apply = [&](const Entry& e, void (*set)(Config&, const Entry&)) {
+    if (!async || e.key.text == kKeyBackend || e.key.text == kKeyMemoryFraction) {
+      set(c, e);
+      return;
+    }
+    try {
+      set(c, e);
+    } catch (const ConfigError&) {
+      // Unused by the async backend, and left unchecked by PyTorch's.
+    }
+  };
   for (const Entry& e : entries) {
-    if (e.key.text == kKeyLargeSegment) set_large_segment_size(c, e);
+    if (e.key.text == kKeyLargeSegment) apply(e, set_large_segment_size);
   }
   c.max_non_split_rounding_size = c.large_segment_size;
   for (const Entry& e : entries)
-    set_value(c, e);
+    apply(e, set_value);
   return c;
 }
 

@@ -318,23 +318,20 @@ def test_a_refused_request_leaves_no_cuda_error_and_cudnn_benchmarks(conf, prese
 # --- CCALLOC_ENABLE=1 ----------------------------------------------------------------------
 
 def hooked_environment(base, enable="1", extra=None):
-    """An environment whose user site holds the package's .pth (as pip installs it into
-    site-packages), with the repository's ccalloc_torch on the path."""
-    env = dict(os.environ, PYTHONUSERBASE=base, PYTHONUNBUFFERED="1")
-    for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTHONNOUSERSITE"):
+    """A virtual environment whose site-packages holds the package's .pth, as `pip install`
+    leaves it, with the repository's ccalloc_torch and this interpreter's torch on its path;
+    returns (its interpreter, the environment to run it in)."""
+    import sysconfig
+    sys.path.insert(0, os.path.dirname(HERE))
+    from autoinstall_test import hooked_python
+    python = hooked_python(base, [BINDINGS, sysconfig.get_paths()["purelib"]])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CCALLOC_ENABLE"):
         env.pop(key, None)
-    site_dir = subprocess.run([sys.executable, "-c", "import site; print(site.getusersitepackages())"],
-                              env=env, capture_output=True, text=True, check=True).stdout.strip()
-    os.makedirs(site_dir, exist_ok=True)
-    with open(os.path.join(site_dir, "a_ccalloc_repo.pth"), "w") as f:
-        f.write(BINDINGS + "\n")
-    with open(os.path.join(BINDINGS, "ccalloc_torch.pth")) as src, \
-            open(os.path.join(site_dir, "ccalloc_torch.pth"), "w") as dst:
-        dst.write(src.read())
     if enable is not None:
         env["CCALLOC_ENABLE"] = enable
     env.update(extra or {})
-    return env
+    return python, env
 
 
 REPORT = """
@@ -359,8 +356,8 @@ def test_the_variable_switches_ccalloc_on_without_an_import():
         script = os.path.join(base, "program.py")
         with open(script, "w") as f:
             f.write(textwrap.dedent(REPORT))
-        env = hooked_environment(base)
-        r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+        python, env = hooked_environment(base)
+        r = subprocess.run([python, script], env=env, capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == ["ccalloc", "ccalloc", "1"], (r.stdout, r.stderr)
@@ -369,14 +366,14 @@ def test_the_variable_switches_ccalloc_on_without_an_import():
         with open(rank, "w") as f:
             f.write("import os, torch\ntorch.ones(1, device='cuda')\n"
                     "print('rank', os.environ['RANK'], torch.cuda.get_allocator_backend())\n")
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+        r = subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                             "--standalone", rank], env=env, capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 0, r.stderr
         assert "rank 0 ccalloc" in r.stdout, (r.stdout, r.stderr)
         # Unset: PyTorch's allocator.
-        r = subprocess.run([sys.executable, script], env=hooked_environment(base, enable=None),
-                           capture_output=True, text=True, timeout=300)
+        python, env = hooked_environment(base, enable=None)
+        r = subprocess.run([python, script], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == ["native", "native", "1"], (r.stdout, r.stderr)
 
@@ -385,10 +382,10 @@ def test_the_variable_without_the_library_says_why_and_keeps_pytorchs_allocator(
     with tempfile.TemporaryDirectory() as base:
         empty = os.path.join(base, "no-libraries")
         os.makedirs(empty)
-        env = hooked_environment(base, extra={"CCALLOC_LIBRARY_DIR": empty})
+        python, env = hooked_environment(base, extra={"CCALLOC_LIBRARY_DIR": empty})
         code = ("import torch\n"
                 "print(torch.ones(2, device='cuda').sum().item(), torch.cuda.get_allocator_backend())\n")
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        r = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True,
                            timeout=300, cwd=base)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == ["2.0", "native"], (r.stdout, r.stderr)
