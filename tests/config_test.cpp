@@ -438,7 +438,7 @@ TEST(ConfigErrors, PerProcessMemoryFractionOutsideClosedUnitInterval) {
   for (const char* value : {"1.5", "-0.1", "abc", "nan"}) {
     EXPECT_TRUE(ContainsAll(ParseError(std::string("per_process_memory_fraction:") + value),
                             {"'per_process_memory_fraction'", "'" + std::string(value) + "'",
-                             "offset 28", "set it in [0.0, 1.0]"}));
+                             "offset 28", "per_process_memory_fraction is invalid, set it in [0.0, 1.0]"}));
   }
 }
 

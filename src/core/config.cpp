@@ -454,7 +454,9 @@ void set_value(Config& c, const Entry& e) {
     if (!(v > 0.0 && v < 1.0)) throw_invalid_value(key, e.value, kRange);
     c.garbage_collection_threshold = v;
   } else if (key == kKeyMemoryFraction) {
-    constexpr std::string_view kRange = "expected a number; set it in [0.0, 1.0]";
+    // PyTorch's words, which its tests and users look for.
+    constexpr std::string_view kRange =
+        "expected a number; per_process_memory_fraction is invalid, set it in [0.0, 1.0]";
     const double v = scalar_double(e, kRange);
     if (!(v >= 0.0 && v <= 1.0)) throw_invalid_value(key, e.value, kRange);
     c.per_process_memory_fraction = v;

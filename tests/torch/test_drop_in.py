@@ -142,7 +142,7 @@ trace = snapshot["device_traces"][torch.cuda.current_device()]
 events = [(e["action"], e["size"]) for e in trace]
 plot = profile_plot(prof)
 frames = json.dumps(snapshot)
-memory_events = [(e.name, e.cuda_memory_usage) for e in prof.events() if e.cuda_memory_usage]
+memory_events = [(e.name, e.device_memory_usage) for e in prof.events() if e.device_memory_usage]
 emit(events=events, names_function="allocate_under_the_profiler" in frames,
      plot_has_category="category" in plot or "category" in frames,
      memory_events=sorted(size for _, size in memory_events))
