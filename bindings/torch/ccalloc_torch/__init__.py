@@ -30,8 +30,10 @@ with the same contents, so tensors and CUDA graphs that captured its addresses s
     ...                              # the memory serves something else
     weights.wake()                   # same addresses, same bytes
 
-The configuration comes from CCALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF, else
-PYTORCH_ALLOC_CONF), in PyTorch's grammar. Libraries are looked up next to this module (where
+The configuration is CCALLOC_CONF (the preset and any keys) with the keys of
+PYTORCH_CUDA_ALLOC_CONF (else PYTORCH_ALLOC_CONF) on top, in PyTorch's grammar, read when
+PyTorch initializes CUDA: install() makes no CUDA call. CCALLOC_ENABLE=1 installs ccalloc with
+no code (the ccalloc_torch.pth hook, _autoinstall.py). Libraries are looked up next to this module (where
 `pip install` puts them), then in CCALLOC_LIBRARY_DIR, then in the build folders of the
 repository this module lives in.
 """
