@@ -678,9 +678,17 @@ TEST_F(ReplayCli, FitPrintsTheSmallestCapacityPerConfigVerified) {
   EXPECT_EQ(j[0]["verified"], true);
   EXPECT_EQ(j[1]["capacity_bytes"], 20 * 1024 * 1024);
   EXPECT_EQ(j[1]["verified"], true);
-  const CliResult text = run_cli("fit '" + csv + "' --conf ccalloc,stitch_segments:True", dir_);
+  EXPECT_EQ(j[0]["capacity_gb"], 0.012582912);
+  const CliResult text =
+      run_cli("fit '" + csv + "' --conf ccalloc,stitch_segments:True --conf pytorch", dir_);
   ASSERT_EQ(text.exit_code, 0) << text.err;
-  EXPECT_NE(text.out.find("smallest capacity     12,582,912 (12.00 MiB)"), std::string::npos)
+  EXPECT_NE(text.out.find("smallest capacity     12,582,912 bytes (12.00 MiB, 0.013 GB)"),
+            std::string::npos)
+      << text.out;
+  // The config that needs least, and how far the other is from it.
+  EXPECT_NE(text.out.find("Least memory: ccalloc,stitch_segments:True, 12.00 MiB (0.013 GB)\n"
+                          "  pytorch: +8,388,608 bytes (8.00 MiB, +66.67 %)"),
+            std::string::npos)
       << text.out;
   EXPECT_NE(text.out.find("verified              yes: no OOM at this capacity, at least one "
                           "at 2 MiB less"),

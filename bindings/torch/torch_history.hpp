@@ -186,8 +186,11 @@ class History {
   void record_snapshot(int device, std::size_t active_bytes) {
     if (!recording()) return;
     std::lock_guard lock(mutex_);
+    // With the region and metadata in force, as every entry (TraceEntry's own default is
+    // an empty region, which tools that skip "N/A" would take for a compiled region).
     TraceEntry te(TraceEntry::SNAPSHOT, static_cast<c10::DeviceIndex>(device), 0, active_bytes,
-                  nullptr, MempoolId_t{0, 0}, 0);
+                  nullptr, MempoolId_t{0, 0}, 0, nullptr, compile_context_locked(device),
+                  user_metadata_[index(device)]);
     te.time_.t_ = static_cast<time_t>(now_us());
     if (skip_.count(static_cast<int>(te.action_)) == 0) ring(device).push(te);
   }

@@ -162,9 +162,16 @@ def test_the_profiler_hears_every_allocation_and_free(preset):
 
 
 def test_the_profiler_hears_the_async_backend():
+    # PyTorch's cudaMallocAsync backend reports nothing to the profiler (its memory view is
+    # empty there); ccalloc's reports the allocations and frees the native backend would.
+    native = run("pytorch", PROFILE)
     pytorch, ccalloc = both(PROFILE, conf="backend:cudaMallocAsync")
-    assert ccalloc["events"], ccalloc
-    assert_same(pytorch["memory_events"], ccalloc["memory_events"], "the profiler's memory events")
+    assert pytorch["memory_events"] == [], pytorch
+    assert ccalloc["names_function"], ccalloc
+    # The async backend hands out the bytes asked for; the native one rounds to 512 bytes.
+    assert [a for a, _ in ccalloc["events"]] == [a for a, _ in native["events"]], ccalloc
+    assert sorted(abs(n) for n in ccalloc["memory_events"]) == \
+        sorted(abs(n) for n in native["memory_events"]), (ccalloc, native)
 
 
 def test_export_memory_timeline_sees_the_same_memory():
@@ -211,6 +218,7 @@ inp = torch.randn(1, 10, device="cuda")
 model = MyModel().cuda()
 compiled = torch.compile(model)
 torch.cuda.memory._record_memory_history(context="all", compile_context=True)
+torch.cuda.memory._snapshot()  # its trace entry is in the next snapshot's trace
 compiled(inp)
 traces = torch.cuda.memory._snapshot()["device_traces"]
 trace = next(t for t in traces if t)
@@ -219,7 +227,7 @@ for e in trace:
     c = e["compile_context"]
     if c != "N/A" and (not sequence or sequence[-1] != c):
         sequence.append(c)
-emit(sequence=sequence)
+emit(sequence=sequence, snapshot_entries=[e["compile_context"] for e in trace if e["action"] == "snapshot"])
 """
 
 
@@ -227,7 +235,10 @@ emit(sequence=sequence)
 def test_trace_entries_carry_the_compiled_region(preset):
     pytorch, ccalloc = both(COMPILE_REGIONS, preset=preset)
     assert len(pytorch["sequence"]) >= 2, pytorch
-    assert_same(pytorch["sequence"], ccalloc["sequence"], "the compiled regions of the trace")
+    # A snapshot's own entry carries the region in force too ("N/A" outside any), not the
+    # empty string: PyTorch's test skips "N/A" only.
+    assert all(c == "N/A" for c in pytorch["snapshot_entries"]), pytorch
+    assert_same(pytorch, ccalloc, "the compiled regions of the trace")
 
 
 # --- Tight caps -----------------------------------------------------------------------------

@@ -312,6 +312,7 @@ int run_fit(const std::string& trace_path, const std::vector<std::string>& confs
       j["conf"] = r.conf;
       j["floor_bytes"] = r.floor_bytes;
       j["capacity_bytes"] = r.capacity;
+      j["capacity_gb"] = static_cast<double>(r.capacity) / 1e9;
       j["ratio_to_floor"] = static_cast<double>(r.capacity) / static_cast<double>(r.floor_bytes);
       j["peak_reserved_bytes"] = r.peak_reserved_bytes;
       j["simulated_driver_us"] = r.simulated_driver_us;
@@ -328,7 +329,8 @@ int run_fit(const std::string& trace_path, const std::vector<std::string>& confs
     for (const auto& r : results) {
       std::cout << (r.conf.empty() ? "(default)" : r.conf) << "\n"
                 << "  smallest capacity     " << grouped(static_cast<std::int64_t>(r.capacity))
-                << " (" << ccalloc::format_size(r.capacity) << ")\n"
+                << " bytes (" << ccalloc::format_size(r.capacity) << ", "
+                << fixed(static_cast<double>(r.capacity) / 1e9, 3) << " GB)\n"
                 << "  capacity / floor      "
                 << fixed(static_cast<double>(r.capacity) / static_cast<double>(r.floor_bytes), 4)
                 << "\n"
@@ -339,6 +341,26 @@ int run_fit(const std::string& trace_path, const std::vector<std::string>& confs
                                        (r.passes_at_capacity ? "" : "OOM at this capacity; ") +
                                        (r.fails_below ? "" : "no OOM at 2 MiB less"))
                 << " (" << r.replays << " replays)\n";
+    }
+    if (results.size() > 1) {
+      // The config that needs least, and how far each other one is from it.
+      const auto least = std::min_element(
+          results.begin(), results.end(),
+          [](const auto& x, const auto& y) { return x.capacity < y.capacity; });
+      const auto label = [](const ccalloc::replay::FitResult& r) {
+        return r.conf.empty() ? std::string("(default)") : r.conf;
+      };
+      std::cout << "\nLeast memory: " << label(*least) << ", "
+                << ccalloc::format_size(least->capacity) << " ("
+                << fixed(static_cast<double>(least->capacity) / 1e9, 3) << " GB)\n";
+      for (const auto& r : results) {
+        if (&r == &*least) continue;
+        const auto more = static_cast<std::int64_t>(r.capacity - least->capacity);
+        std::cout << "  " << label(r) << ": +" << grouped(more) << " bytes ("
+                  << ccalloc::format_size(static_cast<std::uint64_t>(more)) << ", +"
+                  << fixed(100.0 * static_cast<double>(more) / static_cast<double>(least->capacity), 2)
+                  << " %)\n";
+      }
     }
   }
   return all_verified ? 0 : 2;
