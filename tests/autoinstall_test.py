@@ -80,6 +80,8 @@ class HookInProcess(unittest.TestCase):
         # The finder is gone, and torch's loader still answers what its own would.
         self.assertFalse(any(isinstance(f, _autoinstall._TorchImportFinder) for f in sys.meta_path))
         self.assertIn("body_ran", torch.__spec__.loader.get_source("torch"))
+        self.assertNotIsInstance(torch.__loader__, _autoinstall._AfterModule)
+        self.assertIs(torch.__loader__, torch.__spec__.loader)
 
     def test_torch_already_imported_installs_at_once(self):
         import torch  # noqa: F401

@@ -65,6 +65,10 @@ class _AfterModule(importlib.abc.Loader):
         return self._inner.create_module(spec)
 
     def exec_module(self, module):
+        # The module's own loader from the start, so that nothing sees this one afterwards.
+        module.__loader__ = self._inner
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._inner
         self._inner.exec_module(module)
         self._after()
 
