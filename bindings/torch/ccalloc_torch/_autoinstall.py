@@ -19,7 +19,6 @@ place: it never breaks `import torch`.
 """
 
 import importlib.abc
-import importlib.machinery
 import os
 import sys
 
@@ -84,13 +83,12 @@ class _TorchImportFinder(importlib.abc.MetaPathFinder):
         if fullname != "torch":
             return None
         _remove_finder()
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        for finder in sys.meta_path:
-            if spec is not None:
+        # The spec the import would have found without this finder: the others, in order.
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if find is not None and (spec := find(fullname, path, target)) is not None:
                 break
-            if isinstance(finder, _TorchImportFinder) or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec  # no torch here, or one we cannot follow: import it untouched
         spec.loader = _AfterModule(spec.loader, _install)
