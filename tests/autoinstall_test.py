@@ -122,8 +122,11 @@ class HookAtInterpreterStart(unittest.TestCase):
         with tempfile.TemporaryDirectory() as base:
             write_tree(os.path.join(base, "fake"), FAKE_TORCH)
             python = hooked_python(base, [BINDINGS, os.path.join(base, "fake")])
-            env = dict(os.environ)
-            env.pop("CCALLOC_LIBRARY_DIR", None)
+            # No libccalloc.so there, so install() cannot load one (whichever build folders
+            # the repository holds: an instrumented one would not load into this Python).
+            empty = os.path.join(base, "no-libraries")
+            os.makedirs(empty)
+            env = dict(os.environ, CCALLOC_LIBRARY_DIR=empty)
             if enable is None:
                 env.pop(_autoinstall.VARIABLE, None)
             else:
