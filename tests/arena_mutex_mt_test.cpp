@@ -1,4 +1,4 @@
-// The arena lock (core/arena_mutex.hpp): mutual exclusion with spinning and sleeping
+// The arena lock (sync/arena_mutex.hpp): mutual exclusion with spinning and sleeping
 // waiters, try_lock, and waiters that sleep while the holder is away for longer than the
 // spin phase lasts.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/arena_mutex.hpp"
+#include "sync/arena_mutex.hpp"
 
 namespace ccalloc::core {
 namespace {

@@ -8,7 +8,7 @@
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/sim.hpp"
 #include "ccalloc/snapshot.hpp"
-#include "core/stacks.hpp"
+#include "history/stacks.hpp"
 
 namespace history_test {
 

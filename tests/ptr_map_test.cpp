@@ -1,5 +1,5 @@
 // PtrMap (the active-block index's hash map) against std::unordered_map as a reference.
-#include "core/ptr_map.hpp"
+#include "sync/ptr_map.hpp"
 
 #include <gtest/gtest.h>
 

@@ -365,7 +365,7 @@ INSTANTIATE_TEST_SUITE_P(
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
-// The cycle gate (core/cycle_gate.hpp): a free skips its poll's clock read only where the
+// The cycle gate (sync/cycle_gate.hpp): a free skips its poll's clock read only where the
 // processor's cycle counter shows that the poll cannot be due.
 
 namespace gate {

@@ -999,7 +999,7 @@ int run(int argc, char** argv) {
     std::printf("\nresults written to %s\n", opt.json.c_str());
   }
   bench.print_table();
-  // The `ccalloc` preset's gate of the frees' clock reads (core/cycle_gate.hpp): a gate shut
+  // The `ccalloc` preset's gate of the frees' clock reads (sync/cycle_gate.hpp): a gate shut
   // during a run makes every free on a side stream read the clock from then on.
   for (const auto& [name, alloc] :
        {std::pair<const char*, ccalloc::Allocator*>{"ccalloc", &pa.allocator(0)},

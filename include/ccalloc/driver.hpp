@@ -225,7 +225,7 @@ class Driver {
   virtual std::int64_t now_us() = 0;
   // Whether now_us() is wall time, so that the allocator may skip a read where the
   // processor's cycle counter shows that too little time has passed to change an answer
-  // (core/cycle_gate.hpp). A virtual clock (the simulated GPU's) says false: every read is
+  // (sync/cycle_gate.hpp). A virtual clock (the simulated GPU's) says false: every read is
   // made.
   virtual bool wall_clock() const { return false; }
 

@@ -176,7 +176,7 @@ struct Options {
   // Pinned host memory allocate_host may hand out in all; beyond it, it returns nullptr.
   std::size_t host_capacity = SIZE_MAX;
   // What wall_clock() says: whether the allocator may treat the virtual clock as wall time
-  // (skip reads the processor's cycle counter shows unneeded, core/cycle_gate.hpp). For
+  // (skip reads the processor's cycle counter shows unneeded, sync/cycle_gate.hpp). For
   // tests that count the allocator's clock reads (clock_reads()); a replay keeps false.
   // Where set, the clock runs in real time from whatever set_time_us() last set, as a wall
   // clock does: a clock read inside an operation then reads the time of that read, not of

@@ -38,7 +38,7 @@
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
 #include "core/backend.hpp"
-#include "core/history.hpp"
+#include "history/history.hpp"
 
 namespace ccalloc::core {
 

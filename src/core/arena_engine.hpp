@@ -15,7 +15,7 @@
 // debts, in_debt). They are inline templates: the hot path (malloc, free) pays no call and no
 // indirection.
 //
-// Locks: each template states what it needs (core/thread_annotations.hpp) in terms of its
+// Locks: each template states what it needs (sync/thread_annotations.hpp) in terms of its
 // arguments, so clang's -Wthread-safety checks callers and bodies as before. An operation
 // that moves its arena's lock into a std::unique_lock (which the analysis does not follow)
 // tells it with arena.mutex.assert_held(); a callback that runs under an arena's lock
@@ -32,11 +32,11 @@
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
-#include "core/arena_mutex.hpp"
+#include "sync/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/common.hpp"
 #include "core/peak_ledger.hpp"
-#include "core/thread_annotations.hpp"
+#include "sync/thread_annotations.hpp"
 
 namespace ccalloc::core {
 

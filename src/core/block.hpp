@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "ccalloc/driver.hpp"
-#include "core/cache_line.hpp"
-#include "core/stacks.hpp"
+#include "sync/cache_line.hpp"
+#include "history/stacks.hpp"
 
 namespace ccalloc::core {
 
@@ -64,7 +64,7 @@ class NodeRecycler {
     FreeNode* next;
   };
   // A node as kept here (room for the free list's link), and its storage's alignment: whole
-  // cache lines (core/cache_line.hpp), as nodes are written on every hit and another arena's
+  // cache lines (sync/cache_line.hpp), as nodes are written on every hit and another arena's
   // must not share their lines.
   static std::size_t node_size(std::size_t bytes) { return std::max(bytes, sizeof(FreeNode)); }
   static std::size_t node_alignment(std::size_t align) {
@@ -242,7 +242,7 @@ class BlockRecycler {
   }
 
  private:
-  // Whole cache lines each (core/cache_line.hpp): blocks are written on every hit.
+  // Whole cache lines each (sync/cache_line.hpp): blocks are written on every hit.
   struct alignas(kCacheLine) Padded {
     Block block;
   };

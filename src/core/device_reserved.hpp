@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "ccalloc/stats.hpp"
-#include "core/thread_annotations.hpp"
+#include "sync/thread_annotations.hpp"
 
 namespace ccalloc::core {
 

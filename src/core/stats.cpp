@@ -8,8 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/arena_engine.hpp"
-#include "native/engine.hpp"
+#include "core/peak_ledger.hpp"
 
 namespace ccalloc {
 namespace {
@@ -124,28 +123,6 @@ DeviceStats DeviceStats::from_map(const std::map<std::string, std::int64_t>& m) 
 
 namespace core {
 
-// Device-wide statistics: the segment and reserved-memory statistics and the counters kept
-// by the device, plus the block statistics of every arena: their current values and totals
-// are sums over the arenas, their peaks the sums of the arenas' baselines (arena.hpp). Every
-// arena lock is held, so the baselines are read consistently, and a debt left by an
-// operation still under way is settled first: no peak is below its current value.
-DeviceStats Engine::stats() const {
-  DeviceStats total;
-  const AllArenasLock all(*this);
-  settle_peak_debts(all);
-  {
-    Lock lock(device_mutex_);
-    total = device_stats_;
-  }
-  PeakBaselines peaks;
-  for (Arena* arena : all.by_stream()) {
-    all.held(*arena);
-    add_block_stats(total, peaks, arena->stats, arena->debts);
-  }
-  set_tracked_peaks(total, peaks);
-  return total;
-}
-
 void add_block_stats(DeviceStats& total, PeakBaselines& peaks, const DeviceStats& arena,
                      const PeakBaselines& debts) {
   for (int pool = 0; pool < 3; ++pool) {
@@ -234,24 +211,6 @@ void settle_peak_debts(const std::vector<LedgerShare>& arenas) {
       debt -= take;
       if (debt == 0) break;
     }
-  }
-}
-
-void Engine::reset_peak_stats() {
-  const AllArenasLock all(*this);
-  ArenaEngine::reset_peaks(all, all.by_stream());
-  Lock lock(device_mutex_);
-  device_stats_.reset_peak();
-}
-
-void Engine::reset_accumulated_stats() {
-  {
-    Lock lock(device_mutex_);
-    device_stats_.reset_accumulated();
-  }
-  for (Arena* arena : arena_list()) {
-    Lock lock(arena->mutex);
-    arena->stats.reset_accumulated();
   }
 }
 

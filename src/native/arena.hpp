@@ -21,11 +21,11 @@
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/stats.hpp"
-#include "core/arena_mutex.hpp"
+#include "sync/arena_mutex.hpp"
 #include "core/block.hpp"
 #include "native/expandable.hpp"
 #include "core/peak_ledger.hpp"
-#include "core/ptr_map.hpp"
+#include "sync/ptr_map.hpp"
 #include "core/segment_map.hpp"
 
 namespace ccalloc::core {

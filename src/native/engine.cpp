@@ -10,7 +10,7 @@
 #include <optional>
 #include <utility>
 
-#include "core/arena_cache.hpp"
+#include "sync/arena_cache.hpp"
 #include "core/arena_engine.hpp"
 #include "core/common.hpp"
 #include "core/rounding.hpp"

@@ -12,7 +12,7 @@
 //   ->  order_mutex_ (PyTorch's order of streams)  ->  device_mutex_  ->  trace_mutex_ /
 //   EventPool
 // Members name the lock that guards them and private methods the lock they need
-// (core/thread_annotations.hpp); clang's -Wthread-safety checks that (scripts/test tsa).
+// (sync/thread_annotations.hpp); clang's -Wthread-safety checks that (scripts/test tsa).
 // Code that relies on an arena lock taken through lock_all() says so with
 // AllArenasLock::held().
 // The hot path takes one arena lock: free finds the arena of a pointer in the SegmentMap,
@@ -79,18 +79,18 @@
 
 #include "ccalloc/allocator.hpp"
 #include "native/arena.hpp"
-#include "core/arena_cache.hpp"
+#include "sync/arena_cache.hpp"
 #include "core/arena_engine.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
 #include "core/device_reserved.hpp"
 #include "core/event_pool.hpp"
-#include "core/history.hpp"
+#include "history/history.hpp"
 #include "core/published_size.hpp"
 #include "core/segment_map.hpp"
 #include "core/stream_table.hpp"
 #include "native/sleepable.hpp"
-#include "core/thread_annotations.hpp"
+#include "sync/thread_annotations.hpp"
 
 namespace ccalloc::core {
 

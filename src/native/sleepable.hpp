@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "ccalloc/driver.hpp"
-#include "core/thread_annotations.hpp"
+#include "sync/thread_annotations.hpp"
 
 namespace ccalloc::core {
 

@@ -40,7 +40,7 @@
 #include "core/backend.hpp"
 #include "native/engine.hpp"
 #include "stitch/engine.hpp"
-#include "core/thread_annotations.hpp"
+#include "sync/thread_annotations.hpp"
 
 namespace ccalloc::core {
 

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <string>
 
-#include "core/arena_cache.hpp"
+#include "sync/arena_cache.hpp"
 #include "core/arena_engine.hpp"
 #include "core/common.hpp"
 #include "core/format.hpp"

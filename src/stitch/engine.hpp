@@ -103,20 +103,20 @@
 
 #include "ccalloc/allocator.hpp"
 #include "ccalloc/snapshot.hpp"
-#include "core/arena_cache.hpp"
+#include "sync/arena_cache.hpp"
 #include "core/arena_engine.hpp"
-#include "core/arena_mutex.hpp"
+#include "sync/arena_mutex.hpp"
 #include "core/backend.hpp"
 #include "core/block.hpp"
-#include "core/cycle_gate.hpp"
+#include "sync/cycle_gate.hpp"
 #include "core/device_reserved.hpp"
 #include "core/event_pool.hpp"
-#include "core/history.hpp"
+#include "history/history.hpp"
 #include "core/peak_ledger.hpp"
-#include "core/ptr_map.hpp"
+#include "sync/ptr_map.hpp"
 #include "core/published_size.hpp"
 #include "core/segment_map.hpp"
-#include "core/thread_annotations.hpp"
+#include "sync/thread_annotations.hpp"
 
 namespace ccalloc::core {
 
@@ -224,7 +224,7 @@ class StitchEngine final : public Backend {
     std::size_t borrowed_pieces = 0;
     std::int64_t fence_latency_us = 0;  // recent average; 0 before the first sample
     std::size_t fence_latency_samples = 0;
-    // The cycle gate of the frees' clock reads (core/cycle_gate.hpp): calibrated and open,
+    // The cycle gate of the frees' clock reads (sync/cycle_gate.hpp): calibrated and open,
     // or shut for good (a counter found slower than calibrated).
     bool clock_gate_open = false;
     bool clock_gate_shut = false;
@@ -289,7 +289,7 @@ class StitchEngine final : public Backend {
     // its unmap carries it when the unmapping operation has none, as PyTorch's segments).
     Origin stack;
   };
-  // Whole cache lines, as its pages (core/cache_line.hpp): a split and a merge at its start
+  // Whole cache lines, as its pages (sync/cache_line.hpp): a split and a merge at its start
   // write `first`, and a free on a stream that shares stamps its pages.
   struct alignas(kCacheLine) Space {
     Arena* arena = nullptr;
@@ -607,7 +607,7 @@ class StitchEngine final : public Backend {
   std::atomic<std::int64_t> fence_latency_us_{0};
   std::atomic<std::size_t> fence_latency_samples_{0};
   // A free skips its poll's clock read while the cycle counter shows that the poll cannot
-  // be due, with a 10 % margin (stitch/share.cpp, core/cycle_gate.hpp).
+  // be due, with a 10 % margin (stitch/share.cpp, sync/cycle_gate.hpp).
   CycleGate fence_gate_;
   SegmentMap owners_;  // spaces' reservations; written under device_mutex_
   EventPool event_pool_;

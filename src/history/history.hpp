@@ -20,7 +20,7 @@
 
 #include "ccalloc/snapshot.hpp"
 #include "ccalloc/trace.hpp"
-#include "core/stacks.hpp"
+#include "history/stacks.hpp"
 
 namespace ccalloc::core {
 

@@ -14,7 +14,7 @@
 #include <thread>
 #endif
 
-#include "core/thread_annotations.hpp"
+#include "sync/thread_annotations.hpp"
 
 namespace ccalloc::core {
 

@@ -1,4 +1,4 @@
-#include "core/stacks.hpp"
+#include "history/stacks.hpp"
 
 #include <cxxabi.h>
 #include <dlfcn.h>

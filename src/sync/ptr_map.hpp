@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "ccalloc/driver.hpp"
-#include "core/cache_line.hpp"
+#include "sync/cache_line.hpp"
 
 namespace ccalloc::core {
 
@@ -92,7 +92,7 @@ class PtrMap {
     }
   }
 
-  // Whole cache lines (core/cache_line.hpp): a map is written on every malloc and free of
+  // Whole cache lines (sync/cache_line.hpp): a map is written on every malloc and free of
   // its arena.
   using Slots = std::vector<Slot, CacheLineAllocator<Slot>>;
   Slots slots_;
