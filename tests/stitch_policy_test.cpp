@@ -738,6 +738,33 @@ TEST(StitchFit, FindsTheSmallestPassingCapacityAndVerifiesIt) {
   EXPECT_TRUE(r.fails_below);
 }
 
+// A block's free completes (its event) after the next allocation on the same stream has
+// taken its memory: the floor counts both live (8 MiB), the allocator needs one (4 MiB).
+// The answer lies below the floor, and is verified on both sides.
+TEST(StitchFit, FindsACapacityBelowTheFloorWhereTheFreeCompletesLate) {
+  using ccalloc::TraceAction;
+  const auto row = [](TraceAction a, DevicePtr addr, std::size_t size) {
+    ccalloc::io::TraceRecord r;
+    r.entry.action = a;
+    r.entry.addr = addr;
+    r.entry.size = size;
+    return r;
+  };
+  const std::vector<ccalloc::io::TraceRecord> trace = {
+      row(TraceAction::kAlloc, 0x1000000, 4 * kMiB),
+      row(TraceAction::kFreeRequested, 0x1000000, 4 * kMiB),
+      row(TraceAction::kAlloc, 0x2000000, 4 * kMiB),
+      row(TraceAction::kFreeCompleted, 0x1000000, 4 * kMiB),
+      row(TraceAction::kFreeRequested, 0x2000000, 4 * kMiB),
+      row(TraceAction::kFreeCompleted, 0x2000000, 4 * kMiB)};
+  ccalloc::replay::FitOptions options;
+  options.conf = kExact;
+  const auto r = ccalloc::replay::fit(trace, options);
+  EXPECT_EQ(r.floor_bytes, static_cast<std::int64_t>(8 * kMiB));
+  EXPECT_EQ(r.capacity, 4 * kMiB);
+  EXPECT_TRUE(r.verified());
+}
+
 TEST(StitchFit, PytorchPolicyNeedsAWholeSegment) {
   ccalloc::replay::FitOptions options;
   options.conf = "pytorch";

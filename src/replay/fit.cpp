@@ -1,6 +1,7 @@
 #include "replay/fit.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include "ccalloc/errors.hpp"
 #include "ccalloc/stats.hpp"
@@ -24,13 +25,32 @@ FitResult fit(const std::vector<io::TraceRecord>& trace, const FitOptions& optio
     ++out.replays;
     return run(trace, replay_options);
   };
-  // Bracket: `failing` units fail (below the floor by construction), `passing` pass.
-  std::size_t failing = (floor - 1) / step;  // its capacity is below the floor
-  const Result unconstrained = try_capacity(std::min(Options{}.capacity, limit));
-  std::size_t passing = std::max<std::size_t>(
-      failing + 1, (static_cast<std::size_t>(unconstrained.peak_reserved_bytes) + step - 1) / step);
+  // Bracket: `failing` units fail, `passing` pass. The floor counts a block as live until
+  // its free_completed entry; a policy that reuses memory sooner (a free's pages taken on
+  // the same stream, or behind a device-side wait on the freeing stream) may run below it,
+  // so the capacity under the floor is replayed too, and halved while it passes.
+  std::size_t failing = (floor - 1) / step;
+  std::optional<std::size_t> passed_below_floor;
   Result at_passing;
-  for (;;) {
+  while (failing > 0) {
+    if (options.progress) options.progress(0, passed_below_floor ? *passed_below_floor * step : 0,
+                                           failing * step);
+    Result r = try_capacity(failing * step);
+    if (r.ooms > 0) break;
+    passed_below_floor = failing;
+    at_passing = std::move(r);
+    failing /= 2;
+  }
+  std::size_t passing = failing + 1;
+  if (passed_below_floor) {
+    passing = *passed_below_floor;
+  } else {
+    const Result unconstrained = try_capacity(std::min(Options{}.capacity, limit));
+    passing = std::max<std::size_t>(
+        failing + 1,
+        (static_cast<std::size_t>(unconstrained.peak_reserved_bytes) + step - 1) / step);
+  }
+  for (; !passed_below_floor;) {
     if (options.progress) options.progress(failing * step, 0, passing * step);
     at_passing = try_capacity(passing * step);
     if (at_passing.ooms == 0) break;

@@ -36,9 +36,10 @@ struct FitResult {
   bool verified() const { return passes_at_capacity && fails_below; }
 };
 
-// Bisection between the floor (no device smaller than the live bytes can work) and a
-// capacity that passes (the peak reserved of a replay on the default 141 GiB device, doubled
-// until it passes).
+// Bisection between a capacity that fails (one step below the floor, the trace's peak live
+// requested bytes; halved while it passes, since a policy may reuse a block's memory before
+// its free_completed entry) and one that passes (the peak reserved of a replay on the
+// default 141 GiB device, doubled until it passes).
 // OOMs need not be monotonic in the capacity; the answer is a capacity that passes while
 // one step less fails. Throws Error for a trace with no allocation or one that fails even
 // on a device of `limit` bytes.
