@@ -707,15 +707,17 @@ TEST(SimMapRange, ChargesOneMapAndAccessPerHandleWhateverItsSize) {
 // wholly free to lend: 5 MiB is three new pieces, 12 MiB. On 10 MiB the creation fails and
 // the ladder finds nothing to release (both mappings touch live pages). PyTorch's policy
 // needs one 20 MiB segment for requests of 1-10 MiB.
+// One trace record: an action on `size` bytes at `addr`.
+ccalloc::io::TraceRecord row(ccalloc::TraceAction a, DevicePtr addr, std::size_t size) {
+  ccalloc::io::TraceRecord r;
+  r.entry.action = a;
+  r.entry.addr = addr;
+  r.entry.size = size;
+  return r;
+}
+
 std::vector<ccalloc::io::TraceRecord> small_trace() {
   using ccalloc::TraceAction;
-  const auto row = [](TraceAction a, DevicePtr addr, std::size_t size) {
-    ccalloc::io::TraceRecord r;
-    r.entry.action = a;
-    r.entry.addr = addr;
-    r.entry.size = size;
-    return r;
-  };
   return {row(TraceAction::kAlloc, 0x1000000, 3 * kMiB),
           row(TraceAction::kAlloc, 0x2000000, 3 * kMiB),
           row(TraceAction::kFreeRequested, 0x1000000, 3 * kMiB),
@@ -743,13 +745,6 @@ TEST(StitchFit, FindsTheSmallestPassingCapacityAndVerifiesIt) {
 // The answer lies below the floor, and is verified on both sides.
 TEST(StitchFit, FindsACapacityBelowTheFloorWhereTheFreeCompletesLate) {
   using ccalloc::TraceAction;
-  const auto row = [](TraceAction a, DevicePtr addr, std::size_t size) {
-    ccalloc::io::TraceRecord r;
-    r.entry.action = a;
-    r.entry.addr = addr;
-    r.entry.size = size;
-    return r;
-  };
   const std::vector<ccalloc::io::TraceRecord> trace = {
       row(TraceAction::kAlloc, 0x1000000, 4 * kMiB),
       row(TraceAction::kFreeRequested, 0x1000000, 4 * kMiB),
