@@ -8,13 +8,16 @@ expandable segments and every configuration under test.
                                     [--ccalloc BINARY] [--json FILE] [--keep DIR]
     python3 scripts/policy_sweep.py --self-test [--ccalloc BINARY]
 
-Each row is a workload: the floor (peak live requested bytes) and, per configuration, peak
-reserved / floor and the simulated driver time. A configuration's cell is flagged
-  *  peak above the better of PyTorch's two settings,
+Each row is a workload: the floor (peak live requested bytes), peak reserved / floor under
+each of PyTorch's settings (PYTORCH_SETTINGS: native, expandable segments,
+garbage_collection_threshold, roundup_power2_divisions, max_split_size_mb; --pytorch
+replaces them) and, per configuration under test, peak reserved / floor and the simulated
+driver time. A configuration's cell is flagged
+  *  peak above the best of PyTorch's settings,
   !  more simulated driver time than expandable segments,
   >  peak above 1.03 x the floor.
 The summary gives, per configuration, how many workloads carry each flag, the median and
-the worst of (peak ratio - the better PyTorch setting's), and how many are more than 1 %
+the worst of (peak ratio - the best PyTorch setting's), and how many are more than 1 %
 worse or better than it. A policy change is judged on the whole set: changes to how memory
 grows move individual workloads in either direction, and a change that fixes one recording
 often breaks another.
@@ -34,7 +37,7 @@ no part in choosing a rule; --scales keeps only the given scales.
 
 --fit judges memory under a device limit instead: each cell is `ccalloc fit`'s smallest
 capacity / floor (verified) and the driver time of the replay at it, flagged
-  *  above expandable segments' fit,
+  *  above the best fit of PyTorch's settings,
   >  above 1.03 x the floor
 (no `!`: under a limit both spend more driver time, and the figures are not comparable at
 different capacities). It takes some ten times as long as a replay.
@@ -60,6 +63,17 @@ MiB = 1 << 20
 SCALES = (0.25, 0.5, 1.0, 2.0)
 NATIVE = "pytorch"
 EXPANDABLE = "pytorch,expandable_segments:True"
+# PyTorch's settings a configuration is judged against, native and expandable segments first
+# (the tables name them by the short names). The garbage-collection threshold acts against
+# the device's capacity (or the limit under --fit), as PyTorch's acts against the memory
+# fraction.
+PYTORCH_SETTINGS = [
+    ("native", NATIVE),
+    ("expand", EXPANDABLE),
+    ("gc0.8", "pytorch,garbage_collection_threshold:0.8"),
+    ("rup4", "pytorch,roundup_power2_divisions:4"),
+    ("split128", "pytorch,max_split_size_mb:128"),
+]
 
 
 class Workload:
@@ -193,18 +207,19 @@ def fit(binary, path, confs):
                                     for x in rows]
 
 
-def judge(native, expandable, cell):
-    """The flags of one configuration's (ratio, ms) against PyTorch's two settings."""
+def judge(references, cell):
+    """The flags of one configuration's (ratio, ms) against PyTorch's settings' cells, the
+    first native's and the second expandable segments'."""
     ratio, ms = cell
-    best = min(native[0], expandable[0])
-    return {"above_pytorch": ratio > best + 1e-9, "slower": ms > expandable[1] + 1e-9,
+    best = min(r[0] for r in references)
+    return {"above_pytorch": ratio > best + 1e-9, "slower": ms > references[1][1] + 1e-9,
             "above_bound": ratio > 1.03 + 1e-9, "delta": ratio - best}
 
 
 def summarize(results, confs):
     out = {}
     for i, conf in enumerate(confs):
-        flags = [judge(r["native"], r["expandable"], r["confs"][i]) for r in results]
+        flags = [judge(r["pytorch"], r["confs"][i]) for r in results]
         deltas = [f["delta"] for f in flags]
         out[conf] = {
             "workloads": len(flags),
@@ -234,24 +249,30 @@ def self_test(binary=None):
             elif action == "free_completed":
                 live.remove(addr)
         assert live == set(w.live), "the workload's live set disagrees with its rows"
-    native, expandable = (1.10, 5.0), (1.02, 4.0)
-    f = judge(native, expandable, (1.025, 4.5))
+    refs = [(1.10, 5.0), (1.02, 4.0)]
+    f = judge(refs, (1.025, 4.5))
     assert f == {"above_pytorch": True, "slower": True, "above_bound": False,
                  "delta": f["delta"]} and abs(f["delta"] - 0.005) < 1e-12, f
-    f = judge(native, expandable, (1.01, 3.0))
+    f = judge(refs, (1.01, 3.0))
     assert not f["above_pytorch"] and not f["slower"] and abs(f["delta"] + 0.01) < 1e-12, f
-    s = summarize([{"native": native, "expandable": expandable, "confs": [(1.04, 4.0)]},
-                   {"native": native, "expandable": expandable, "confs": [(1.00, 4.1)]}], ["x"])
+    # The best of all the settings counts, not only native's and expandable segments'; the
+    # driver time is expandable segments' whichever setting is best.
+    f = judge(refs + [(1.015, 1.0)], (1.018, 4.5))
+    assert f["above_pytorch"] and f["slower"] and abs(f["delta"] - 0.003) < 1e-12, f
+    s = summarize([{"pytorch": refs, "confs": [(1.04, 4.0)]},
+                   {"pytorch": refs, "confs": [(1.00, 4.1)]}], ["x"])
     assert s["x"]["above_pytorch"] == 1 and s["x"]["slower_than_expandable"] == 1, s
     assert s["x"]["above_1.03"] == 1 and s["x"]["worse_by_1pct"] == 1, s
     assert s["x"]["better_by_1pct"] == 1 and abs(s["x"]["median_delta"] - 0.0) < 1e-12, s
-    f = judge_fit((1.02, 9.0), (1.025, 1.0))
-    assert f["above_expandable"] and not f["above_bound"] and abs(f["delta"] - 0.005) < 1e-12, f
-    f = judge_fit((1.05, 9.0), (1.04, 1.0))
-    assert not f["above_expandable"] and f["above_bound"], f
-    s = summarize_fits([{"expandable": (1.02, 9.0), "confs": [(1.031, 2.0)]},
-                        {"expandable": (1.02, 9.0), "confs": [(1.01, 4.0)]}], ["x"])
-    assert s["x"]["above_expandable"] == 1 and s["x"]["above_1.03"] == 1, s
+    f = judge_fit([(1.06, 1.0), (1.02, 9.0)], (1.025, 1.0))
+    assert f["above_pytorch"] and not f["above_bound"] and abs(f["delta"] - 0.005) < 1e-12, f
+    f = judge_fit([(1.06, 1.0), (1.05, 9.0)], (1.04, 1.0))
+    assert not f["above_pytorch"] and f["above_bound"], f
+    f = judge_fit([(1.06, 1.0), (1.05, 9.0), (1.035, 2.0)], (1.04, 1.0))
+    assert f["above_pytorch"] and abs(f["delta"] - 0.005) < 1e-12, f
+    s = summarize_fits([{"pytorch": [(1.03, 1.0), (1.02, 9.0)], "confs": [(1.031, 2.0)]},
+                        {"pytorch": [(1.03, 1.0), (1.02, 9.0)], "confs": [(1.01, 4.0)]}], ["x"])
+    assert s["x"]["above_pytorch"] == 1 and s["x"]["above_1.03"] == 1, s
     assert abs(s["x"]["median_ms"] - 3.0) < 1e-12 and abs(s["x"]["worst_delta"] - 0.011) < 1e-12, s
     names = [n for n, _ in synthetic(2, 11, (1.0,))]
     assert names == ["train-11-1", "train-12-1", "serve-11-1", "serve-12-1"], names
@@ -276,7 +297,7 @@ def self_test(binary=None):
             fit_floor, fits = fit(binary, path, [EXPANDABLE, EXPANDABLE])
         assert floor == peak, (floor, peak)
         assert cells[1] == cells[2], cells
-        assert not judge(cells[0], cells[1], cells[2])["slower"], cells
+        assert not judge(cells[:2], cells[2])["slower"], cells
         # The fit sees the same floor, needs at least it and at most the unlimited peak.
         assert fit_floor == peak, (fit_floor, peak)
         assert fits[0] == fits[1], fits
@@ -284,20 +305,22 @@ def self_test(binary=None):
     print("policy_sweep self-test passed")
 
 
-def judge_fit(expandable, cell):
-    """The flags of one configuration's fit (ratio, ms) against expandable segments'."""
-    return {"above_expandable": cell[0] > expandable[0] + 1e-9,
-            "above_bound": cell[0] > 1.03 + 1e-9, "delta": cell[0] - expandable[0]}
+def judge_fit(references, cell):
+    """The flags of one configuration's fit (ratio, ms) against the best of PyTorch's
+    settings' fits."""
+    best = min(r[0] for r in references)
+    return {"above_pytorch": cell[0] > best + 1e-9,
+            "above_bound": cell[0] > 1.03 + 1e-9, "delta": cell[0] - best}
 
 
 def summarize_fits(results, confs):
     out = {}
     for i, conf in enumerate(confs):
-        flags = [judge_fit(r["expandable"], r["confs"][i]) for r in results]
+        flags = [judge_fit(r["pytorch"], r["confs"][i]) for r in results]
         deltas = [f["delta"] for f in flags]
         out[conf] = {
             "workloads": len(flags),
-            "above_expandable": sum(f["above_expandable"] for f in flags),
+            "above_pytorch": sum(f["above_pytorch"] for f in flags),
             "above_1.03": sum(f["above_bound"] for f in flags),
             "median_delta": statistics.median(deltas) if deltas else 0.0,
             "worst_delta": max(deltas) if deltas else 0.0,
@@ -306,35 +329,52 @@ def summarize_fits(results, confs):
     return out
 
 
+def reference_settings(args):
+    """(short name, config) of PyTorch's settings to judge against: --pytorch's, else all."""
+    if not args.pytorch:
+        return PYTORCH_SETTINGS
+    known = dict(PYTORCH_SETTINGS)
+    out = []
+    for name in args.pytorch.split(","):
+        if name not in known:
+            raise SystemExit("--pytorch: unknown setting %r (known: %s)" % (name, ", ".join(known)))
+        out.append((name, known[name]))
+    if [n for n, _ in out[:2]] != ["native", "expand"]:
+        raise SystemExit("--pytorch: the list starts with native,expand")
+    return out
+
+
 def sweep_fits(args, traces, confs):
-    all_confs = [EXPANDABLE] + confs
-    print("%-20s %9s %16s" % ("workload", "floor MiB", "expand fit, ms") +
+    refs = reference_settings(args)
+    all_confs = [c for _, c in refs] + confs
+    print("%-20s %9s" % ("workload", "floor MiB") + "".join(" %8s" % n for n, _ in refs) +
           "".join(" | %-17s" % c[:17] for c in confs))
     results = []
     for name, path in traces:
         floor, cells = fit(args.ccalloc, path, all_confs)
-        results.append({"workload": name, "floor_bytes": floor, "expandable": cells[0],
-                        "confs": cells[1:]})
-        line = "%-20s %9.0f %8.4f %7.1f" % (name[:20], floor / MiB, cells[0][0], cells[0][1])
-        for cell in cells[1:]:
-            f = judge_fit(cells[0], cell)
-            mark = ("*" if f["above_expandable"] else " ") + (">" if f["above_bound"] else " ")
+        results.append({"workload": name, "floor_bytes": floor, "pytorch": cells[:len(refs)],
+                        "confs": cells[len(refs):]})
+        line = "%-20s %9.0f" % (name[:20], floor / MiB)
+        line += "".join(" %8.4f" % c[0] for c in cells[:len(refs)])
+        for cell in cells[len(refs):]:
+            f = judge_fit(cells[:len(refs)], cell)
+            mark = ("*" if f["above_pytorch"] else " ") + (">" if f["above_bound"] else " ")
             line += " | %.4f%s %7.1f" % (cell[0], mark, cell[1])
         print(line, flush=True)
     summary = summarize_fits(results, confs)
-    expandable_ms = statistics.median(r["expandable"][1] for r in results) if results else 0.0
+    expandable_ms = statistics.median(r["pytorch"][1][1] for r in results) if results else 0.0
     print("\n%-16s %9s %10s %7s %9s %9s %10s" % (
-        "config", "workloads", "*above exp", ">1.03", "median d", "worst d", "median ms"))
+        "config", "workloads", "*above pt", ">1.03", "median d", "worst d", "median ms"))
     for conf, s in summary.items():
         print("%-16s %9d %10d %7d %+9.4f %+9.4f %10.1f" % (
-            conf[:16], s["workloads"], s["above_expandable"], s["above_1.03"],
+            conf[:16], s["workloads"], s["above_pytorch"], s["above_1.03"],
             s["median_delta"], s["worst_delta"], s["median_ms"]))
-    print("(d: fit minus expandable segments' fit; their median driver time at their fits: "
-          "%.1f ms)" % expandable_ms)
+    print("(d: fit minus the best fit of PyTorch's settings (%s); expandable segments' median "
+          "driver time at their fits: %.1f ms)" % (", ".join(n for n, _ in refs), expandable_ms))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"confs": confs, "fit": True, "results": results, "summary": summary}, f,
-                      indent=1)
+            json.dump({"confs": confs, "pytorch": refs, "fit": True, "results": results,
+                       "summary": summary}, f, indent=1)
     return 0
 
 
@@ -346,7 +386,9 @@ def main():
     ap.add_argument("--scales", default=",".join("%g" % c for c in SCALES),
                     help="generated scales, e.g. 1 or 0.5,2")
     ap.add_argument("--fit", action="store_true",
-                    help="judge `ccalloc fit` against expandable segments' instead of the peak")
+                    help="judge `ccalloc fit` under a limit instead of the peak without one")
+    ap.add_argument("--pytorch", help="PyTorch's settings to judge against, by short name "
+                    "(native,expand first; default all: %s)" % ",".join(n for n, _ in PYTORCH_SETTINGS))
     ap.add_argument("--no-recordings", action="store_true")
     ap.add_argument("--ccalloc", default=os.path.join(ROOT, "build", "release", "bin", "ccalloc"))
     ap.add_argument("--json")
@@ -375,19 +417,21 @@ def main():
         traces.append((name, path))
     if args.fit:
         return sweep_fits(args, traces, confs)
-    all_confs = [NATIVE, EXPANDABLE] + confs
-    header = "%-20s %9s %8s %8s" % ("workload", "floor MiB", "native", "expand")
+    refs = reference_settings(args)
+    all_confs = [c for _, c in refs] + confs
+    header = "%-20s %9s" % ("workload", "floor MiB") + "".join(" %8s" % n for n, _ in refs)
     header += "".join(" | %-16s" % c[:16] for c in confs)
     print(header)
     results = []
     for name, path in traces:
         floor, cells = replay(args.ccalloc, path, all_confs)
-        r = {"workload": name, "floor_bytes": floor, "native": cells[0], "expandable": cells[1],
-             "confs": cells[2:]}
+        r = {"workload": name, "floor_bytes": floor, "pytorch": cells[:len(refs)],
+             "confs": cells[len(refs):]}
         results.append(r)
-        line = "%-20s %9.0f %8.4f %8.4f" % (name[:20], floor / MiB, cells[0][0], cells[1][0])
-        for cell in cells[2:]:
-            f = judge(cells[0], cells[1], cell)
+        line = "%-20s %9.0f" % (name[:20], floor / MiB)
+        line += "".join(" %8.4f" % c[0] for c in cells[:len(refs)])
+        for cell in cells[len(refs):]:
+            f = judge(cells[:len(refs)], cell)
             mark = ("*" if f["above_pytorch"] else " ") + ("!" if f["slower"] else " ") + \
                    (">" if f["above_bound"] else " ")
             line += " | %.4f%s %6.2f" % (cell[0], mark, cell[1])
@@ -400,10 +444,11 @@ def main():
             conf[:16], s["workloads"], s["above_pytorch"], s["slower_than_expandable"],
             s["above_1.03"], s["median_delta"], s["worst_delta"], s["worse_by_1pct"],
             s["better_by_1pct"]))
-    print("(d: peak ratio minus the better of native and expandable segments)")
+    print("(d: peak ratio minus the best of PyTorch's settings: %s)" % ", ".join(n for n, _ in refs))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"confs": confs, "results": results, "summary": summary}, f, indent=1)
+            json.dump({"confs": confs, "pytorch": refs, "results": results, "summary": summary},
+                      f, indent=1)
     return 0
 
 

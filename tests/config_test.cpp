@@ -697,6 +697,20 @@ TEST(ConfigPreset, CcallocPresetDiffersFromPytorchInStitchingAndExpandableSegmen
   EXPECT_EQ(WithoutSource(Config::parse(off.to_string())), WithoutSource(off));
 }
 
+// stitch_handle_mb: 0 (sized by the room left) by default and left out of the written form;
+// a size is written and reads back; anything but a whole number of MB names the key.
+TEST(ConfigPresets, StitchHandleSizeDefaultsToTheRoomRuleAndRoundTrips) {
+  EXPECT_EQ(Config::parse("ccalloc").stitch_handle_size, 0u);
+  EXPECT_EQ(Config::parse("ccalloc").to_string().find("stitch_handle_mb"), std::string::npos);
+  const Config set = Config::parse("ccalloc,stitch_handle_mb:6");
+  EXPECT_EQ(set.stitch_handle_size, 6 * kMiB);
+  EXPECT_NE(set.to_string().find("stitch_handle_mb:6"), std::string::npos) << set.to_string();
+  EXPECT_EQ(WithoutSource(Config::parse(set.to_string())), WithoutSource(set));
+  EXPECT_EQ(ParseError("stitch_handle_mb:-2"),
+            "ccalloc config: invalid value '-2' for key 'stitch_handle_mb' at offset 17: "
+            "expected a whole number of MB (0: sized by the room left)");
+}
+
 TEST(ConfigToString, NonUniformRoundupTableIsWrittenInBracketForm) {
   const Config c = Config::parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]");
   EXPECT_NE(c.to_string().find("roundup_power2_divisions:[1:1,2:1,4:1,8:1,16:1,32:1,64:1,128:1,"

@@ -195,7 +195,7 @@ TEST(Ipc, FabricHandlesAreSixtyFourBytesEach) {
 // The stitching policy (the ccalloc preset): the handles mapped over the allocation, whole,
 // each of its own size; a lent handle is shared where it is live now.
 TEST(Ipc, StitchedAllocationIsSharedAsTheWholeHandlesMappedOverIt) {
-  Processes p("ccalloc", 32 * kGiB);  // handles of up to 64 MiB (1/512 of the device)
+  Processes p("ccalloc,stitch_handle_mb:64", 32 * kGiB);  // handles of up to 64 MiB
   const DevicePtr a = p.exporter.malloc(30 * kMiB);  // a handle of 30 MiB
   const DevicePtr b = p.exporter.malloc(12 * kMiB);  // a 20 MiB chunk: 8 MiB left at its end
   const DevicePtr c = p.exporter.malloc(40 * kMiB);  // those 8 MiB and a new 32 MiB handle

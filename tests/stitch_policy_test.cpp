@@ -27,7 +27,10 @@ using ccalloc_test::message_of;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 constexpr DevicePtr kVa = 0x600000000000;  // the simulated GPU's first reservation
-constexpr const char* kExact = "ccalloc,stitch_segments:True";
+// Growth on the small devices of these tests creates exactly what a request lacks (a 20 MiB
+// chunk would not fit), in handles of two pieces, set: the room left on so small a device
+// would give single pieces (HandlesAreAtMostA2048thOfTheRoomLeftUnderTheLimit).
+constexpr const char* kExact = "ccalloc,stitch_segments:True,stitch_handle_mb:4";
 // The small pool takes rounded requests of at most 256 KiB.
 constexpr std::size_t kLargestSmall = 256 * 1024;
 constexpr std::size_t kSmallRequest = 128 * 1024;
@@ -340,7 +343,7 @@ TEST(StitchPolicy, EmptyCacheReleasesAKeptIsland) {
 }
 
 TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {
-  Fixture f(32 * kGiB, "ccalloc,stitch_segments:True");  // handles of up to 64 MiB
+  Fixture f(256 * kGiB, "ccalloc,stitch_segments:True");  // handles of up to 64 MiB
   const DevicePtr a = f.engine.malloc(5 * kMiB, 0);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one 20 MiB handle
   EXPECT_EQ(f.engine.piece_counts().total, 10u);
@@ -359,7 +362,7 @@ TEST(StitchPolicy, NewMemoryIsAChunkMappedWholeAndItsRestIsTheFreeTail) {
 }
 
 TEST(StitchPolicy, LargeGrowthIsCreatedInHandlesOfAtMost64MiB) {
-  Fixture f(32 * kGiB, "ccalloc,stitch_segments:True");  // 1/512 of it is 64 MiB
+  Fixture f(256 * kGiB, "ccalloc,stitch_segments:True");  // 1/2048 of the room is 128 MiB
   f.engine.malloc(100 * kMiB, 0);  // 50 pieces: 32 + 18
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(100 * kMiB));
   EXPECT_EQ(f.gpu.counters().physical_creates, 2u);
@@ -378,35 +381,51 @@ std::vector<std::size_t> mapped_mib(Fixture& f) {
   return out;
 }
 
-TEST(StitchPolicy, HandlesAreAtMostA512thOfTheLimitAndAtLeastTwoPieces) {
+TEST(StitchPolicy, HandlesAreAtMostA2048thOfTheRoomLeftUnderTheLimit) {
   using V = std::vector<std::size_t>;
   {
-    Fixture f(8 * kGiB, "ccalloc,stitch_segments:True");  // 16 MiB handles
+    Fixture f(32 * kGiB, "ccalloc,stitch_segments:True");  // 16 MiB handles
     f.engine.malloc(40 * kMiB, 0);
     EXPECT_EQ(mapped_mib(f), (V{16, 16, 8}));
     EXPECT_EQ(f.gpu.counters().physical_creates, 3u);
     EXPECT_EQ(f.gpu.counters().maps, 3u);
   }
   {
-    Fixture f(64 * kGiB, "ccalloc,stitch_segments:True");  // at most 64 MiB, however large
+    Fixture f(256 * kGiB, "ccalloc,stitch_segments:True");  // at most 64 MiB, however large
     f.engine.malloc(150 * kMiB, 0);
     EXPECT_EQ(mapped_mib(f), (V{64, 64, 22}));
   }
   {
-    // The limit, not the device: a quarter of 32 GiB gives 16 MiB handles.
-    Fixture f(32 * kGiB, "ccalloc,stitch_segments:True,per_process_memory_fraction:0.25");
+    // The limit, not the device: a quarter of 128 GiB gives 16 MiB handles.
+    Fixture f(128 * kGiB, "ccalloc,stitch_segments:True,per_process_memory_fraction:0.25");
     f.engine.malloc(40 * kMiB, 0);
     EXPECT_EQ(mapped_mib(f), (V{16, 16, 8}));
   }
   {
-    // 1 GiB / 512 is one piece: two pieces at least; a growth of an odd number of pieces
-    // ends with a one-piece handle.
-    Fixture f(1 * kGiB, "ccalloc,stitch_segments:True");
-    f.engine.malloc(5 * kMiB, 0);  // a 20 MiB chunk
-    EXPECT_EQ(mapped_mib(f), (V{4, 4, 4, 4, 4}));
-    f.engine.malloc(15 * kMiB + 6 * kMiB, 0);  // 6 MiB beyond the free 15: a chunk again
-    EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(40 * kMiB));
-    EXPECT_EQ(f.gpu.counters().physical_creates, 10u);
+    // The room shrinks as memory is held: 8 MiB handles on an empty 16 GiB device, 6 MiB
+    // with 40 MiB held (the room just under 16 GiB), single pieces with 12 GiB more held.
+    Fixture f(16 * kGiB, "ccalloc,stitch_segments:True");
+    f.engine.malloc(40 * kMiB, 0);
+    EXPECT_EQ(mapped_mib(f), (V{8, 8, 8, 8, 8}));
+    const DevicePtr big = f.engine.malloc(12 * kGiB, 0);
+    const auto bigs = f.gpu.mappings_in(big, 12 * kGiB);
+    ASSERT_EQ(bigs.size(), 2048u);
+    EXPECT_EQ(bigs.front().bytes, 6 * kMiB);
+    EXPECT_EQ(bigs.back().bytes, 6 * kMiB);
+    const DevicePtr last = f.engine.malloc(20 * kMiB, 0);
+    const auto lasts = f.gpu.mappings_in(last, 20 * kMiB);
+    ASSERT_EQ(lasts.size(), 10u);
+    for (const auto& m : lasts)
+      EXPECT_EQ(m.bytes, 2 * kMiB);
+  }
+  {
+    // A size set in the configuration takes precedence, in whole pages, one at the least.
+    Fixture f(256 * kGiB, "ccalloc,stitch_segments:True,stitch_handle_mb:6");
+    f.engine.malloc(20 * kMiB, 0);
+    EXPECT_EQ(mapped_mib(f), (V{6, 6, 6, 2}));
+    Fixture g(256 * kGiB, "ccalloc,stitch_segments:True,stitch_handle_mb:1");
+    g.engine.malloc(6 * kMiB, 0);  // a 20 MiB chunk, in pieces
+    EXPECT_EQ(g.gpu.counters().physical_creates, 10u);
   }
 }
 
@@ -583,7 +602,7 @@ TEST(StitchPolicy, GcThresholdReleasesTheCacheBeforeCreatingPastIt) {
   // fence instead (stitch_share_test).
   Fixture f(64 * kMiB,
             "ccalloc,stitch_segments:True,garbage_collection_threshold:0.5,"
-            "stream_borrow_wait:False");
+            "stream_borrow_wait:False,stitch_handle_mb:4");
   f.engine.free(f.engine.malloc(20 * kMiB, 1));
   f.engine.malloc(16 * kMiB, 0);  // 20 + 16 > 32 MiB: stream 1's cache goes first
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(20 * kMiB));  // one new 20 MiB chunk
@@ -702,11 +721,12 @@ TEST(SimMapRange, ChargesOneMapAndAccessPerHandleWhateverItsSize) {
   EXPECT_EQ(gpu.counters().maps, 11u);
 }
 
-// fit: a 3 MiB and a 3 MiB block (6 MiB mapped: a handle of 4 MiB, one of 2), the first
-// freed, then 5 MiB. The first handle's last page holds the second block, so nothing is
-// wholly free to lend: 5 MiB is three new pieces, 12 MiB. On 10 MiB the creation fails and
-// the ladder finds nothing to release (both mappings touch live pages). PyTorch's policy
-// needs one 20 MiB segment for requests of 1-10 MiB.
+// fit: a 3 MiB and a 3 MiB block (6 MiB mapped in three one-piece handles: on a device this
+// small handles are single pages), the first freed, then 5 MiB. The first block's first page
+// is wholly free and is lent to the frontier; its second page holds the second block's
+// start, so 5 MiB is that lent page and two new pieces: 10 MiB held. On 8 MiB the creation
+// fails and the ladder can release only the free page, which leaves room for two new pieces
+// of the three. PyTorch's policy needs one 20 MiB segment for requests of 1-10 MiB.
 // One trace record: an action on `size` bytes at `addr`.
 ccalloc::io::TraceRecord row(ccalloc::TraceAction a, DevicePtr addr, std::size_t size) {
   ccalloc::io::TraceRecord r;
@@ -731,11 +751,11 @@ std::vector<ccalloc::io::TraceRecord> small_trace() {
 
 TEST(StitchFit, FindsTheSmallestPassingCapacityAndVerifiesIt) {
   ccalloc::replay::FitOptions options;
-  options.conf = kExact;
+  options.conf = "ccalloc,stitch_segments:True";
   const auto r = ccalloc::replay::fit(small_trace(), options);
   EXPECT_EQ(r.floor_bytes, static_cast<std::int64_t>(8 * kMiB));
-  EXPECT_EQ(r.capacity, 12 * kMiB);
-  EXPECT_EQ(r.peak_reserved_bytes, static_cast<std::int64_t>(12 * kMiB));
+  EXPECT_EQ(r.capacity, 10 * kMiB);
+  EXPECT_EQ(r.peak_reserved_bytes, static_cast<std::int64_t>(10 * kMiB));
   EXPECT_TRUE(r.passes_at_capacity);
   EXPECT_TRUE(r.fails_below);
 }

@@ -289,7 +289,7 @@ TEST(StitchPools, BlockPeaksAreTheDevicesNotTheSumOfTheEngines) {
 
 // Segment counts likewise (private pools on native segments, which count one each).
 TEST(StitchPools, SegmentPeaksAreTheDevicesNotTheSumOfTheEngines) {
-  Fixture f(32 * kGiB, "ccalloc,expandable_segments:False");  // handles of up to 64 MiB
+  Fixture f(32 * kGiB, "ccalloc,expandable_segments:False,stitch_handle_mb:64");
   const auto segments = [&f] { return f.alloc.stats().segment; };
   f.alloc.free(f.alloc.malloc(100 * kMiB, 0));  // two handles: 64 + 36 MiB
   EXPECT_EQ(segments()[kAggregate].current, 2);

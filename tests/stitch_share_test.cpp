@@ -30,9 +30,11 @@ using ccalloc::core::StitchEngine;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
 // A device too small for a 20 MiB chunk: growth creates exactly what a request lacks, in
-// handles of two pieces (4 MiB).
+// handles of two pieces (4 MiB, set: the room left on so small a device would give one).
+constexpr const char* kTwoPieces = "ccalloc,stitch_handle_mb:4";
+
 struct Fixture {
-  explicit Fixture(std::size_t capacity = 18 * kMiB, const char* conf = "ccalloc")
+  explicit Fixture(std::size_t capacity = 18 * kMiB, const char* conf = kTwoPieces)
       : gpu(options(capacity)), engine(gpu, Config::parse(conf)) {
     engine.set_check_invariants(true);
   }
@@ -82,7 +84,7 @@ TEST(StitchShare, AGrowthTakesAnotherStreamsFreeHandleOnceItsFenceHasCompleted) 
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(12 * kMiB));
 }
 
-constexpr const char* kNoWait = "ccalloc,stream_borrow_wait:False";
+constexpr const char* kNoWait = "ccalloc,stream_borrow_wait:False,stitch_handle_mb:4";
 
 TEST(StitchShare, WithoutBorrowWaitsPagesWhoseStreamMayStillUseThemAreNotTaken) {
   Fixture f(18 * kMiB, kNoWait);
@@ -106,7 +108,7 @@ TEST(StitchShare, BorrowWaitsSwitchLiveWithReconfigure) {
   f.engine.malloc(2 * kMiB, 0);
   EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 0u);
   EXPECT_EQ(f.reserved(), static_cast<std::int64_t>(10 * kMiB));
-  ASSERT_TRUE(f.engine.reconfigure(Config::parse("ccalloc")));
+  ASSERT_TRUE(f.engine.reconfigure(Config::parse(kTwoPieces)));
   EXPECT_TRUE(f.engine.config().stream_borrow_wait);
   f.engine.malloc(4 * kMiB, 0);
   EXPECT_EQ(f.engine.piece_counts().borrowed_handles, 1u);

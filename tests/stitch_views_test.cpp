@@ -63,9 +63,13 @@ constexpr DevicePtr kVa = 0x600000000000;  // the simulated GPU's first reservat
 // Served by the small pool (rounded requests of at most 256 KiB).
 constexpr std::size_t kSmallRequest = 128 * 1024;
 
+// The views' layouts are drawn for handles of a set size (stitch_handle_mb), so that they do
+// not move with the rule that sizes handles by the room left under the limit.
 struct Fixture {
-  explicit Fixture(std::size_t capacity)
-      : gpu(options(capacity)), engine(gpu, Config::parse("ccalloc,stitch_segments:True")) {
+  Fixture(std::size_t capacity, std::size_t handle_mb)
+      : gpu(options(capacity)),
+        engine(gpu, Config::parse("ccalloc,stitch_segments:True,stitch_handle_mb:" +
+                                  std::to_string(handle_mb))) {
     engine.set_check_invariants(true);
   }
   static ccalloc::sim::Options options(std::size_t capacity) {
@@ -154,7 +158,7 @@ void expect_stats_recovered(const Fixture& f, const Snapshot& s) {
 //     1, wholly inside a's free block, is lent (pages 6-7) and the one piece still lacking
 //     is created (handle 4, page 8). a's pages 0-1 become dead; 14 MiB held, not 18.
 struct Stitched : Fixture {
-  Stitched() : Fixture(18 * kMiB) {
+  Stitched() : Fixture(18 * kMiB, 4) {
     a = engine.malloc(4 * kMiB, 0);
     b = engine.malloc(4 * kMiB, 0);
     c = engine.malloc(4 * kMiB, 0);
@@ -207,7 +211,7 @@ TEST(StitchViews, WholeChunksLentAndTheirDeadPagesAddUpToTheReservedBytes) {
   // A 32 GiB device (handles of up to 64 MiB): large growth creates a chunk of ten pieces
   // (20 MiB) in one handle, mapped whole; what the request does not take extends the free
   // block.
-  Fixture f(32 * kGiB);
+  Fixture f(32 * kGiB, 64);
   const DevicePtr x = f.engine.malloc(20 * kMiB, 0);  // handle 1, pages 0-9
   f.engine.malloc(20 * kMiB, 0);                      // y: handle 2, pages 10-19
   const DevicePtr z = f.engine.malloc(4 * kMiB, 0);   // handle 3, pages 20-29: z + 16 MiB free
@@ -269,7 +273,7 @@ TEST(StitchViews, AHandleLentToTheLargePoolCountsThereFromThen) {
   // 18 MiB device (exact growth). s0 = 128 KiB: handle 1 (1 piece, small pool); freed, its
   // page holds handle 1 whole. a = 2 MiB: the one page it lacks is that page, so the large
   // pool takes handle 1 and creates nothing.
-  Fixture f(18 * kMiB);
+  Fixture f(18 * kMiB, 4);
   const DevicePtr s0 = f.engine.malloc(kSmallRequest, 0);
   f.engine.free(s0);
   const DevicePtr a = f.engine.malloc(2 * kMiB, 0);
@@ -301,7 +305,7 @@ TEST(StitchViews, TheSmallPoolTakesALargeFreePageInPlaceAndMapsNothing) {
   // As above but the other way round: b's freed page holds a large-pool handle whole. A
   // small request neither creates a piece nor maps that handle into the small space: b's
   // page becomes an island of the small pool where it is.
-  Fixture f(18 * kMiB);
+  Fixture f(18 * kMiB, 4);
   f.engine.malloc(4 * kMiB, 0);
   const DevicePtr b = f.engine.malloc(2 * kMiB, 0);
   f.engine.malloc(4 * kMiB, 0);
@@ -353,7 +357,7 @@ TEST(StitchViews, TheSmallPoolRevivesItsOwnPieceFromTheLargeFreeTail) {
   // 18 MiB device (exact growth). s0 = 128 KiB: handle 1 (small pool), freed. a = 2 MiB:
   // handle 1, lent. a freed: the large range's free tail holds handle 1 whole. s1 = 128
   // KiB: handle 1 is live at s0's page again, and dead at a.
-  Fixture f(18 * kMiB);
+  Fixture f(18 * kMiB, 4);
   const DevicePtr s0 = f.engine.malloc(kSmallRequest, 0);
   f.engine.free(s0);
   const DevicePtr a = f.engine.malloc(2 * kMiB, 0);
@@ -395,7 +399,7 @@ TEST(StitchViews, TheSmallPoolRevivesItsOwnPieceFromTheLargeFreeTail) {
 // The large pool takes the small pool's free pages only where they spare creating memory
 // altogether: when a chunk (20 MiB) is created anyway, they stay in the small pool.
 TEST(StitchViews, TheLargePoolTakesSmallPagesOnlyWhereTheySpareACreation) {
-  Fixture f(std::size_t{1} << 34);
+  Fixture f(std::size_t{1} << 34, 32);
   // One free small page (handle 1); a 4 MiB request lacks 2 pages: the page would cover one,
   // and the chunk is created anyway, so the page stays and the next small request reuses it.
   const DevicePtr s0 = f.engine.malloc(kSmallRequest, 0);
@@ -418,7 +422,7 @@ TEST(StitchViews, TheLargePoolTakesSmallPagesOnlyWhereTheySpareACreation) {
   // Two free small pages (handles 1 and 2, under twelve 256 KiB blocks) on a fresh engine: a
   // 4 MiB request lacks exactly two pages, which they cover, so it takes them and creates
   // nothing.
-  Fixture g(std::size_t{1} << 34);
+  Fixture g(std::size_t{1} << 34, 32);
   std::vector<DevicePtr> t;
   for (int i = 0; i < 12; ++i)
     t.push_back(g.engine.malloc(2 * kSmallRequest, 0));
@@ -549,7 +553,7 @@ TEST(StitchViews, OtherPoliciesHaveNoPhysicalMemory) {
 }
 
 TEST(StitchViews, PickleAndJsonCarryThePiecesBothWays) {
-  Fixture f(32 * kGiB);  // handles of up to 64 MiB
+  Fixture f(32 * kGiB, 64);  // handles of up to 64 MiB
   const DevicePtr x = f.engine.malloc(20 * kMiB, 0);  // handle 1 (10 pieces)
   f.engine.malloc(4 * kMiB, 0);                       // handle 2 (10): 16 MiB free tail
   f.engine.free(x);
@@ -681,7 +685,7 @@ TEST(StitchViews, TheViewNamesPiecesThatDoNotAccountForTheMemory) {
 // and revived, releases. A random mix of small and large requests on two streams, on a
 // device small enough that growth lends and takes pages back, checked after every step.
 TEST(StitchViews, PerPoolStatisticsAreWhatTheSegmentsAddUpTo) {
-  Fixture f(64 * kMiB);
+  Fixture f(64 * kMiB, 4);
   std::mt19937_64 rng(7);
   std::vector<std::pair<DevicePtr, ccalloc::StreamId>> live;
   const auto check = [&](int step) {

@@ -62,6 +62,12 @@ struct Config {
   // whose frees the GPU has passed (a completed fence) or an idle stream's are taken.
   // Trades some overlap of the streams for memory (docs/ccalloc-policy.md, rule 9).
   bool stream_borrow_wait = true;
+  // Under the stitching policy: the size of the physical handles new memory is created in
+  // (whole pages, one at the least). 0, the default: sized by the room left under the limit,
+  // from 64 MiB with 128 GiB or more free down to one 2 MiB page in the last 8 GiB
+  // (docs/ccalloc-policy.md, rule 3.3). A fixed size trades memory near the limit for fewer
+  // creations and mappings (larger) or the reverse.
+  std::size_t stitch_handle_size = 0;
   // Address space reserved for each expandable segment: a fraction of device memory, or an
   // absolute size; at most (and by default) 9/8 of device memory. 0: the default.
   double expandable_segments_reserve_fraction = 0.0;

@@ -88,6 +88,7 @@ constexpr std::string_view kKeyReserveSegment = "pinned_reserve_segment_size_mb"
 constexpr std::string_view kKeyUncached = "uncached";
 constexpr std::string_view kKeyStitch = "stitch_segments";
 constexpr std::string_view kKeyBorrowWait = "stream_borrow_wait";
+constexpr std::string_view kKeyHandleSize = "stitch_handle_mb";
 
 constexpr std::string_view kAllKeys[] = {
     kKeyBackend,         kKeyMaxSplit,          kKeyMaxNonSplitRounding, kKeyLargeSegment,
@@ -95,6 +96,7 @@ constexpr std::string_view kAllKeys[] = {
     kKeyReleaseLockHip,  kKeyMemoryFraction,    kKeyGraphReuse,          kKeyHostRegister,
     kKeyHostRegisterHip, kKeyRegisterThreads,   kKeyBackgroundThreads,   kKeyReserveSegment,
     kKeyUncached,        kKeyExpandableReserve, kKeyStitch,              kKeyBorrowWait,
+    kKeyHandleSize,
 };
 
 bool is_known_key(std::string_view key) {
@@ -490,6 +492,9 @@ void set_value(Config& c, const Entry& e) {
     c.stitch_segments = scalar_bool(e);
   } else if (key == kKeyBorrowWait) {
     c.stream_borrow_wait = scalar_bool(e);
+  } else if (key == kKeyHandleSize) {
+    c.stitch_handle_size =
+        mb_to_bytes(scalar_size(e, "expected a whole number of MB (0: sized by the room left)"));
   }
 }
 
@@ -638,6 +643,7 @@ std::string Config::to_string() const {
   if (stitch_segments) {
     add(kKeyStitch, format_bool(stitch_segments));
     add(kKeyBorrowWait, format_bool(stream_borrow_wait));
+    if (stitch_handle_size != 0) add(kKeyHandleSize, std::to_string(stitch_handle_size / kMiB));
   }
   return out;
 }

@@ -18,13 +18,17 @@ bool StitchEngine::settled(const Arena& arena) const {
 }
 
 // A handle moves and is released only whole: a live block anywhere in it keeps all its
-// pieces where they are, neither lendable nor releasable. 64 MiB handles keep creations and
-// mappings few on a large device; where the limit is small the pieces they strand are what
-// runs it out of memory, so a handle is also at most 1/512 of the limit (a 16 GiB limit
-// gets 32 MiB handles, 2 GiB and less two pieces).
+// pieces where they are, neither lendable nor releasable. Large handles keep creations and
+// mappings few while the device has room; near the limit the pieces they strand are what
+// runs it out of memory. So a growth's handles are at most 1/kHandleRoomDivisor of the room
+// left under the limit: 64 MiB while 128 GiB or more are free, 16 MiB with 32 GiB free, and
+// single 2 MiB pieces, each lendable and releasable alone, in the last 8 GiB. A size set
+// in the configuration (stitch_handle_mb) takes precedence.
 std::size_t StitchEngine::handle_cap() const {
-  return std::clamp<std::size_t>(limit() / kHandleLimitDivisor / page_, kMinHandleCap,
-                                 kMaxHandlePieces);
+  if (config_.stitch_handle_size != 0)
+    return std::max<std::size_t>(1, config_.stitch_handle_size / page_);
+  const std::size_t room = limit() > held() ? limit() - held() : 0;
+  return std::clamp<std::size_t>(room / kHandleRoomDivisor / page_, 1, kMaxHandlePieces);
 }
 
 std::size_t StitchEngine::least_large_growth(const Arena& arena) const {

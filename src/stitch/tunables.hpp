@@ -22,12 +22,11 @@ inline std::size_t align_down(std::size_t v, std::size_t a) {
   return v / a * a;
 }
 
-// See grow(): new memory is created in handles of at most this many pieces (64 MiB of 2 MiB),
-// and of at most 1/kHandleLimitDivisor of the memory limit, but never capped below
-// kMinHandleCap pieces.
+// See handle_cap(): new memory is created in handles of at most this many pieces (64 MiB of
+// 2 MiB), and of at most 1/kHandleRoomDivisor of the room left under the memory limit (one
+// piece at the least).
 inline constexpr std::size_t kMaxHandlePieces = 32;
-inline constexpr std::size_t kHandleLimitDivisor = 512;
-inline constexpr std::size_t kMinHandleCap = 2;
+inline constexpr std::size_t kHandleRoomDivisor = 2048;
 
 // See grow(): once a stream has handed out its large range's bytes again since the large
 // pool last created memory, a growth creates beyond what it lacks at most this fraction of
