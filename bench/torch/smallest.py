@@ -544,8 +544,8 @@ def main():
     parser.add_argument("--budget", type=float, default=40.0,
                         help="seconds of probing per process (after its unconstrained run)")
     parser.add_argument("--total-budget", type=float, default=420.0,
-                        help="seconds for every process together: each probes for at most its "
-                             "share of what is left, less 12 s for its start and first run")
+                        help="seconds for every process together: each probes for at most what "
+                             "is left once every later process has 25 s and its own start 12 s")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds a process may take beyond its probing before it is killed")
     parser.add_argument("--max-probes", type=int, default=24)
@@ -602,8 +602,10 @@ def main():
         left = len(workloads) * len(allocators)
         for name in workloads:
             for a in allocators:
-                share = (deadline - time.monotonic()) / left
-                budget = max(10.0, min(args.budget, share - 12.0))
+                # At most --budget, leaving each process after this one 25 s (its start,
+                # its unconstrained run and a few probes: the resnet50 runs need no more).
+                spare = deadline - time.monotonic() - 25.0 * (left - 1) - 12.0
+                budget = max(10.0, min(args.budget, spare))
                 print(f"== {name} on {a} (probing for at most {budget:.0f} s)", flush=True)
                 r = run_process(name, a, args, budget)
                 left -= 1
