@@ -104,8 +104,8 @@ def _train_step(opt, loss_fn, dtype=torch.bfloat16, clip=None):
     return step
 
 
-def resnet50(steps=25, warmup=3, batch=64):
-    """torchvision ResNet-50 training, bf16 autocast, SGD; fixed shapes."""
+def resnet50(steps=25, warmup=3, batch=64, dtype=torch.bfloat16):
+    """torchvision ResNet-50 training, bf16 autocast (dtype=None: fp32), SGD; fixed shapes."""
     import torchvision
 
     model = torchvision.models.resnet50(weights=None).cuda()
@@ -116,7 +116,8 @@ def resnet50(steps=25, warmup=3, batch=64):
         x = torch.randn(batch, 3, 224, 224, device="cuda", generator=gen)
         y = torch.randint(0, 1000, (batch,), device="cuda", generator=gen)
 
-        return _train_step(opt, lambda: torch.nn.functional.cross_entropy(model(x), y))
+        return _train_step(opt, lambda: torch.nn.functional.cross_entropy(model(x), y),
+                           dtype=dtype)
 
     return _run_steps(steps, warmup, make_step)
 
@@ -152,28 +153,29 @@ def _llama_config(layers=8):
                        max_position_embeddings=2048)
 
 
-def _llama_decoder():
-    """The Llama-style decoder of the inference workloads: bf16, eager attention, randomly
-    initialised, in eval mode. Returns (config, model)."""
+def _llama_decoder(dtype=torch.bfloat16):
+    """The Llama-style decoder of the inference workloads: bf16 (or dtype), eager attention,
+    randomly initialised, in eval mode. Returns (config, model)."""
     from transformers import AutoModelForCausalLM
 
     config = _llama_config()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(
-        "cuda", torch.bfloat16)
+        "cuda", dtype)
     model.eval()
     return config, model
 
 
-def llama_generate(steps=12, warmup=2, new_tokens=48):
-    """A Llama-style decoder (8 layers, 1024 wide, bf16) generating greedily with batch and
-    prompt length varying per call."""
-    config, model = _llama_decoder()
+def llama_generate(steps=12, warmup=2, new_tokens=48, batches=(1, 2, 4, 8), prompt=(32, 512),
+                   dtype=torch.bfloat16):
+    """A Llama-style decoder (8 layers, 1024 wide, bf16) generating greedily with batch (one
+    of `batches`) and prompt length (within `prompt`) varying per call."""
+    config, model = _llama_decoder(dtype)
     rng = random.Random(3)
     gen = torch.Generator(device="cuda").manual_seed(3)
 
     def make_step(step):
-        batch, prompt = rng.choice([1, 2, 4, 8]), rng.randint(32, 512)
-        ids = torch.randint(3, config.vocab_size, (batch, prompt), device="cuda", generator=gen)
+        batch, length = rng.choice(list(batches)), rng.randint(*prompt)
+        ids = torch.randint(3, config.vocab_size, (batch, length), device="cuda", generator=gen)
 
         def generate():
             with torch.no_grad():
@@ -243,13 +245,15 @@ def llama_serve(steps=6, warmup=1, ticks=20, max_active=8):
     return _run_steps(steps, warmup, make_step, digest)
 
 
-def finetune_bf16(steps=40, warmup=5):
-    """Fine-tuning a BERT-base-sized encoder for classification under bf16 autocast: batch
-    8-32 and sequence length 32-512 vary per step, rows padded to different lengths, AdamW
-    with gradient clipping. Many small, differently sized allocations per step."""
+def finetune_bf16(steps=40, warmup=5, layers=12, batch=(8, 32), seq=(32, 512),
+                  dtype=torch.bfloat16):
+    """Fine-tuning a BERT-base-sized encoder (`layers` layers) for classification under bf16
+    autocast (dtype=None: fp32): batch 8-32 and sequence length 32-512 (the ranges `batch`
+    and `seq`) vary per step, rows padded to different lengths, AdamW with gradient
+    clipping. Many small, differently sized allocations per step."""
     from transformers import AutoModelForSequenceClassification, BertConfig
 
-    config = BertConfig(num_labels=4)
+    config = BertConfig(num_labels=4, num_hidden_layers=layers)
     model = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager").cuda()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
@@ -257,14 +261,15 @@ def finetune_bf16(steps=40, warmup=5):
     gen = torch.Generator(device="cuda").manual_seed(4)
 
     def make_step(step):
-        batch, seq = rng.randint(8, 32), rng.randint(32, 512)
-        ids = torch.randint(1000, config.vocab_size, (batch, seq), device="cuda", generator=gen)
-        lengths = torch.randint(seq // 2, seq + 1, (batch, 1), device="cuda", generator=gen)
-        mask = (torch.arange(seq, device="cuda")[None, :] < lengths).long()
-        labels = torch.randint(0, 4, (batch,), device="cuda", generator=gen)
+        rows, length = rng.randint(*batch), rng.randint(*seq)
+        ids = torch.randint(1000, config.vocab_size, (rows, length), device="cuda", generator=gen)
+        lengths = torch.randint(length // 2, length + 1, (rows, 1), device="cuda", generator=gen)
+        mask = (torch.arange(length, device="cuda")[None, :] < lengths).long()
+        labels = torch.randint(0, 4, (rows,), device="cuda", generator=gen)
 
         return _train_step(
-            opt, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss, clip=model)
+            opt, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss,
+            dtype=dtype, clip=model)
 
     return _run_steps(steps, warmup, make_step)
 
@@ -391,14 +396,16 @@ def efficientnet_varres(steps=16, warmup=2, batch=48):
     return _run_steps(steps, warmup, make_step)
 
 
-def llama_train_dyn(steps=12, warmup=2):
+def llama_train_dyn(steps=12, warmup=2, layers=24, batch=(1, 8), seq=(128, 1024),
+                    dtype=torch.bfloat16):
     """Training a Llama-style decoder of about 350 M parameters (24 layers, 1024 wide, built
     from a transformers LlamaConfig; fp32 weights, bf16 autocast, AdamW, eager attention)
-    without activation checkpointing, batch 1-8 and sequence length 128-1024 varying per
-    step: the largest steps hold well over 10 GB of activations."""
+    without activation checkpointing, batch 1-8 and sequence length 128-1024 (the ranges
+    `batch` and `seq`) varying per step: the largest steps hold well over 10 GB of
+    activations. `layers` makes it smaller; dtype=None trains without autocast."""
     from transformers import AutoModelForCausalLM
 
-    config = _llama_config(layers=24)
+    config = _llama_config(layers=layers)
     torch.manual_seed(12)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda()
     model.train()
@@ -407,10 +414,10 @@ def llama_train_dyn(steps=12, warmup=2):
     gen = torch.Generator(device="cuda").manual_seed(12)
 
     def make_step(step):
-        batch, seq = rng.randint(1, 8), rng.randint(128, 1024)
-        ids = torch.randint(3, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+        rows, length = rng.randint(*batch), rng.randint(*seq)
+        ids = torch.randint(3, config.vocab_size, (rows, length), device="cuda", generator=gen)
 
-        return _train_step(opt, lambda: model(input_ids=ids, labels=ids).loss)
+        return _train_step(opt, lambda: model(input_ids=ids, labels=ids).loss, dtype=dtype)
 
     return _run_steps(steps, warmup, make_step)
 
