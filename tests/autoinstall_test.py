@@ -25,6 +25,8 @@ FAKE_TORCH = {
     "torch/__init__.py": "import sys\nsys.modules[__name__].body_ran = True\nfrom . import sub\n",
     "torch/sub.py": "value = 42\n",
 }
+# And a cupy package: the hook installs ccalloc as its allocator at its import too.
+FAKE_CUPY = {"cupy/__init__.py": "import sys\nsys.modules[__name__].body_ran = True\n"}
 
 
 def write_tree(root, files):
@@ -39,9 +41,11 @@ class HookInProcess(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.TemporaryDirectory()
         write_tree(self.dir.name, FAKE_TORCH)
+        write_tree(self.dir.name, FAKE_CUPY)
         sys.path.insert(0, self.dir.name)
         self.saved_meta_path = list(sys.meta_path)
         self.saved_install = _autoinstall._install
+        self.saved_install_cupy = _autoinstall._install_cupy
         self.saved_env = os.environ.get(_autoinstall.VARIABLE)
         self.calls = []
 
@@ -51,19 +55,25 @@ class HookInProcess(unittest.TestCase):
             self.calls.append((getattr(torch, "body_ran", False), "torch.sub" in sys.modules))
             return "native"
 
+        def fake_install_cupy():
+            self.calls.append(("cupy", getattr(sys.modules["cupy"], "body_ran", False)))
+            return "cupy"
+
         _autoinstall._install = fake_install
-        for name in ("torch", "torch.sub"):
+        _autoinstall._install_cupy = fake_install_cupy
+        for name in ("torch", "torch.sub", "cupy"):
             sys.modules.pop(name, None)
 
     def tearDown(self):
         sys.meta_path[:] = self.saved_meta_path
         _autoinstall._install = self.saved_install
+        _autoinstall._install_cupy = self.saved_install_cupy
         if self.saved_env is None:
             os.environ.pop(_autoinstall.VARIABLE, None)
         else:
             os.environ[_autoinstall.VARIABLE] = self.saved_env
         sys.path.remove(self.dir.name)
-        for name in ("torch", "torch.sub"):
+        for name in ("torch", "torch.sub", "cupy"):
             sys.modules.pop(name, None)
         self.dir.cleanup()
 
@@ -77,11 +87,26 @@ class HookInProcess(unittest.TestCase):
         import torch
         self.assertEqual(self.calls, [(True, True)])
         self.assertEqual(torch.sub.value, 42)
-        # The finder is gone, and torch's loader still answers what its own would.
-        self.assertFalse(any(isinstance(f, _autoinstall._TorchImportFinder) for f in sys.meta_path))
+        # The finder waits for cupy alone now, and torch's loader still answers what its own
+        # would.
+        finders = [f for f in sys.meta_path if isinstance(f, _autoinstall._TorchImportFinder)]
+        self.assertEqual([f.pending for f in finders], [{"cupy"}])
         self.assertIn("body_ran", torch.__spec__.loader.get_source("torch"))
         self.assertNotIsInstance(torch.__loader__, _autoinstall._AfterModule)
         self.assertIs(torch.__loader__, torch.__spec__.loader)
+        # cupy's import installs ccalloc there, after its module ran; the finder is gone.
+        import cupy  # noqa: F401
+        self.assertEqual(self.calls, [(True, True), ("cupy", True)])
+        self.assertFalse(any(isinstance(f, _autoinstall._TorchImportFinder) for f in sys.meta_path))
+
+    def test_cupy_first_then_torch(self):
+        os.environ[_autoinstall.VARIABLE] = "1"
+        _autoinstall.enable()
+        import cupy  # noqa: F401
+        self.assertEqual(self.calls, [("cupy", True)])
+        import torch  # noqa: F401
+        self.assertEqual(self.calls, [("cupy", True), (True, True)])
+        self.assertFalse(any(isinstance(f, _autoinstall._TorchImportFinder) for f in sys.meta_path))
 
     def test_torch_already_imported_installs_at_once(self):
         import torch  # noqa: F401

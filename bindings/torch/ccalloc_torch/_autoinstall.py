@@ -13,9 +13,13 @@ PyTorch initializes CUDA), so a process may still set PYTORCH_CUDA_ALLOC_CONF or
 it. Every process that inherits the variable is covered: torchrun's ranks, multiprocessing's
 spawned and forked workers, subprocesses.
 
+CuPy is covered the same way: at the program's `import cupy`, once CuPy's module has run,
+ccalloc becomes CuPy's allocator too (ccalloc_torch/cupy.py), so that both frameworks share
+one cache.
+
 When ccalloc cannot be installed (its libraries are missing, CUDA was initialized during
-torch's import, ...) the hook says why on stderr, once, and PyTorch's own allocator stays in
-place: it never breaks `import torch`.
+torch's import, ...) the hook says why on stderr, once, and the framework's own allocator
+stays in place: it never breaks `import torch` or `import cupy`.
 """
 
 import importlib.abc
@@ -52,6 +56,24 @@ def _install():
     return how
 
 
+def _install_cupy():
+    """Installs ccalloc as CuPy's allocator; on failure says why and leaves CuPy's pool."""
+    try:
+        from ccalloc_torch import cupy as ccalloc_cupy
+        how = ccalloc_cupy.install()
+    except Exception as e:  # noqa: BLE001  (whatever it is, import cupy must go on)
+        _say(f"{VARIABLE}=1, but ccalloc was not installed as CuPy's allocator: "
+             f"{type(e).__name__}: {e}. CuPy's own memory pool stays in place.")
+        return None
+    if os.environ.get("CCALLOC_ENABLE_VERBOSE", "") == "1":
+        _say(f"installed as CuPy's allocator ({how}) in process {os.getpid()}")
+    return how
+
+
+# The modules whose import installs ccalloc, and what it installs there.
+_HOOKS = {"torch": lambda: _install(), "cupy": lambda: _install_cupy()}
+
+
 class _AfterModule(importlib.abc.Loader):
     """Runs a module with its own loader, then `after()`; anything else goes to that loader
     (get_source, is_package, resources...)."""
@@ -76,22 +98,31 @@ class _AfterModule(importlib.abc.Loader):
 
 
 class _TorchImportFinder(importlib.abc.MetaPathFinder):
-    """Finds `torch` as the rest of sys.meta_path would, with a loader that installs
-    ccalloc once torch's module has run; removes itself at that first import."""
+    """Finds `torch` (and `cupy`) as the rest of sys.meta_path would, with a loader that
+    installs ccalloc once the module has run; forgets each name at its first import and
+    removes itself once both have been imported."""
+
+    def __init__(self, pending=None):
+        self.pending = set(_HOOKS) if pending is None else set(pending)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch":
+        if fullname not in self.pending:
             return None
-        _remove_finder()
+        self.pending.discard(fullname)
+        if not self.pending:
+            _remove_finder()
+        # The others search without this finder (a nested lookup of the same name would
+        # otherwise come back here).
+        finders = [f for f in sys.meta_path if not isinstance(f, _TorchImportFinder)]
         # The spec the import would have found without this finder: the others, in order.
         spec = None
-        for finder in list(sys.meta_path):
+        for finder in finders:
             find = getattr(finder, "find_spec", None)
             if find is not None and (spec := find(fullname, path, target)) is not None:
                 break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec  # no torch here, or one we cannot follow: import it untouched
-        spec.loader = _AfterModule(spec.loader, _install)
+            return spec  # not here, or a loader we cannot follow: import it untouched
+        spec.loader = _AfterModule(spec.loader, _HOOKS[fullname])
         return spec
 
 
@@ -100,11 +131,15 @@ def _remove_finder():
 
 
 def enable():
-    """Installs ccalloc now if torch is imported already, else at torch's import."""
+    """Installs ccalloc now into torch and CuPy where they are imported already, else at
+    their import."""
     if not wanted():
         return
-    if "torch" in sys.modules:
-        _install()
-        return
-    if not any(isinstance(f, _TorchImportFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchImportFinder())
+    pending = []
+    for name, install in _HOOKS.items():
+        if name in sys.modules:
+            install()
+        else:
+            pending.append(name)
+    if pending and not any(isinstance(f, _TorchImportFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchImportFinder(pending))
