@@ -42,32 +42,34 @@ def _say(message):
         pass
 
 
-def _install():
-    """Installs ccalloc as torch's CUDA allocator; on failure says why and leaves torch's."""
+def _install_as(install, role, stays):
+    """Runs `install` (ccalloc as `role`); on failure says why and that `stays` stays in
+    place, and returns None: the framework's import must go on whatever happened."""
     try:
-        import ccalloc_torch
-        how = ccalloc_torch.install()
-    except Exception as e:  # noqa: BLE001  (whatever it is, import torch must go on)
-        _say(f"{VARIABLE}=1, but ccalloc was not installed as PyTorch's CUDA allocator: "
-             f"{type(e).__name__}: {e}. PyTorch's own allocator stays in place.")
+        how = install()
+    except Exception as e:  # noqa: BLE001  (whatever it is, the import must go on)
+        _say(f"{VARIABLE}=1, but ccalloc was not installed as {role}: "
+             f"{type(e).__name__}: {e}. {stays} stays in place.")
         return None
     if os.environ.get("CCALLOC_ENABLE_VERBOSE", "") == "1":
-        _say(f"installed as PyTorch's CUDA allocator ({how}) in process {os.getpid()}")
+        _say(f"installed as {role} ({how}) in process {os.getpid()}")
     return how
+
+
+def _install():
+    """Installs ccalloc as torch's CUDA allocator; on failure says why and leaves torch's."""
+    def install():
+        import ccalloc_torch
+        return ccalloc_torch.install()
+    return _install_as(install, "PyTorch's CUDA allocator", "PyTorch's own allocator")
 
 
 def _install_cupy():
     """Installs ccalloc as CuPy's allocator; on failure says why and leaves CuPy's pool."""
-    try:
+    def install():
         from ccalloc_torch import cupy as ccalloc_cupy
-        how = ccalloc_cupy.install()
-    except Exception as e:  # noqa: BLE001  (whatever it is, import cupy must go on)
-        _say(f"{VARIABLE}=1, but ccalloc was not installed as CuPy's allocator: "
-             f"{type(e).__name__}: {e}. CuPy's own memory pool stays in place.")
-        return None
-    if os.environ.get("CCALLOC_ENABLE_VERBOSE", "") == "1":
-        _say(f"installed as CuPy's allocator ({how}) in process {os.getpid()}")
-    return how
+        return ccalloc_cupy.install()
+    return _install_as(install, "CuPy's allocator", "CuPy's own memory pool")
 
 
 # The modules whose import installs ccalloc, and what it installs there.
