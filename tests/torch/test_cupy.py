@@ -11,13 +11,11 @@ case in fresh processes:
 - CCALLOC_ENABLE=1 covers CuPy with no code."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from torch_compare import BINDINGS, HERE, skip_without_gpu
+from torch_compare import BINDINGS, run_fresh, skip_without_gpu
 
 skip_without_gpu()
 pytest.importorskip("cupy")
@@ -31,13 +29,7 @@ def run_python(code, ccalloc=True, env_extra=None, timeout=300):
         prelude += ("import ccalloc_torch, ccalloc_torch.cupy\n"
                     "assert ccalloc_torch.install() == 'native'\n"
                     "assert ccalloc_torch.cupy.install() == 'cupy'\n")
-    env = dict(os.environ)
-    for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CCALLOC_ENABLE"):
-        env.pop(key, None)
-    env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
-    return proc.returncode, proc.stdout.strip(), proc.stderr
+    return run_fresh(prelude, code, env_extra, timeout)
 
 
 KERNELS = """

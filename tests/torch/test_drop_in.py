@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from torch_compare import BINDINGS, HERE, assert_same, both, run, skip_without_gpu
+from torch_compare import BINDINGS, HERE, assert_same, both, run, run_fresh, skip_without_gpu
 
 skip_without_gpu()
 
@@ -32,13 +32,7 @@ def run_plain(code, env_extra=None, install=True, timeout=300):
     if install:
         prelude = (f"import sys; sys.path.insert(0, {BINDINGS!r}); import ccalloc_torch; "
                    "assert ccalloc_torch.install() == 'native'\n")
-    env = dict(os.environ)
-    for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CCALLOC_ENABLE"):
-        env.pop(key, None)
-    env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
-    return proc.returncode, proc.stdout.strip(), proc.stderr
+    return run_fresh(prelude, code, env_extra, timeout)
 
 
 # --- Lazy initialization ---------------------------------------------------------------

@@ -137,6 +137,19 @@ def run(allocator, script, conf=None, timeout=600, expect_failure=False, preset=
     return json.loads(lines[-1][len("CCALLOC_RESULT "):])
 
 
+def run_fresh(prelude, code, env_extra=None, timeout=300):
+    """Runs `prelude` then `code` (dedented) in a fresh interpreter, with none of the
+    allocator's variables set (CCALLOC_CONF, PyTorch's two, CCALLOC_ENABLE) but those of
+    `env_extra`; returns (returncode, stdout stripped, stderr)."""
+    env = dict(os.environ)
+    for key in ("CCALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CCALLOC_ENABLE"):
+        env.pop(key, None)
+    env.update(env_extra or {})
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    return proc.returncode, proc.stdout.strip(), proc.stderr
+
+
 def both(script, conf=None, timeout=600, preset="pytorch"):
     """Runs `script` on PyTorch's allocator, then on ccalloc; returns (pytorch, ccalloc)."""
     return tuple(run(a, script, conf=conf, timeout=timeout, preset=preset) for a in ALLOCATORS)
