@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """ccalloc as CuPy's allocator (bindings/torch/ccalloc_torch/cupy.py), without CuPy or a GPU:
 a fake `cupy` module and a fake libccalloc.so stand in, so the test checks what the
-allocator asks the C API for (CuPy's current device and stream), that CuPy's memory object
-frees the block exactly once when the last pointer over it goes, that an OOM is CuPy's
-OutOfMemoryError with ccalloc's message, and install/uninstall/record_stream. The real
-thing on a GPU: tests/torch/test_cupy.py."""
+allocator asks the C API for (CuPy's current device and stream), that the block is freed
+exactly once, through the C API's free, when the last pointer over it goes, that an OOM is
+CuPy's OutOfMemoryError with ccalloc's message, and install/uninstall/record_stream. The
+fake PythonFunctionAllocator does what CuPy's does (cupy/cuda/memory.pyx): its memory
+object calls malloc(size, device) for a size above 0 and free(ptr, device) when it dies.
+The real thing on a GPU: tests/torch/test_cupy.py."""
 
 import ctypes
 import gc
@@ -29,9 +31,22 @@ def fake_cupy():
         def __init__(self, size, total, limit=0):
             super().__init__("cupy's own text: %d %d" % (size, total))
 
-    class UnownedMemory:
-        def __init__(self, ptr, size, owner, device_id=None):
-            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+    class PythonFunctionAllocatorMemory:
+        def __init__(self, size, malloc_func, free_func, device_id):
+            self.size, self.device_id, self.free_func = size, device_id, free_func
+            self.ptr = malloc_func(size, device_id) if size > 0 else 0
+
+        def __del__(self):
+            if self.ptr:
+                self.free_func(self.ptr, self.device_id)
+
+    class PythonFunctionAllocator:
+        def __init__(self, malloc_func, free_func):
+            self.malloc_func, self.free_func = malloc_func, free_func
+
+        def malloc(self, size):
+            return MemoryPointer(PythonFunctionAllocatorMemory(
+                size, self.malloc_func, self.free_func, runtime.device), 0)
 
     class MemoryPointer:
         def __init__(self, mem, offset):
@@ -41,7 +56,7 @@ def fake_cupy():
     state = {"allocator": "cupy's pool"}
     cuda.memory = memory
     cuda.runtime = runtime
-    cuda.UnownedMemory = UnownedMemory
+    memory.PythonFunctionAllocator = PythonFunctionAllocator
     cuda.MemoryPointer = MemoryPointer
     cuda.get_current_stream = lambda: stream
     cuda.set_allocator = lambda a: state.__setitem__("allocator", a)
@@ -68,19 +83,20 @@ class FakeLibrary:
         self.status = 0
         self.next = 0x10000
         self.error = b""
-        self.ccalloc_malloc = FakeFunction(self._malloc)
-        self.ccalloc_free = FakeFunction(lambda p: self.calls.append(("free", p)) or 0)
+        self.ccalloc_hook_malloc = FakeFunction(self._malloc)
+        self.ccalloc_hook_free = FakeFunction(lambda p, d: self.calls.append(("free", p, d)))
         self.ccalloc_record_stream = FakeFunction(
             lambda p, s: self.calls.append(("record_stream", p, s)) or 0)
         self.ccalloc_last_error = FakeFunction(lambda: self.error)
+        self.ccalloc_last_status = FakeFunction(lambda: self.status)
 
-    def _malloc(self, ptr_ref, size, device, stream):
+    def _malloc(self, size, device, stream):
         self.calls.append(("malloc", size, device, stream))
         if self.status != 0:
-            return self.status
-        ptr_ref._obj.value = self.next
+            return None  # ctypes' c_void_p result for NULL
+        ptr = self.next
         self.next += 0x1000
-        return 0
+        return ptr
 
 
 class CupyAllocator(unittest.TestCase):
@@ -113,12 +129,17 @@ class CupyAllocator(unittest.TestCase):
         self.assertFalse(self.cc.installed())
         self.assertEqual(self.cc.install(), "cupy")
         self.assertTrue(self.cc.installed())
-        self.assertIs(self.cupy.cuda.get_allocator(), self.cc._malloc)
+        hook = self.cupy.cuda.get_allocator()
+        self.assertIs(hook.__self__.malloc_func, self.cc._malloc)
+        self.assertIs(hook.__self__.free_func, self.lib.ccalloc_hook_free)  # the C entry point
         self.assertEqual(self.cc.install(), "cupy")  # idempotent
+        self.assertIs(self.cupy.cuda.get_allocator(), hook)
         self.cc.uninstall()
         self.assertFalse(self.cc.installed())
         self.assertEqual(self.cupy.cuda.get_allocator(), "cupy's pool")
-        self.assertEqual(self.lib.ccalloc_malloc.argtypes[1], ctypes.c_size_t)
+        self.assertEqual(self.lib.ccalloc_hook_malloc.argtypes,
+                         [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p])
+        self.assertEqual(self.lib.ccalloc_hook_free.argtypes, [ctypes.c_void_p, ctypes.c_int])
 
     def test_serves_on_cupys_device_and_stream_and_frees_once_when_dropped(self):
         self.cc.install()
@@ -131,47 +152,39 @@ class CupyAllocator(unittest.TestCase):
         self.assertEqual(len(self.lib.calls), 1)  # the view keeps it
         del view
         gc.collect()
-        self.assertEqual(self.lib.calls[1:], [("free", 0x10000)])
+        self.assertEqual(self.lib.calls[1:], [("free", 0x10000, 3)])
         # Another stream and device: asked for as they are when the request comes.
         self.stream.ptr = 0x6000
         self.cupy.cuda.runtime.device = 1
-        q = self.cc._malloc(64)
+        q = self.cupy.cuda.get_allocator()(64)
         self.assertEqual(self.lib.calls[2], ("malloc", 64, 1, 0x6000))
         del q
         gc.collect()
-        self.assertEqual(self.lib.calls[3], ("free", 0x11000))
-
-    def test_zero_bytes_ask_nothing(self):
-        self.cc.install()
-        p = self.cc._malloc(0)
-        self.assertEqual((p.ptr, p.mem.size), (0, 0))
-        del p
-        gc.collect()
-        self.assertEqual(self.lib.calls, [])
+        self.assertEqual(self.lib.calls[3], ("free", 0x11000, 1))
 
     def test_out_of_memory_is_cupys_error_with_ccallocs_message(self):
         self.cc.install()
         self.lib.status = 1
         self.lib.error = b"CUDA out of memory. Tried to allocate 2.00 GiB."
         with self.assertRaises(self.cupy.cuda.memory.OutOfMemoryError) as caught:
-            self.cc._malloc(2 << 30)
+            self.cc._malloc(2 << 30, 3)
         self.assertEqual(str(caught.exception),
                          "ccalloc_torch.cupy: 2147483648 bytes on device 3: "
                          "CUDA out of memory. Tried to allocate 2.00 GiB.")
         self.lib.status = 3
         self.lib.error = b"invalid value"
         with self.assertRaises(RuntimeError) as caught:
-            self.cc._malloc(8)
+            self.cc._malloc(8, 3)
         self.assertIn("invalid value", str(caught.exception))
         self.assertNotIn("free", [c[0] for c in self.lib.calls])  # nothing was handed out
 
     def test_record_stream_names_the_blocks_start(self):
         self.cc.install()
-        p = self.cc._malloc(4096)
+        p = self.cupy.cuda.get_allocator()(4096)
         array = types.SimpleNamespace(data=self.cupy.cuda.MemoryPointer(p.mem, 256))
         self.cc.record_stream(array, types.SimpleNamespace(ptr=0x7000))
         self.cc.record_stream(p, 0x8000)
-        self.assertEqual(self.lib.calls[1:], [("record_stream", 0x10000, 0x7000),
+        self.assertEqual(self.lib.calls[1:3], [("record_stream", 0x10000, 0x7000),
                                               ("record_stream", 0x10000, 0x8000)])
 
 

@@ -290,8 +290,20 @@ TEST(CApi, WithoutAGpuCallsFailWithAReadableMessage) {
   EXPECT_NE(std::string(ccalloc_last_error()).find("CUDA"), std::string::npos)
       << ccalloc_last_error();
   EXPECT_EQ(ccalloc_torch_alloc(1024, 0, nullptr), nullptr);
+  // The hooks without a status: NULL, and the status kept for the caller to ask.
+  EXPECT_EQ(ccalloc_hook_malloc(1024, 0, nullptr), nullptr);
+  EXPECT_EQ(ccalloc_last_status(), CCALLOC_ERROR_DRIVER);
   size_t free_bytes = 0, total = 0;
   EXPECT_EQ(ccalloc_mem_get_info(0, &free_bytes, &total), CCALLOC_ERROR_DRIVER);
+}
+
+TEST(CApi, AHookFreeThatFailsSaysSoOnStderr) {
+  testing::internal::CaptureStderr();
+  ccalloc_hook_free(reinterpret_cast<void*>(0x7f0000001000), 0);
+  const std::string said = testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("0x7f0000001000"), std::string::npos) << said;
+  EXPECT_EQ(said, std::string(ccalloc_last_error()) + "\n");
+  EXPECT_NE(ccalloc_last_status(), CCALLOC_SUCCESS);
 }
 
 TEST(CApi, NullArgumentsAreInvalidValues) {

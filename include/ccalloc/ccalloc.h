@@ -217,6 +217,17 @@ ccalloc_status ccalloc_ipc_close(void* ptr);
 void* ccalloc_torch_alloc(size_t size, int device, void* stream);
 void ccalloc_torch_free(void* ptr, size_t size, int device, void* stream);
 
+/* Entry points for a framework's hook that has no status to return (CuPy's
+ * cupy.cuda.memory.PythonFunctionAllocator calls malloc(size, device) and free(ptr, device)):
+ * ccalloc_hook_malloc returns NULL on failure, with the status in ccalloc_last_status() and
+ * the reason in ccalloc_last_error(); ccalloc_hook_free writes a failure's reason to stderr,
+ * since its caller cannot see it. `device` of the free is the allocation's device (the
+ * pointer names it; the argument is not used). */
+void* ccalloc_hook_malloc(size_t size, int device, void* stream);
+void ccalloc_hook_free(void* ptr, int device);
+/* The status of the calling thread's last failure (CCALLOC_SUCCESS if none). */
+ccalloc_status ccalloc_last_status(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -20,9 +20,11 @@
 namespace {
 
 thread_local std::string t_last_error;
+thread_local ccalloc_status t_last_status = CCALLOC_SUCCESS;
 
 ccalloc_status fail(ccalloc_status status, const char* message) {
   t_last_error = message;
+  t_last_status = status;
   return status;
 }
 
@@ -113,6 +115,10 @@ extern "C" {
 
 const char* ccalloc_last_error(void) {
   return t_last_error.c_str();
+}
+
+ccalloc_status ccalloc_last_status(void) {
+  return t_last_status;
 }
 
 const char* ccalloc_version(void) {
@@ -485,8 +491,7 @@ void* ccalloc_torch_alloc(size_t size, int device, void* stream) {
     });
     return ptr;
   }
-  (void)ccalloc_malloc(&ptr, size, device, stream);
-  return ptr;
+  return ccalloc_hook_malloc(size, device, stream);
 }
 
 void ccalloc_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
@@ -498,6 +503,16 @@ void ccalloc_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
     return;
   }
   // PyTorch's free hook has no way to report an error: say it rather than hide it.
+  ccalloc_hook_free(ptr, device);
+}
+
+void* ccalloc_hook_malloc(size_t size, int device, void* stream) {
+  void* ptr = nullptr;
+  (void)ccalloc_malloc(&ptr, size, device, stream);
+  return ptr;
+}
+
+void ccalloc_hook_free(void* ptr, int /*device*/) {
   if (ccalloc_free(ptr) != CCALLOC_SUCCESS) std::fprintf(stderr, "%s\n", ccalloc_last_error());
 }
 

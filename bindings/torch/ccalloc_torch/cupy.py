@@ -29,26 +29,29 @@ _OUT_OF_MEMORY = 1  # CCALLOC_ERROR_OUT_OF_MEMORY (ccalloc/ccalloc.h)
 
 _previous = None  # CuPy's allocator before install(), restored by uninstall()
 _installed = False
-_calls = None  # (malloc, free, record_stream, last_error), bound once
+_hook = None  # what install() gave cupy.cuda.set_allocator: a PythonFunctionAllocator's malloc
+_calls = None  # (hook_malloc, hook_free, record_stream, last_error, last_status), bound once
+_current_stream = None  # cupy.cuda.get_current_stream, bound by install()
 
 
 def _bind():
     global _calls
     if _calls is None:
         lib = _library()
-        malloc = lib.ccalloc_malloc
-        malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int,
-                           ctypes.c_void_p]
-        malloc.restype = ctypes.c_int
-        free = lib.ccalloc_free
-        free.argtypes = [ctypes.c_void_p]
-        free.restype = ctypes.c_int
+        malloc = lib.ccalloc_hook_malloc  # NULL on failure, the status kept
+        malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        malloc.restype = ctypes.c_void_p
+        free = lib.ccalloc_hook_free  # a failure goes to stderr: CuPy's free cannot raise
+        free.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        free.restype = None
         record = lib.ccalloc_record_stream
         record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         record.restype = ctypes.c_int
         last_error = lib.ccalloc_last_error
         last_error.restype = ctypes.c_char_p
-        _calls = (malloc, free, record, last_error)
+        last_status = lib.ccalloc_last_status
+        last_status.restype = ctypes.c_int
+        _calls = (malloc, free, record, last_error, last_status)
     return _calls
 
 
@@ -74,53 +77,35 @@ def _out_of_memory_class():
 OutOfMemoryError = None  # the class, once install() has imported cupy
 
 
-class _Allocation:
-    """Owns one block: CuPy's UnownedMemory keeps it alive as long as any array or pointer
-    over the memory lives, and dropping the last one frees the block into ccalloc's cache."""
-
-    __slots__ = ("ptr", "__weakref__")
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __del__(self):
-        if self.ptr and _calls is not None:
-            if _calls[1](self.ptr) != 0:
-                # A destructor cannot raise: say it where the program will see it.
-                import warnings
-                warnings.warn(_error("free of 0x%x" % self.ptr), RuntimeWarning)
-            self.ptr = 0
-
-
-def _malloc(size):
-    """CuPy's allocator interface: size in bytes to a cupy.cuda.MemoryPointer."""
-    import cupy
-    device = cupy.cuda.runtime.getDevice()
-    if size == 0:
-        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
-    malloc = _bind()[0]
-    ptr = ctypes.c_void_p()
-    status = malloc(ctypes.byref(ptr), size, device, cupy.cuda.get_current_stream().ptr)
-    if status == _OUT_OF_MEMORY:
-        raise OutOfMemoryError(_error("%d bytes on device %d" % (size, device)))
-    if status != 0:
-        raise RuntimeError(_error("%d bytes on device %d" % (size, device)))
-    owner = _Allocation(ptr.value)
-    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr.value, size, owner, device), 0)
+def _malloc(size, device):
+    """The malloc of CuPy's PythonFunctionAllocator: a block of `size` (> 0) bytes on
+    `device` (CuPy's current device) for CuPy's current stream, as an address. CuPy's memory
+    object hands the address to the free below when its last pointer goes."""
+    ptr = _calls[0](size, device, _current_stream().ptr)
+    if ptr is None:
+        what = "%d bytes on device %d" % (size, device)
+        if _calls[4]() == _OUT_OF_MEMORY:
+            raise OutOfMemoryError(_error(what))
+        raise RuntimeError(_error(what))
+    return ptr
 
 
 def install():
     """Makes ccalloc CuPy's allocator (cupy.cuda.set_allocator) for every device. Arrays
     made before keep the memory they have, from CuPy's own pool. Idempotent."""
-    global _previous, _installed, OutOfMemoryError
+    global _previous, _installed, _hook, _current_stream, OutOfMemoryError
     import cupy
     if _installed:
         return "cupy"
-    _bind()
+    free = _bind()[1]
     if OutOfMemoryError is None:
         OutOfMemoryError = _out_of_memory_class()
+    _current_stream = cupy.cuda.get_current_stream
+    # CuPy's own memory object calls the two functions: no Python object of ours per block,
+    # and the free is the C entry point itself.
+    _hook = cupy.cuda.memory.PythonFunctionAllocator(_malloc, free).malloc
     _previous = cupy.cuda.get_allocator()
-    cupy.cuda.set_allocator(_malloc)
+    cupy.cuda.set_allocator(_hook)
     _installed = True
     return "cupy"
 
@@ -141,7 +126,7 @@ def installed():
     if not _installed:
         return False
     import cupy
-    return cupy.cuda.get_allocator() is _malloc
+    return cupy.cuda.get_allocator() is _hook
 
 
 def record_stream(memory, stream):
