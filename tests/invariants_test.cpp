@@ -33,11 +33,26 @@ struct StitchEngineTestAccess {
   // returns the address of the smallest.
   static DevicePtr swap_small_pool_places(StitchEngine& e,
                                           StreamId stream) NO_THREAD_SAFETY_ANALYSIS {
+    { const StitchEngine::AllArenasLock all(e); }  // a parked block pooled
     StitchEngine::Pool& pool = e.arena_for(stream).pool(/*small=*/true);
     StitchEngine::Block* first = *pool.begin();
     StitchEngine::Block* second = *std::next(pool.begin());
     std::swap(first->pool_pos, second->pool_pos);
     return first->ptr;
+  }
+  // The stream's parked block's address (0: none).
+  static DevicePtr parked(StitchEngine& e, StreamId stream) NO_THREAD_SAFETY_ANALYSIS {
+    const StitchEngine::Block* b = e.arena_for(stream).parked;
+    return b == nullptr ? 0 : b->ptr;
+  }
+  // Makes the stream's parked block the one at `ptr` in the live index (0: none), whatever
+  // it is; returns the address of the one before.
+  static DevicePtr set_parked(StitchEngine& e, StreamId stream,
+                              DevicePtr ptr) NO_THREAD_SAFETY_ANALYSIS {
+    StitchEngine::Arena& arena = e.arena_for(stream);
+    const DevicePtr before = arena.parked == nullptr ? 0 : arena.parked->ptr;
+    arena.parked = ptr == 0 ? nullptr : arena.live.find(ptr);
+    return before;
   }
 };
 
@@ -306,6 +321,28 @@ TEST(Invariants, StitchedFreeBlockWithAnotherBlocksPlaceBreaksPoolPlaces) {
   engine.free(b);
   EXPECT_EQ(engine.malloc(512, 0), a);
   EXPECT_EQ(failure(), "");
+}
+
+TEST(Invariants, ALiveBlockInThePlaceOfTheParkedOneBreaksParking) {
+  using Access = ccalloc::core::StitchEngineTestAccess;
+  ccalloc::sim::SimDriver gpu(Rig::options());
+  ccalloc::core::StitchEngine engine(gpu, Config::parse("ccalloc"));
+  const DevicePtr a = engine.malloc(512, 0);
+  const DevicePtr b = engine.malloc(512, 0);
+  engine.free(a);  // parked: nothing free before it
+  ASSERT_EQ(Access::parked(engine, 0), a);
+  EXPECT_EQ(failure_of(engine), "");
+  EXPECT_EQ(Access::set_parked(engine, 0, b), a);
+  const std::string message = failure_of(engine);
+  EXPECT_NE(message.find("the parked block " + hex_address(b) +
+                         " of stream 0 is not a parked small block"),
+            std::string::npos)
+      << message;
+  Access::set_parked(engine, 0, a);
+  EXPECT_EQ(failure_of(engine), "");
+  engine.free(b);  // next to the parked block: both pooled, merged
+  EXPECT_EQ(Access::parked(engine, 0), 0u);
+  EXPECT_EQ(failure_of(engine), "");
 }
 
 }  // namespace

@@ -9,7 +9,7 @@
 //
 // Each engine befriends ArenaEngine, whose function templates reach the members both name
 // alike: arena_of(ptr), throw_not_live, after_operation, settle_peak_debts, ledger_shares,
-// AllArenasLock, joint_, config_, registry_mutex_, arenas_, device_mutex_,
+// live_block(arena, ptr), AllArenasLock, joint_, config_, registry_mutex_, arenas_, device_mutex_,
 // set_memory_fraction, observers_mutex_, oom_observers_, free_memory_callbacks_ and
 // has_free_memory_callbacks_; and an arena's mutex, live index, stream and ledger (stats,
 // debts, in_debt). They are inline templates: the hot path (malloc, free) pays no call and no
@@ -61,7 +61,7 @@ struct ArenaEngine {
   static void record_stream(E& engine, DevicePtr ptr, StreamId stream) {
     if (auto* arena = engine.arena_of(ptr)) {
       Lock lock(arena->mutex);
-      if (auto* block = arena->live.find(ptr)) {
+      if (auto* block = E::live_block(*arena, ptr)) {
         add_stream_use(block->stream_uses, arena->stream, stream);
         lock.unlock();
         engine.after_operation();
@@ -77,7 +77,7 @@ struct ArenaEngine {
     auto* arena = engine.arena_of(ptr);
     if (arena == nullptr) return 0;
     Lock lock(arena->mutex);
-    const auto* block = arena->live.find(ptr);
+    const auto* block = E::live_block(*arena, ptr);
     return block == nullptr ? 0 : block->size;
   }
 
@@ -90,7 +90,7 @@ struct ArenaEngine {
     auto* arena = engine.arena_of(ptr);
     if (arena == nullptr) engine.throw_not_live(what, ptr);
     Lock lock(arena->mutex);
-    const auto* block = arena->live.find(ptr);
+    const auto* block = E::live_block(*arena, ptr);
     if (block == nullptr) engine.throw_not_live(what, ptr);
     return f(arena, block);
   }

@@ -316,6 +316,10 @@ class Engine final : public Backend {
   // The arena whose segment holds `ptr` (read without a lock), or nullptr. Whether `ptr`
   // is live there is for the arena's index to say, under the arena's lock.
   Arena* arena_of(DevicePtr ptr) const { return arena_by_owner(owners_.owner_of(ptr)); }
+  // The block handed out at `ptr` (nullptr: none), under its arena's lock (ArenaEngine).
+  static Block* live_block(const Arena& arena, DevicePtr ptr) REQUIRES(arena.mutex) {
+    return arena.live.find(ptr);
+  }
   Arena* arena_by_owner(SegmentMap::Owner owner) const;
   // `what` names the operation: "free of pointer 0x... which is not live".
   [[noreturn]] void throw_not_live(const char* what, DevicePtr ptr) const;

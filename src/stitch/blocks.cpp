@@ -17,6 +17,14 @@ StitchEngine::Arena::~Arena() {
   }
 }
 
+void StitchEngine::unpark(Arena& arena) {
+  Block* const b = arena.parked;
+  arena.parked = nullptr;
+  arena.live.erase(b->ptr);
+  b->kind = Block::Kind::kFree;  // its pages were stamped when it was parked
+  pool_free(arena, b);
+}
+
 StitchEngine::Block* StitchEngine::find_free(Arena& arena, bool small, std::size_t size) {
   Pool& pool = arena.pool(small);
   const auto it = pool.lower_bound(BySizeThenAddress::Key{size, 0});

@@ -101,8 +101,18 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   arena.mutex.assert_held();
   const std::size_t rounded = round_size(size, config_);  // under the lock: see reconfigure()
   const bool small = rounded <= kSmallPoolMax;
+  if (arena.parked != nullptr) {
+    if (small) {
+      if (const DevicePtr ptr = take_parked(arena, rounded, size, stack)) {
+        ArenaEngine::finish(*this, arena, lock);
+        return ptr;
+      }
+    }
+  }
   Pool& pool = arena.pool(small);
   auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
+  // A growth may take the pages a parked block leaves wholly free once pooled.
+  if (pos == pool.end() && arena.parked != nullptr) unpark(arena);
   // A large request lands where it would if the small pool kept no island.
   if (!small && arena.keeps_island && !kept_island_stays(arena, pos, rounded)) [[unlikely]] {
     return_kept_islands(arena);
@@ -247,12 +257,15 @@ bool StitchEngine::free_owned(DevicePtr ptr) {
   const Origin stack =
       recorder_.capture_on_free.load(std::memory_order_relaxed) ? capture() : Origin{};
   Lock lock(arena->mutex);
-  Block* b = arena->live.erase(ptr);
+  Block* b = live_block(*arena, ptr);
   if (b == nullptr) {
     lock.unlock();
     throw_not_live("free", ptr);
   }
-  release(*arena, b, stack);
+  if (!park(*arena, b, stack)) {  // a parked block stays in the live index
+    arena->live.erase(ptr);
+    release(*arena, b, stack);
+  }
   lock.unlock();
   after_operation();
   return true;
@@ -347,12 +360,19 @@ std::vector<StitchEngine::Arena*> StitchEngine::arena_list() const {
   return ArenaEngine::arena_list(*this);
 }
 
-StitchEngine::AllArenasLock::AllArenasLock(const StitchEngine& engine) : engine_(engine) {
+StitchEngine::AllArenasLock::AllArenasLock(const StitchEngine& engine, Parked parked)
+    : engine_(engine) {
   engine.registry_mutex_.lock();
   arenas_.reserve(engine.arenas_.size());
   for (const auto& a : engine.arenas_) {
     a->mutex.lock();
     arenas_.push_back(a.get());
+  }
+  if (parked == Parked::kKeep) return;
+  // A parked block is free memory that every view, count and ladder step sees pooled:
+  // pooling it changes nothing a caller can observe, so a const operation may do it.
+  for (Arena* a : arenas_) {
+    if (a->parked != nullptr) const_cast<StitchEngine&>(engine).unpark(*a);
   }
 }
 

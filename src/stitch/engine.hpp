@@ -11,6 +11,9 @@
 //   free       -> in its arena's pool (best fit by size, then address)
 //   void       -> page-aligned pages that are dead or unmapped: in no pool, never merged
 //                 with free blocks, never handed out
+//   parked     -> the stream's last freed small block, in no pool (in live_), kept whole for a next
+//                 request that best fit would serve with it (Arena::parked, hot_path.hpp):
+//                 free memory in every count and view, pooled by any other operation
 // A mapped page is live when its piece's live address is that page, else dead: its piece
 // was lent to a later page and the old mapping stays until empty_cache or the OOM ladder
 // unmaps it (unmapping needs the stream idle, which malloc and free never wait for).
@@ -255,7 +258,7 @@ class StitchEngine final : public Backend {
   using BySizeThenAddress = SizeThenAddress<Block>;  // best fit (core/block.hpp)
   // Blocks, spaces and their pages are guarded by their arena's lock.
   struct Block {
-    enum class Kind : std::uint8_t { kFree, kAllocated, kPending, kVoid };
+    enum class Kind : std::uint8_t { kFree, kAllocated, kPending, kVoid, kParked };
     DevicePtr ptr = 0;
     std::size_t size = 0;
     std::size_t requested = 0;
@@ -343,7 +346,9 @@ class StitchEngine final : public Backend {
     // [0] large, [1] small
     Pool pools[2] GUARDED_BY(mutex){Pool(&pool_nodes), Pool(&pool_nodes)};
     std::vector<std::unique_ptr<Space>> spaces[2] GUARDED_BY(mutex);
-    PtrMap<Block*> live GUARDED_BY(mutex);  // allocated blocks by address
+    PtrMap<Block*> live GUARDED_BY(mutex);  // allocated blocks and the parked one, by address
+    // The parked block (hot_path.hpp, park()), if any.
+    Block* parked GUARDED_BY(mutex) = nullptr;
     std::vector<PendingEvent> pending GUARDED_BY(mutex);
     // Frees with other streams' uses made while a capture was underway: pending, with no
     // events yet (insert_deferred_events records them once no capture is underway).
@@ -389,10 +394,13 @@ class StitchEngine final : public Backend {
   };
   enum class Grow { kDone, kOutOfMemory, kNeedsGc };
 
-  // Holds registry_mutex_ and every arena lock, taken in creation order.
+  // Holds registry_mutex_ and every arena lock, taken in creation order, and pools every
+  // arena's parked block (unpark) unless told to keep them (the invariant checker).
   class AllArenasLock {
    public:
-    explicit AllArenasLock(const StitchEngine& engine) NO_THREAD_SAFETY_ANALYSIS;
+    enum class Parked { kPool, kKeep };
+    explicit AllArenasLock(const StitchEngine& engine, Parked parked = Parked::kPool)
+        NO_THREAD_SAFETY_ANALYSIS;
     ~AllArenasLock() NO_THREAD_SAFETY_ANALYSIS;
     AllArenasLock(const AllArenasLock&) = delete;
     AllArenasLock& operator=(const AllArenasLock&) = delete;
@@ -415,6 +423,12 @@ class StitchEngine final : public Backend {
   }
   Arena& arena_for_registry(StreamId stream) EXCLUDES(registry_mutex_);
   Arena* arena_of(DevicePtr ptr) const { return arena_table_.get(owners_.owner_of(ptr)); }
+  // The block handed out at `ptr` (nullptr: none): the live index holds the parked block
+  // too, which is free.
+  static Block* live_block(const Arena& arena, DevicePtr ptr) REQUIRES(arena.mutex) {
+    Block* const b = arena.live.find(ptr);
+    return b != nullptr && b->kind != Block::Kind::kParked ? b : nullptr;
+  }
   std::vector<Arena*> arena_list() const EXCLUDES(registry_mutex_);
   // The rest of malloc once the arena's pool had no block: growth under the device lock,
   // then the GC and OOM ladder under every lock. Returns with every lock released.
@@ -476,6 +490,9 @@ class StitchEngine final : public Backend {
   // Sharing between streams (stitch/share.cpp). Stamps the pages of the block `b`, just
   // freed, with its arena's epoch and keeps fences in flight.
   void note_free(Arena& arena, const Block& b) REQUIRES(arena.mutex);
+  // Stamps the pages of `b` with `epoch` (its arena's when `b` was freed), as note_free
+  // does with the current one, keeping a page's later stamp; no fence poll.
+  void stamp_freed(Arena& arena, const Block& b, std::uint64_t epoch) REQUIRES(arena.mutex);
   // Moves the arena's safe epoch past its completed fences, and records a fence where pages
   // were freed since the last one and that one is kFenceIntervalUs old. `polled`: only when
   // the last poll by a free is that old too (the free path's rate limit).
@@ -517,6 +534,18 @@ class StitchEngine final : public Backend {
   void delete_block(Arena& arena, Block* b) REQUIRES(arena.mutex);
   // Returns the block's pool to its arena's free pool, or records events for its uses.
   void release(Arena& arena, Block* b, const Origin& stack) REQUIRES(arena.mutex);
+  // The one-block cache in front of the small pool (hot_path.hpp): a free of a small block
+  // with no other stream's use, no history and no free block before it parks it whole
+  // instead of pooling and merging it (true); a request that best fit would serve at its
+  // address takes it back as it is, any other small request pools it first (0).
+  bool park(Arena& arena, Block* b, const Origin& stack) REQUIRES(arena.mutex);
+  DevicePtr take_parked(Arena& arena, std::size_t rounded, std::size_t requested,
+                        const Origin& stack) REQUIRES(arena.mutex);
+  // Pools the arena's parked block, merged with its free neighbours, as its free would have.
+  void unpark(Arena& arena) REQUIRES(arena.mutex);
+  // The statistics of a block handed out (hand_out, take_parked).
+  void count_hand_out(Arena& arena, const Block& block, std::size_t requested)
+      REQUIRES(arena.mutex);
   void process_events(Arena& arena) REQUIRES(arena.mutex);
   // Records the events of a pending block's other streams' uses.
   void record_events(Arena& arena, Block* b) REQUIRES(arena.mutex);
@@ -582,6 +611,7 @@ class StitchEngine final : public Backend {
   Config config_;
   const std::uint64_t uid_;  // never reused: keys the per-thread arena cache
   std::atomic<bool> check_invariants_{false};
+  bool parking_ = true;  // park(); off only in tests that compare against the pools alone
   // History (record_history): its switches, ring and annotations; the owner's trace lock is
   // trace_mutex_.
   HistoryRecorder recorder_;

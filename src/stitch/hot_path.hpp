@@ -91,12 +91,19 @@ CCALLOC_HOT DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, s
   }
   if (stack) block->stack = stack;  // a free block has none
   arena.live.insert(block->ptr, block);
+  count_hand_out(arena, *block, requested);
+  record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
+  return block->ptr;
+}
+
+CCALLOC_HOT void StitchEngine::count_hand_out(Arena& arena, const Block& block,
+                                              std::size_t requested) {
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
-  const auto bytes = static_cast<std::int64_t>(block->size);
+  const auto bytes = static_cast<std::int64_t>(block.size);
   // The segment's pool's entries; the aggregates keep their peaks only
   // (core/peak_ledger.hpp).
-  const StatType t = pool_stat(block->space->small);
+  const StatType t = pool_stat(block.space->small);
   const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
@@ -106,8 +113,71 @@ CCALLOC_HOT DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, s
   increase(st.active, debt.active, 1);
   increase(st.active_bytes, debt.active_bytes, bytes);
   increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested));
-  record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
-  return block->ptr;
+}
+
+// The cache in front of the small pool. A free that would pool its block at once (no other
+// stream's use, so no event) with no history or trace to record and no capture underway
+// parks it instead, when no free block lies before it: pooled, it would be a free block
+// starting at its own address, merged at most with the free block after it. The next
+// small request on the stream takes it as it is where best fit would serve that request
+// from that merged block's start (the same address, the rest pooled as it is now); any
+// other pools it first, as does a free next to it, a growth and every operation that takes
+// all arena locks. So the blocks handed out, and every statistic, are those of the pools
+// alone; what is saved is the merge, the split and the tree updates of a pair.
+CCALLOC_HOT bool StitchEngine::park(Arena& arena, Block* b, const Origin& stack) {
+  if (!b->space->small || !b->small || !b->stream_uses.empty() || stack || b->stack ||
+      tracing_.load(std::memory_order_relaxed) || capturing() || !parking_) {
+    return false;
+  }
+  if (arena.parked != nullptr) unpark(arena);  // the last one parked goes to its pool
+  const Block* const prev = b->prev;
+  if (prev != nullptr && prev->kind == Block::Kind::kFree) return false;  // (same pool)
+  const StatType t = kSmallPool;
+  DeviceStats& st = arena.stats;
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  st.allocation[t].decrease(1);
+  st.allocated_bytes[t].decrease(bytes);
+  st.active[t].decrease(1);
+  st.active_bytes[t].decrease(bytes);
+  st.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+  b->kind = Block::Kind::kParked;
+  // Stamped (and the fences polled) as the free would: a stream that takes its pages later
+  // sees the same stamps, whether or not it was parked meanwhile.
+  if (sharing_.load(std::memory_order_relaxed)) [[unlikely]]
+    note_free(arena, *b);
+  arena.parked = b;
+  return true;
+}
+
+// Pooled, the parked block b would merge with a free block after it into one that starts
+// at b: a request of b's size is served at b when that merged block is the request's best
+// fit, that is, when it sorts before every other pooled block that fits.
+CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounded,
+                                                std::size_t requested, const Origin& stack) {
+  Block* const b = arena.parked;
+  if (b->size == rounded) {
+    Block* const after =
+        b->next != nullptr && b->next->kind == Block::Kind::kFree ? b->next : nullptr;
+    Pool& pool = arena.pool(true);
+    auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
+    if (pos != pool.end() && *pos == after) {
+      // The next one, unless after is the only one (a page's free rest, on the usual hit).
+      pos = pool.size() == 1 ? pool.end() : std::next(pos);
+    }
+    const std::size_t merged = b->size + (after != nullptr ? after->size : 0);
+    if (pos == pool.end() || merged < (*pos)->size ||
+        (merged == (*pos)->size && b->ptr < (*pos)->ptr)) {
+      arena.parked = nullptr;
+      b->kind = Block::Kind::kAllocated;  // (still in the live index)
+      b->requested = requested;
+      if (stack) b->stack = stack;
+      count_hand_out(arena, *b, requested);
+      record_trace(TraceAction::kAlloc, b->ptr, requested, arena.stream, stack);
+      return b->ptr;
+    }
+  }
+  unpark(arena);
+  return 0;
 }
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
@@ -125,6 +195,14 @@ CCALLOC_HOT void StitchEngine::free_block(Arena& arena, Block* b) {
 }
 
 CCALLOC_HOT StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b, bool keep_island) {
+  if (Block* const p = arena.parked; p != nullptr && (p == b->prev || p == b->next)) [[unlikely]] {
+    // The parked neighbour was pooled when it was freed, for all the pools know: pool it
+    // first (with b not yet free), then merge b with what holds it.
+    const Block::Kind kind = b->kind;
+    b->kind = Block::Kind::kAllocated;
+    unpark(arena);
+    b->kind = kind;
+  }
   Space& s = *b->space;
   Pool& pool = arena.pool(b->small);
   const auto joins = [b](const Block* n) {

@@ -15,7 +15,7 @@ namespace ccalloc::core {
 // Invariants
 
 void StitchEngine::check_invariants() const {
-  const AllArenasLock all(*this);
+  const AllArenasLock all(*this, AllArenasLock::Parked::kKeep);  // checks them as they are
   Lock device(device_mutex_);
   check_locked(all);
 }
@@ -29,6 +29,7 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
   sync_block_aggregates_of(all, all.arenas());  // aggregates from their pools'
   std::vector<DeviceStats> recount(all.arenas().size());  // by arena (owner - 1)
   std::size_t free_blocks = 0, allocated_blocks = 0, pending_blocks = 0;
+  std::size_t parked_in_spaces = 0, parked_blocks = 0;
   // Physical bytes of live blocks: (handle, piece, first byte, end byte in the piece).
   std::vector<std::tuple<PhysicalHandle, std::uint32_t, std::size_t, std::size_t, DevicePtr>> used;
   std::map<std::pair<PhysicalHandle, std::uint32_t>, std::uint32_t> page_maps;
@@ -106,8 +107,9 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
                      "in its pool but is " + (b->kind == Kind::kFree ? "free" : "not free"));
           }
           const bool is_live = arena->live.find(b->ptr) == b;
-          if (is_live != (b->kind == Kind::kAllocated)) {
-            violated("block " + hex_address(b->ptr) + " is live iff allocated: it is not so");
+          if (is_live != (b->kind == Kind::kAllocated || b->kind == Kind::kParked)) {
+            violated("block " + hex_address(b->ptr) +
+                     " is in the live index iff allocated or parked: it is not so");
           }
           const bool deferred = std::count(arena->deferred.begin(), arena->deferred.end(), b) != 0;
           if (deferred && (b->kind != Kind::kPending || b->event_count != 0 ||
@@ -143,6 +145,11 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
           }
           if (b->kind == Kind::kFree) {
             ++free_blocks;
+            continue;
+          }
+          if (b->kind == Kind::kParked) {  // free memory: no statistic, no live byte
+            ++parked_in_spaces;
+            ++parked_blocks;
             continue;
           }
           (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
@@ -215,6 +222,18 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
         }
       }
     }
+    // The parked block: a small block of a small space of the stream with no free block
+    // before it (pooled, it would start a free block at its own address).
+    if (const Block* b = arena->parked) {
+      if (b->kind != Kind::kParked || b->space->arena != arena || !b->space->small ||
+          !b->small || (b->prev != nullptr && b->prev->kind == Kind::kFree)) {
+        violated("the parked block " + hex_address(b->ptr) + " of stream " +
+                 std::to_string(arena->stream) +
+                 " is not a parked small block of the stream with no free block before it");
+      }
+      if (parked_in_spaces-- == 0) violated("the parked block " + hex_address(b->ptr) +
+                                            " is in no space, or parked twice");
+    }
     for (const Pool& pool : arena->pools) {
       for (auto it = pool.begin(); it != pool.end(); ++it) {
         const Block* b = *it;
@@ -251,7 +270,8 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
     pooled += arena->pools[0].size() + arena->pools[1].size();
   }
   if (pooled != free_blocks) violated("the pools hold blocks that are not in any space");
-  if (live_entries != allocated_blocks) {
+  if (parked_in_spaces != 0) violated("a block is parked but not its stream's parked block");
+  if (live_entries != allocated_blocks + parked_blocks) {
     violated("a live index holds blocks that are not in any space");
   }
   if (pending_outstanding != pending_entries) {

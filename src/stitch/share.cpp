@@ -191,6 +191,7 @@ std::size_t StitchEngine::plan_borrow(Arena& arena, bool small, std::size_t lack
     // well, behind a wait on the oldest fence that covers them: this stream's work then
     // starts only once that stream's has passed their frees.
     complete_fences(*x);
+    if (x->parked != nullptr) unpark(*x);  // its pages may serve too once pooled
     const std::uint64_t usable =
         config_.stream_borrow_wait || x->fences.empty() ? x->epoch : x->safe_epoch;
     const std::uint64_t safe = x->safe_epoch;
