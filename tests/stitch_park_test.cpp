@@ -52,18 +52,17 @@ struct Pair {
   }
   // malloc on both: the same address, or the same OOM.
   DevicePtr malloc(std::size_t size, StreamId stream) {
-    DevicePtr a = 0, b = 0;
+    const auto attempt = [&](StitchEngine& e, bool& oom) -> DevicePtr {
+      try {
+        return e.malloc(size, stream);
+      } catch (const ccalloc::OutOfMemoryError&) {
+        oom = true;
+        return 0;
+      }
+    };
     bool oom_a = false, oom_b = false;
-    try {
-      a = parked.malloc(size, stream);
-    } catch (const ccalloc::OutOfMemoryError&) {
-      oom_a = true;
-    }
-    try {
-      b = pooled.malloc(size, stream);
-    } catch (const ccalloc::OutOfMemoryError&) {
-      oom_b = true;
-    }
+    const DevicePtr a = attempt(parked, oom_a);
+    const DevicePtr b = attempt(pooled, oom_b);
     EXPECT_EQ(oom_a, oom_b) << size << " B on stream " << stream;
     EXPECT_EQ(a, b) << size << " B on stream " << stream;
     return a;
@@ -74,8 +73,10 @@ struct Pair {
     pooled.free(p);
     if (Access::parked(parked, stream) == p) ++parks;
   }
-  // Everything a caller can see, equal (the views pool the parked blocks).
+  // The parking engine's invariants with its parked blocks in place; then everything a
+  // caller can see, equal (the views pool the parked blocks).
   void expect_same() {
+    parked.check_invariants();
     EXPECT_EQ(parked.stats(), pooled.stats());
     const auto sa = parked.segments(), sb = pooled.segments();
     ASSERT_EQ(sa.size(), sb.size());
@@ -109,7 +110,6 @@ TEST(StitchPark, AFreedSmallBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) 
   EXPECT_EQ(p.malloc(512, 0), a);
   EXPECT_EQ(Access::parked(p.parked, 0), 0u);
   p.expect_same();
-  p.parked.check_invariants();
 }
 
 TEST(StitchPark, ARequestThatBestFitServesElsewhereTakesItsBestFit) {
@@ -129,7 +129,6 @@ TEST(StitchPark, ARequestThatBestFitServesElsewhereTakesItsBestFit) {
   EXPECT_EQ(p.malloc(1024, 0), x);
   EXPECT_EQ(Access::parked(p.parked, 0), 0u);
   p.expect_same();
-  p.parked.check_invariants();
 }
 
 TEST(StitchPark, AFreeNextToTheParkedBlockMergesWithIt) {
@@ -143,7 +142,6 @@ TEST(StitchPark, AFreeNextToTheParkedBlockMergesWithIt) {
   EXPECT_EQ(Access::parked(p.parked, 0), 0u);
   EXPECT_EQ(p.malloc(1024, 0), a);
   p.expect_same();
-  p.parked.check_invariants();
 }
 
 TEST(StitchPark, ABlockBeforeTheParkedOneFreedLaterMergesWithIt) {
@@ -163,7 +161,6 @@ TEST(StitchPark, ABlockBeforeTheParkedOneFreedLaterMergesWithIt) {
   EXPECT_EQ(p.malloc(512, 0), x);
   EXPECT_EQ(Access::parked(p.parked, 0), 0u);
   p.expect_same();
-  p.parked.check_invariants();
 }
 
 // Random work on three streams (record_stream, empty_cache, a device small enough for the
@@ -210,14 +207,10 @@ TEST(StitchPark, RandomWorkHandsOutWhatThePoolsAloneWould) {
         p.parked.empty_cache();
         p.pooled.empty_cache();
       }
-      if (i % 500 == 0) {
-        p.parked.check_invariants();
-        p.expect_same();
-      }
+      if (i % 500 == 0) p.expect_same();
       if (testing::Test::HasFailure()) return;
     }
     p.expect_same();
-    p.parked.check_invariants();
     EXPECT_GT(p.parks, 500);  // the cache was at work
   }
 }

@@ -101,12 +101,10 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   arena.mutex.assert_held();
   const std::size_t rounded = round_size(size, config_);  // under the lock: see reconfigure()
   const bool small = rounded <= kSmallPoolMax;
-  if (arena.parked != nullptr) {
-    if (small) {
-      if (const DevicePtr ptr = take_parked(arena, rounded, size, stack)) {
-        ArenaEngine::finish(*this, arena, lock);
-        return ptr;
-      }
+  if (small && arena.parked != nullptr) {
+    if (const DevicePtr ptr = take_parked(arena, rounded, size, stack)) {
+      ArenaEngine::finish(*this, arena, lock);
+      return ptr;
     }
   }
   Pool& pool = arena.pool(small);

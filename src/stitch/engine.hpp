@@ -543,9 +543,14 @@ class StitchEngine final : public Backend {
                         const Origin& stack) REQUIRES(arena.mutex);
   // Pools the arena's parked block, merged with its free neighbours, as its free would have.
   void unpark(Arena& arena) REQUIRES(arena.mutex);
-  // The statistics of a block handed out (hand_out, take_parked).
-  void count_hand_out(Arena& arena, const Block& block, std::size_t requested)
-      REQUIRES(arena.mutex);
+  // Marks `block` allocated with its statistics and trace (hand_out, take_parked); its
+  // address.
+  DevicePtr mark_handed_out(Arena& arena, Block& block, std::size_t requested,
+                            const Origin& stack) REQUIRES(arena.mutex);
+  // A free's statistics in pool `t` (the block's segment's): at the free (count_release),
+  // and once no use is outstanding (count_inactive); release, free_block, park.
+  void count_release(Arena& arena, const Block& b, StatType t) REQUIRES(arena.mutex);
+  void count_inactive(Arena& arena, const Block& b, StatType t) REQUIRES(arena.mutex);
   void process_events(Arena& arena) REQUIRES(arena.mutex);
   // Records the events of a pending block's other streams' uses.
   void record_events(Arena& arena, Block* b) REQUIRES(arena.mutex);

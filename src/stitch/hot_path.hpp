@@ -83,21 +83,19 @@ CCALLOC_HOT DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, s
   } else {
     pool.erase(pos);
   }
-  block->kind = Block::Kind::kAllocated;
-  block->requested = requested;
   if (!small) {
     arena.large_served += block->size;
     arena.largest_large = std::max(arena.largest_large, block->size);
   }
-  if (stack) block->stack = stack;  // a free block has none
   arena.live.insert(block->ptr, block);
-  count_hand_out(arena, *block, requested);
-  record_trace(TraceAction::kAlloc, block->ptr, requested, arena.stream, stack);
-  return block->ptr;
+  return mark_handed_out(arena, *block, requested, stack);
 }
 
-CCALLOC_HOT void StitchEngine::count_hand_out(Arena& arena, const Block& block,
-                                              std::size_t requested) {
+CCALLOC_HOT DevicePtr StitchEngine::mark_handed_out(Arena& arena, Block& block,
+                                                    std::size_t requested, const Origin& stack) {
+  block.kind = Block::Kind::kAllocated;
+  block.requested = requested;
+  if (stack) block.stack = stack;  // a free or parked block has none
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;  // rises beyond the baselines: core/peak_ledger.hpp
   const auto bytes = static_cast<std::int64_t>(block.size);
@@ -113,6 +111,23 @@ CCALLOC_HOT void StitchEngine::count_hand_out(Arena& arena, const Block& block,
   increase(st.active, debt.active, 1);
   increase(st.active_bytes, debt.active_bytes, bytes);
   increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested));
+  record_trace(TraceAction::kAlloc, block.ptr, requested, arena.stream, stack);
+  return block.ptr;
+}
+
+// A free's statistics, in pool `t`: the block's segment's (an island's in the large one, as
+// PyTorch's tools rebuild them from the snapshot's segments), its entries only
+// (core/peak_ledger.hpp): no longer allocated at the free, no longer active once its uses
+// are done. Frees lower the block statistics only: no peak debt to settle.
+CCALLOC_HOT void StitchEngine::count_release(Arena& arena, const Block& b, StatType t) {
+  arena.stats.allocation[t].decrease(1);
+  arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b.size));
+}
+
+CCALLOC_HOT void StitchEngine::count_inactive(Arena& arena, const Block& b, StatType t) {
+  arena.stats.active[t].decrease(1);
+  arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b.size));
+  arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b.requested));
 }
 
 // The cache in front of the small pool. A free that would pool its block at once (no other
@@ -132,14 +147,8 @@ CCALLOC_HOT bool StitchEngine::park(Arena& arena, Block* b, const Origin& stack)
   if (arena.parked != nullptr) unpark(arena);  // the last one parked goes to its pool
   const Block* const prev = b->prev;
   if (prev != nullptr && prev->kind == Block::Kind::kFree) return false;  // (same pool)
-  const StatType t = kSmallPool;
-  DeviceStats& st = arena.stats;
-  const auto bytes = static_cast<std::int64_t>(b->size);
-  st.allocation[t].decrease(1);
-  st.allocated_bytes[t].decrease(bytes);
-  st.active[t].decrease(1);
-  st.active_bytes[t].decrease(bytes);
-  st.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+  count_release(arena, *b, kSmallPool);  // (a small space's block)
+  count_inactive(arena, *b, kSmallPool);
   b->kind = Block::Kind::kParked;
   // Stamped (and the fences polled) as the free would: a stream that takes its pages later
   // sees the same stamps, whether or not it was parked meanwhile.
@@ -168,12 +177,7 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
     if (pos == pool.end() || merged < (*pos)->size ||
         (merged == (*pos)->size && b->ptr < (*pos)->ptr)) {
       arena.parked = nullptr;
-      b->kind = Block::Kind::kAllocated;  // (still in the live index)
-      b->requested = requested;
-      if (stack) b->stack = stack;
-      count_hand_out(arena, *b, requested);
-      record_trace(TraceAction::kAlloc, b->ptr, requested, arena.stream, stack);
-      return b->ptr;
+      return mark_handed_out(arena, *b, requested, stack);  // (still in the live index)
     }
   }
   unpark(arena);
@@ -182,10 +186,7 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
 
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 CCALLOC_HOT void StitchEngine::free_block(Arena& arena, Block* b) {
-  const StatType t = pool_stat(b->space->small);  // the pool's entries only
-  arena.stats.active[t].decrease(1);
-  arena.stats.active_bytes[t].decrease(static_cast<std::int64_t>(b->size));
-  arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+  count_inactive(arena, *b, pool_stat(b->space->small));
   record_trace(TraceAction::kFreeCompleted, b->ptr, b->requested, arena.stream, b->stack);
   b->kind = Block::Kind::kFree;
   b->stack.clear();
@@ -247,14 +248,8 @@ CCALLOC_HOT StitchEngine::Block* StitchEngine::pool_free(Arena& arena, Block* b,
   return keep_island || !merged->in_island() ? merged : end_island_if_free(arena, merged);
 }
 
-// Frees lower the block statistics only: no peak debt to settle.
 CCALLOC_HOT void StitchEngine::release(Arena& arena, Block* b, const Origin& stack) {
-  // Block statistics count a block in its segment's pool (an island's in the large one),
-  // as PyTorch's tools rebuild them from the snapshot's segments.
-  // The pool's entries only (core/peak_ledger.hpp).
-  const StatType t = pool_stat(b->space->small);
-  arena.stats.allocation[t].decrease(1);
-  arena.stats.allocated_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+  count_release(arena, *b, pool_stat(b->space->small));
   // The free's own stack (context "all"), else the allocation's.
   record_trace(TraceAction::kFreeRequested, b->ptr, b->requested, arena.stream,
                stack ? stack : b->stack);
