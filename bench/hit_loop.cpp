@@ -8,9 +8,11 @@
 // optionally how many streams have allocated before (default 1: only the loop's; more
 // turn on what a process of several streams runs, such as the stitching policy's sharing
 // of memory between streams). The first pair, which creates the memory, is made before the
-// loop; the loop's share of the count is the total less a run of 0 pairs. The loop's wall
-// time per pair goes to stderr ("ns_per_pair N"), for timing two builds side by side
-// (scripts/hit-ab).
+// loop; the loop's share of the count is the total less a run of 0 pairs. A fifth argument
+// `wall` runs the simulated GPU's clock in real time (sim::Options::wall_clock), as a real
+// device's: a stream that shares then gates its frees' fence polls as on a device. The
+// loop's wall time per pair goes to stderr ("ns_per_pair N"), for timing two builds side by
+// side (scripts/hit-ab).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -20,14 +22,16 @@
 #include "ccalloc/sim.hpp"
 
 int main(int argc, char** argv) {
-  if (argc != 4 && argc != 5) {
-    std::fprintf(stderr, "usage: %s CONF BYTES PAIRS [STREAMS]\n", argv[0]);
+  if (argc < 4 || argc > 6 || (argc == 6 && std::string(argv[5]) != "wall")) {
+    std::fprintf(stderr, "usage: %s CONF BYTES PAIRS [STREAMS [wall]]\n", argv[0]);
     return 2;
   }
   const std::size_t bytes = std::strtoull(argv[2], nullptr, 10);
   const long pairs = std::strtol(argv[3], nullptr, 10);
-  const long streams = argc == 5 ? std::strtol(argv[4], nullptr, 10) : 1;
-  ccalloc::sim::SimDriver gpu;
+  const long streams = argc >= 5 ? std::strtol(argv[4], nullptr, 10) : 1;
+  ccalloc::sim::Options options;
+  options.wall_clock = argc == 6;
+  ccalloc::sim::SimDriver gpu(options);
   ccalloc::Allocator allocator(gpu, ccalloc::Config::parse(argv[1]));
   for (long s = 1; s < streams; ++s)
     allocator.free(allocator.malloc(bytes, static_cast<ccalloc::StreamId>(7 + s)));

@@ -116,6 +116,9 @@ class ProcessAllocator {
   // The one device with an allocator while there is exactly one (the common case: frees
   // need no search); -1 before the first, -2 once there are several.
   std::atomic<int> sole_device_{-1};
+  // The allocator of the only visible device, once made: a malloc for the current device
+  // (or device 0) and every free go straight to it, with no count, range or table read.
+  std::atomic<Allocator*> only_{nullptr};
 };
 
 }  // namespace ccalloc

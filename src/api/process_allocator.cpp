@@ -91,6 +91,7 @@ Allocator& ProcessAllocator::allocator(int device) {
   allocators_[static_cast<std::size_t>(device)].store(slot.allocator.get(),
                                                       std::memory_order_release);
   sole_device_.store(sole_device_.load() == -1 ? device : -2, std::memory_order_release);
+  if (device_count() == 1) only_.store(slot.allocator.get(), std::memory_order_release);
   return *slot.allocator;
 }
 
@@ -116,11 +117,19 @@ int ProcessAllocator::device_of(DevicePtr ptr) {
 }
 
 DevicePtr ProcessAllocator::malloc(std::size_t size, StreamId stream, int device) {
+  if (Allocator* a = only_.load(std::memory_order_acquire);
+      a != nullptr && (device == -1 || device == 0)) {
+    return a->malloc(size, stream);
+  }
   return allocator(device).malloc(size, stream);
 }
 
 void ProcessAllocator::free(DevicePtr ptr) {
   if (ptr == 0) return;
+  if (Allocator* a = only_.load(std::memory_order_acquire)) {
+    a->free(ptr);  // throws InvalidPointerError for a pointer it does not hold
+    return;
+  }
   if (const int sole = sole_device_.load(std::memory_order_acquire); sole >= 0) {
     existing(sole)->free(ptr);  // throws InvalidPointerError for a pointer it does not hold
     return;
