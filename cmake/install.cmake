@@ -4,7 +4,8 @@
 #    (find_package(ccalloc CONFIG)) and ccalloc.pc;
 #  - a Python wheel (SKBUILD, set by scikit-build-core): only libccalloc.so,
 #    libccalloc_torch.so (the native allocator) and, where it was built,
-#    libccalloc_torch_hooks.so, inside the ccalloc_torch package, which looks for them there.
+#    libccalloc_torch_hooks.so, and CuPy's C route (_ccalloc_cupy.abi3.so), inside the
+#    ccalloc_torch package, which looks for them there.
 include(CMakePackageConfigHelpers)
 
 if(SKBUILD)
@@ -17,6 +18,9 @@ if(SKBUILD)
   get_target_property(ccalloc_torch_rpath ccalloc_torch BUILD_RPATH)
   set_target_properties(ccalloc_torch PROPERTIES INSTALL_RPATH "${ccalloc_torch_rpath}")
   install(TARGETS ccalloc_shared ccalloc_torch LIBRARY DESTINATION ccalloc_torch)
+  if(TARGET ccalloc_cupy_route)  # CuPy's C route (bindings/cupy), where Python's headers were
+    install(TARGETS ccalloc_cupy_route LIBRARY DESTINATION ccalloc_torch)
+  endif()
   # Into site-packages itself, where Python runs it at every start: CCALLOC_ENABLE=1 then
   # installs ccalloc at the program's `import torch` (ccalloc_torch/_autoinstall.py).
   install(FILES ${PROJECT_SOURCE_DIR}/bindings/torch/ccalloc_torch.pth DESTINATION .)

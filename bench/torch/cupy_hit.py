@@ -36,7 +36,13 @@ def main():
     pool = cupy.get_default_memory_pool()
     cc.install()
     ccalloc_alloc = cupy.cuda.get_allocator()
+    source = cc._c_module.stream_source() if cc.route() == "c" else "cupy.cuda.get_current_stream"
+    print("ccalloc's route: %s (CuPy's stream from %s); CuPy %s" % (cc.route(), source,
+                                                                  cupy.__version__))
     routes = {"cupy pool": pool.malloc, "ccalloc": ccalloc_alloc}
+    if cc.route() == "c":  # the Python route too, for comparison
+        routes["ccalloc py"] = cupy.cuda.memory.PythonFunctionAllocator(
+            cc._malloc, cc._bind()[1]).malloc
     results = {}
     for size in (int(s) for s in args.sizes.split(",")):
         for alloc in routes.values():  # warm: the block is cached on both
@@ -53,11 +59,14 @@ def main():
         for name, r in by_route.items():
             print("%10d %-10s %10.0f %10.0f %10.0f" % (size, name, r["median_ns"], r["min_ns"],
                                                        r["max_ns"]))
-        print("%10d ccalloc / cupy pool: %.2f" % (
-            size, by_route["ccalloc"]["median_ns"] / by_route["cupy pool"]["median_ns"]))
+        for name in by_route:
+            if name != "cupy pool":
+                print("%10d %s / cupy pool: %.2f" % (
+                    size, name, by_route[name]["median_ns"] / by_route["cupy pool"]["median_ns"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"pairs": args.pairs, "rounds": args.rounds, "results": results}, f, indent=1)
+            json.dump({"pairs": args.pairs, "rounds": args.rounds, "route": cc.route(),
+                       "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

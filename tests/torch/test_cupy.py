@@ -50,7 +50,9 @@ def test_kernels_give_what_they_give_on_cupys_pool():
     assert rc == 0, err
     rc, out, err = run_python(KERNELS + """
     import ccalloc_torch, torch
-    # The arrays came from ccalloc: its statistics count them.
+    # The arrays came from ccalloc: its statistics count them, once torch has initialized
+    # CUDA (before that, torch.cuda.memory_stats() answers {} without asking the allocator).
+    torch.cuda.init()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] >= 8
 """)
     assert rc == 0, err
@@ -138,6 +140,21 @@ def test_dlpack_crosses_without_copy_and_one_cache_serves_both():
 """)
     assert rc == 0, err
     assert out == "ok", out
+
+
+def test_out_of_memory_is_cupys_error_and_the_allocator_serves_on():
+    rc, out, err = run_python("""
+    import cupy, ccalloc_torch.cupy as cc
+    print(cc.route())  # the C route, where this CuPy raises what a failed C malloc sets
+    try:
+        cupy.empty(1 << 50, dtype=cupy.uint8)
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        print("oom", str(e).startswith("ccalloc_torch.cupy: 1125899906842624 bytes"))
+    a = cupy.arange(1000)
+    print(int(a.sum()))
+""")
+    assert rc == 0, err
+    assert out.split() == ["c", "oom", "True", "499500"], (out, err)
 
 
 TWO_FRAMEWORKS = """

@@ -17,13 +17,25 @@ on another stream is declared with record_stream(), as torch.Tensor.record_strea
 
 CCALLOC_ENABLE=1 covers CuPy too: the hook (ccalloc_torch/_autoinstall.py) installs this
 allocator when the program imports cupy.
+
+Two routes, the first that works:
+  - "c": CuPy's CFunctionAllocator calls the C malloc and free of _ccalloc_cupy.abi3.so
+    (bindings/cupy, beside libccalloc.so), which ask CuPy for its current stream through
+    the C function CuPy's own pool calls: no Python call of ours per block. install()
+    first checks that this CuPy raises the exception a failed C malloc sets (a probe);
+  - "python": CuPy's PythonFunctionAllocator calls _malloc below and the C entry point
+    ccalloc_hook_free through ctypes.
+CCALLOC_CUPY_ROUTE=python picks the second; route() says which one serves.
 """
 
 import ctypes
+import importlib.util
+import os
+import sys
 
-from . import _library
+from . import _library, library_dir
 
-__all__ = ["install", "uninstall", "installed", "record_stream", "OutOfMemoryError"]
+__all__ = ["install", "uninstall", "installed", "route", "record_stream", "OutOfMemoryError"]
 
 _OUT_OF_MEMORY = 1  # CCALLOC_ERROR_OUT_OF_MEMORY (ccalloc/ccalloc.h)
 
@@ -32,6 +44,9 @@ _installed = False
 _hook = None  # what install() gave cupy.cuda.set_allocator: a PythonFunctionAllocator's malloc
 _calls = None  # (hook_malloc, hook_free, record_stream, last_error, last_status), bound once
 _current_stream = None  # cupy.cuda.get_current_stream, bound by install()
+_route = None  # "c" or "python", set by install()
+_c_module = None  # _ccalloc_cupy, once the C route is bound
+_ROUTE_MODULE = "_ccalloc_cupy.abi3.so"
 
 
 def _bind():
@@ -90,10 +105,74 @@ def _malloc(size, device):
     return ptr
 
 
+def _route_module():
+    """_ccalloc_cupy from the folder of libccalloc.so, or None where it was not built."""
+    path = os.path.join(library_dir(), _ROUTE_MODULE)
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location(__package__ + "._ccalloc_cupy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stream_capsule():
+    """The capsule of the C function that CuPy's pool asks for the current stream with
+    (Cython exports it as `get_current_stream_ptr`), or None. _ccalloc_cupy calls it only
+    if the capsule's signature is `intptr_t (void)`."""
+    for name in ("cupy.cuda.stream", "cupy_backends.cuda.stream"):
+        module = sys.modules.get(name)
+        if module is None:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+        capsule = getattr(module, "__pyx_capi__", {}).get("get_current_stream_ptr")
+        if capsule is not None:
+            return capsule
+    return None
+
+
+def _address(function):
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def _c_allocator(cupy):
+    """CuPy's CFunctionAllocator over _ccalloc_cupy's malloc and free, or None where this
+    CuPy has none, the module is missing, CCALLOC_CUPY_ROUTE=python, or this CuPy does not
+    raise the exception that a failed C malloc sets (a CuPy built so would hand out -1)."""
+    allocator_class = getattr(cupy.cuda.memory, "CFunctionAllocator", None)
+    if allocator_class is None or os.environ.get("CCALLOC_CUPY_ROUTE", "") == "python":
+        return None
+    module = _route_module()
+    if module is None:
+        return None
+    try:
+        allocator_class(*module.probe(), module).malloc(1)
+        return None  # no exception: this CuPy ignores what the C malloc raises
+    except module.ProbeError:
+        pass
+    except BaseException:  # noqa: a SystemError where CuPy does not check for it
+        return None
+    malloc, free, _, last_error, last_status = _bind()
+    global _c_module
+    _c_module = module
+    param, c_malloc, c_free = module.bind(
+        _address(malloc), _address(free), _address(last_status), _address(last_error),
+        _stream_capsule(), cupy.cuda.get_current_stream, OutOfMemoryError)
+    return allocator_class(param, c_malloc, c_free, module)
+
+
+def route():
+    """The route that serves CuPy ("c" or "python"; see the module's text), None before
+    install()."""
+    return _route if _installed else None
+
+
 def install():
     """Makes ccalloc CuPy's allocator (cupy.cuda.set_allocator) for every device. Arrays
     made before keep the memory they have, from CuPy's own pool. Idempotent."""
-    global _previous, _installed, _hook, _current_stream, OutOfMemoryError
+    global _previous, _installed, _hook, _current_stream, _route, OutOfMemoryError
     import cupy
     if _installed:
         return "cupy"
@@ -101,9 +180,15 @@ def install():
     if OutOfMemoryError is None:
         OutOfMemoryError = _out_of_memory_class()
     _current_stream = cupy.cuda.get_current_stream
-    # CuPy's own memory object calls the two functions: no Python object of ours per block,
-    # and the free is the C entry point itself.
-    _hook = cupy.cuda.memory.PythonFunctionAllocator(_malloc, free).malloc
+    allocator = _c_allocator(cupy)
+    if allocator is not None:
+        _route = "c"
+    else:
+        # CuPy's own memory object calls the two functions: no Python object of ours per
+        # block, and the free is the C entry point itself.
+        allocator = cupy.cuda.memory.PythonFunctionAllocator(_malloc, free)
+        _route = "python"
+    _hook = allocator.malloc
     _previous = cupy.cuda.get_allocator()
     cupy.cuda.set_allocator(_hook)
     _installed = True
