@@ -460,6 +460,22 @@ TEST(CycleGate, KeepsOpenWhereTheCounterKeepsItsRate) {
   EXPECT_EQ(g.ticks(), gate_ticks);
 }
 
+// After a counter read that found the poll not due, the next frees skip even the counter
+// read: as many as fit in half the ticks left at the rate of the frees before, at most the
+// cap, none where that rate is unknown or the counter went backwards.
+TEST(CycleGate, FreesWithinHalfTheTicksLeftAtTheRecentRate) {
+  using ccalloc::core::frees_within;
+  EXPECT_EQ(frees_within(1000, 10, 3000, 16), 15u);     // 100 ticks a free: 1500 / 100
+  EXPECT_EQ(frees_within(1000, 10, 100'000, 16), 16u);  // capped
+  EXPECT_EQ(frees_within(1000, 10, 3000, 4), 4u);
+  EXPECT_EQ(frees_within(1000, 10, 199, 16), 0u);       // less than one free's worth
+  EXPECT_EQ(frees_within(1000, 1, 1'000'000, 16), 16u);
+  EXPECT_EQ(frees_within(5, 10, 20, 16), 10u);          // under a tick a free: one each
+  EXPECT_EQ(frees_within(1000, 0, 3000, 16), 0u);
+  EXPECT_EQ(frees_within(~std::uint64_t{0} - 5, 1, 1'000'000, 16), 0u);  // went backwards
+  EXPECT_EQ(frees_within(1000, 10, 3000, 0), 0u);
+}
+
 // With a wall clock the frees of a stream that shares (two streams allocate) read the clock
 // a few times per poll interval instead of once each, and still poll: the fences are
 // recorded as without the gate. Under Options::wall_clock the simulated GPU's clock runs in

@@ -35,6 +35,12 @@ namespace {
 // Fences in flight per stream: where the GPU runs further behind than this many intervals,
 // the stream records the next one when the oldest completes.
 constexpr std::size_t kMaxFences = 16;
+// Frees that may skip the cycle-counter read in a row (note_free): at most this many frees
+// go by without a look at the time.
+#ifndef CCALLOC_MAX_FENCE_SKIPS
+#define CCALLOC_MAX_FENCE_SKIPS 16  // 0 for the read at every free (a build for comparison)
+#endif
+constexpr std::uint32_t kMaxFenceSkips = CCALLOC_MAX_FENCE_SKIPS;
 // A fence found complete within this long of the query before it gives a sample of the
 // GPU's lag (see complete_fences).
 constexpr std::int64_t kLatencyBracketUs = 2 * kFenceIntervalUs;
@@ -65,11 +71,25 @@ void StitchEngine::note_free(Arena& arena, const Block& b) {
   // The poll below returns at once until kFenceIntervalUs after the last: where the cycle
   // counter shows that this is still so, the clock need not be read to know (a counter
   // that went backwards shows a huge span: the clock is read).
-  if (arena.fence_clock_span != 0 &&
-      cycle_count() - arena.fence_clock_cycles < arena.fence_clock_span) {
-    return;
+  if (arena.fence_clock_span != 0) {
+    if (arena.fence_skips != 0) {
+      --arena.fence_skips;
+      return;
+    }
+    const std::uint64_t now = cycle_count();
+    const std::uint64_t since = now - arena.fence_clock_cycles;
+    if (since < arena.fence_clock_span) {
+      arena.fence_skips = frees_within(now - arena.fence_read_cycles,
+                                       arena.fence_skips_granted + 1,
+                                       arena.fence_clock_span - since, kMaxFenceSkips);
+      arena.fence_skips_granted = arena.fence_skips;
+      arena.fence_read_cycles = now;
+      return;
+    }
   }
+  arena.fence_skips = arena.fence_skips_granted = 0;
   refresh_fences(arena, /*polled=*/true);
+  arena.fence_read_cycles = arena.fence_clock_cycles;
 }
 
 void StitchEngine::refresh_fences(Arena& arena, bool polled) {

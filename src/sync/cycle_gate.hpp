@@ -36,6 +36,18 @@ inline std::uint64_t cycle_count() {
 #endif
 }
 
+// How many frees may skip even the counter read after a read that found `ticks_left` ticks
+// before the next poll can be due: as many as fit in half of them at the rate of frees
+// since the read before (`elapsed` ticks over `frees` frees), at most `max`. Frees far
+// apart (a counter that went backwards looks so too) get none.
+inline std::uint32_t frees_within(std::uint64_t elapsed, std::uint64_t frees,
+                                  std::uint64_t ticks_left, std::uint32_t max) {
+  if (frees == 0) return 0;
+  const std::uint64_t per_free = elapsed / frees == 0 ? 1 : elapsed / frees;
+  const std::uint64_t n = ticks_left / 2 / per_free;
+  return n < max ? static_cast<std::uint32_t>(n) : max;
+}
+
 class CycleGate {
  public:
   // Calibration waits this long after construction: the counter's rate over 10 ms is known to
