@@ -335,7 +335,7 @@ TEST(Invariants, ALiveBlockInThePlaceOfTheParkedOneBreaksParking) {
   EXPECT_EQ(Access::set_parked(engine, 0, b), a);
   const std::string message = failure_of(engine);
   EXPECT_NE(message.find("the parked block " + hex_address(b) +
-                         " of stream 0 is not a parked small block"),
+                         " of stream 0 is not a parked block of the stream"),
             std::string::npos)
       << message;
   Access::set_parked(engine, 0, a);

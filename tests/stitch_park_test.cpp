@@ -6,13 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ccalloc/config.hpp"
 #include "ccalloc/sim.hpp"
 #include "stitch/engine.hpp"
+#include "stitch/tunables.hpp"
 
 namespace ccalloc::core {
 
@@ -22,6 +25,14 @@ struct StitchEngineTestAccess {
   static DevicePtr parked(StitchEngine& e, StreamId stream) NO_THREAD_SAFETY_ANALYSIS {
     const StitchEngine::Block* b = e.arena_for(stream).parked;
     return b == nullptr ? 0 : b->ptr;
+  }
+  // What the stream's growths and islands decide by: the large bytes served since its last
+  // growth, its largest large block, whether its small pool keeps an island.
+  static std::tuple<std::size_t, std::size_t, bool> large_state(StitchEngine& e,
+                                                                StreamId stream)
+      NO_THREAD_SAFETY_ANALYSIS {
+    const StitchEngine::Arena& a = e.arena_for(stream);
+    return {a.large_served, a.largest_large, a.keeps_island};
   }
 };
 
@@ -61,17 +72,25 @@ struct Pair {
       }
     };
     bool oom_a = false, oom_b = false;
+    const DevicePtr was_parked = Access::parked(parked, stream);
     const DevicePtr a = attempt(parked, oom_a);
+    if (a != 0 && a == was_parked) {
+      ++takes;
+      if (size > ccalloc::core::kSmallPoolMax) ++large_takes;
+    }
     const DevicePtr b = attempt(pooled, oom_b);
     EXPECT_EQ(oom_a, oom_b) << size << " B on stream " << stream;
     EXPECT_EQ(a, b) << size << " B on stream " << stream;
     return a;
   }
   // free on both; counts the frees that parked (`stream`: the allocation's).
-  void free(DevicePtr p, StreamId stream = 0) {
+  void free(DevicePtr p, StreamId stream = 0, std::size_t size = 0) {
     parked.free(p);
     pooled.free(p);
-    if (Access::parked(parked, stream) == p) ++parks;
+    if (Access::parked(parked, stream) == p) {
+      ++parks;
+      if (size > ccalloc::core::kSmallPoolMax) ++large_parks;
+    }
   }
   // The parking engine's invariants with its parked blocks in place; then everything a
   // caller can see, equal (the views pool the parked blocks).
@@ -94,11 +113,13 @@ struct Pair {
       EXPECT_EQ(sa[i].pieces, sb[i].pieces);
     }
     EXPECT_EQ(gpu_a.counters(), gpu_b.counters());
+    for (StreamId s = 0; s < 3; ++s)
+      EXPECT_EQ(Access::large_state(parked, s), Access::large_state(pooled, s)) << s;
   }
 
   ccalloc::sim::SimDriver gpu_a, gpu_b;
   StitchEngine parked, pooled;
-  int parks = 0;
+  int parks = 0, large_parks = 0, takes = 0, large_takes = 0;
 };
 
 TEST(StitchPark, AFreedSmallBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) {
@@ -144,6 +165,39 @@ TEST(StitchPark, AFreeNextToTheParkedBlockMergesWithIt) {
   p.expect_same();
 }
 
+// A large block is parked too, and a large request takes it back where best fit would
+// serve there; but while the small pool keeps an island (a page it bounced), a large
+// request first lets the pools decide whether the island goes back (here it stays: the
+// request lands where it would were the island merged back, below it).
+TEST(StitchPark, ALargeBlockIsParkedAndTakenBackUnlessAnIslandIsKept) {
+  Pair p(18 * kMiB, "ccalloc,stitch_segments:True,stitch_handle_mb:4");
+  // An 8 MiB range of the large pool, settled, with a 1 MiB block at its front.
+  const DevicePtr x = p.malloc(4 * kMiB, 0);
+  p.malloc(4 * kMiB, 0);
+  p.free(x, 0, 4 * kMiB);
+  p.free(x + 4 * kMiB, 0, 4 * kMiB);
+  for (int i = 0; i < 2; ++i)
+    p.free(p.malloc(4 * kMiB, 0), 0, 4 * kMiB);
+  const DevicePtr front = p.malloc(kMiB, 0);
+  ASSERT_EQ(front, x);
+  p.free(front, 0, kMiB);
+  EXPECT_EQ(Access::parked(p.parked, 0), front);
+  const int takes = p.takes;
+  EXPECT_EQ(p.malloc(kMiB, 0), front);
+  EXPECT_EQ(p.takes, takes + 1);
+  p.expect_same();
+  // A small block freed and taken again in a loop with nothing else small free: its page
+  // bounces between the pools until the small pool keeps it.
+  for (int i = 0; i < 4; ++i)
+    p.free(p.malloc(128 * 1024, 0), 0, 128 * 1024);
+  ASSERT_TRUE(std::get<2>(Access::large_state(p.parked, 0)));
+  p.free(front, 0, kMiB);
+  EXPECT_EQ(Access::parked(p.parked, 0), front);
+  EXPECT_EQ(p.malloc(kMiB, 0), front);  // pooled first; the pools keep the island
+  EXPECT_TRUE(std::get<2>(Access::large_state(p.parked, 0)));
+  p.expect_same();
+}
+
 TEST(StitchPark, ABlockBeforeTheParkedOneFreedLaterMergesWithIt) {
   Pair p(64 * kMiB);
   const DevicePtr x = p.malloc(1024, 0);
@@ -174,6 +228,7 @@ TEST(StitchPark, RandomWorkHandsOutWhatThePoolsAloneWould) {
     struct Live {
       DevicePtr ptr;
       StreamId stream;
+      std::size_t size;
     };
     std::vector<Live> live;
     const std::size_t sizes[] = {512, 1024, 1536, 4096, 8192, 65536, 100000, 262144,
@@ -188,7 +243,7 @@ TEST(StitchPark, RandomWorkHandsOutWhatThePoolsAloneWould) {
         const StreamId s = rng() % 4 == 0 ? 1 + rng() % 2 : 0;
         const std::size_t size = rng() % 3 == 0 ? 1 + rng() % 262144 : sizes[rng() % 12];
         const DevicePtr ptr = p.malloc(size, s);
-        if (ptr != 0) live.push_back(Live{ptr, s});
+        if (ptr != 0) live.push_back(Live{ptr, s, size});
       } else if (op < 96) {
         const std::size_t k = rng() % 3 != 0 ? live.size() - 1 : rng() % live.size();
         const Live l = live[k];
@@ -198,7 +253,7 @@ TEST(StitchPark, RandomWorkHandsOutWhatThePoolsAloneWould) {
           p.parked.record_stream(l.ptr, other);
           p.pooled.record_stream(l.ptr, other);
         }
-        p.free(l.ptr, l.stream);
+        p.free(l.ptr, l.stream, l.size);
       } else if (op < 99) {
         const StreamId s = rng() % 3;
         p.gpu_a.complete_stream(s);
@@ -212,6 +267,11 @@ TEST(StitchPark, RandomWorkHandsOutWhatThePoolsAloneWould) {
     }
     p.expect_same();
     EXPECT_GT(p.parks, 500);  // the cache was at work
+    EXPECT_GT(p.takes, 80);
+    EXPECT_GT(p.large_parks, 20);  // large blocks too
+    EXPECT_GT(p.large_takes, 5);
+    std::printf("seed %u: %d parks (%d large), %d taken back (%d large)\n", seed, p.parks,
+                p.large_parks, p.takes, p.large_takes);
   }
 }
 

@@ -101,8 +101,8 @@ DevicePtr StitchEngine::malloc(std::size_t size, StreamId stream) {
   arena.mutex.assert_held();
   const std::size_t rounded = round_size(size, config_);  // under the lock: see reconfigure()
   const bool small = rounded <= kSmallPoolMax;
-  if (small && arena.parked != nullptr) {
-    if (const DevicePtr ptr = take_parked(arena, rounded, size, stack)) {
+  if (arena.parked != nullptr) {
+    if (const DevicePtr ptr = take_parked(arena, rounded, small, size, stack)) {
       ArenaEngine::finish(*this, arena, lock);
       return ptr;
     }

@@ -11,7 +11,7 @@
 //   free       -> in its arena's pool (best fit by size, then address)
 //   void       -> page-aligned pages that are dead or unmapped: in no pool, never merged
 //                 with free blocks, never handed out
-//   parked     -> the stream's last freed small block, in no pool (in live_), kept whole for a next
+//   parked     -> the stream's last freed block (not an island's), in no pool (in live_), kept whole for a next
 //                 request that best fit would serve with it (Arena::parked, hot_path.hpp):
 //                 free memory in every count and view, pooled by any other operation
 // A mapped page is live when its piece's live address is that page, else dead: its piece
@@ -542,12 +542,12 @@ class StitchEngine final : public Backend {
   void delete_block(Arena& arena, Block* b) REQUIRES(arena.mutex);
   // Returns the block's pool to its arena's free pool, or records events for its uses.
   void release(Arena& arena, Block* b, const Origin& stack) REQUIRES(arena.mutex);
-  // The one-block cache in front of the small pool (hot_path.hpp): a free of a small block
-  // with no other stream's use, no history and no free block before it parks it whole
-  // instead of pooling and merging it (true); a request that best fit would serve at its
-  // address takes it back as it is, any other small request pools it first (0).
+  // The one-block cache in front of the pools (hot_path.hpp): a free of a block (not an
+  // island's) with no other stream's use, no history and no free block before it parks it
+  // whole instead of pooling and merging it (true); a request that best fit would serve at
+  // its address takes it back as it is, any other request pools it first (0).
   bool park(Arena& arena, Block* b, const Origin& stack) REQUIRES(arena.mutex);
-  DevicePtr take_parked(Arena& arena, std::size_t rounded, std::size_t requested,
+  DevicePtr take_parked(Arena& arena, std::size_t rounded, bool small, std::size_t requested,
                         const Origin& stack) REQUIRES(arena.mutex);
   // Pools the arena's parked block, merged with its free neighbours, as its free would have.
   void unpark(Arena& arena) REQUIRES(arena.mutex);

@@ -130,25 +130,28 @@ CCALLOC_HOT void StitchEngine::count_inactive(Arena& arena, const Block& b, Stat
   arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b.requested));
 }
 
-// The cache in front of the small pool. A free that would pool its block at once (no other
+// The cache in front of the pools. A free that would pool its block at once (no other
 // stream's use, so no event) with no history or trace to record and no capture underway
 // parks it instead, when no free block lies before it: pooled, it would be a free block
 // starting at its own address, merged at most with the free block after it. The next
-// small request on the stream takes it as it is where best fit would serve that request
-// from that merged block's start (the same address, the rest pooled as it is now); any
-// other pools it first, as does a free next to it, a growth and every operation that takes
-// all arena locks. So the blocks handed out, and every statistic, are those of the pools
-// alone; what is saved is the merge, the split and the tree updates of a pair.
+// request on the stream for the block's pool takes it as it is where best fit would serve
+// that request from that merged block's start (the same address, the rest pooled as it is
+// now); any other pools it first, as does a free next to it, a growth and every operation
+// that takes all arena locks. So the blocks handed out, and every statistic, are those of
+// the pools alone; what is saved is the merge, the split and the tree updates of a pair.
+// Small and large blocks alike, but not an island's (a small block in a large space, whose
+// pooling may end the island).
 CCALLOC_HOT bool StitchEngine::park(Arena& arena, Block* b, const Origin& stack) {
-  if (!b->space->small || !b->small || !b->stream_uses.empty() || stack || b->stack ||
+  if (b->space->small != b->small || !b->stream_uses.empty() || stack || b->stack ||
       tracing_.load(std::memory_order_relaxed) || capturing() || !parking_) {
     return false;
   }
   if (arena.parked != nullptr) unpark(arena);  // the last one parked goes to its pool
   const Block* const prev = b->prev;
   if (prev != nullptr && prev->kind == Block::Kind::kFree) return false;  // (same pool)
-  count_release(arena, *b, kSmallPool);  // (a small space's block)
-  count_inactive(arena, *b, kSmallPool);
+  const StatType t = pool_stat(b->small);  // (not an island: its space's pool)
+  count_release(arena, *b, t);
+  count_inactive(arena, *b, t);
   b->kind = Block::Kind::kParked;
   // Stamped (and the fences polled) as the free would: a stream that takes its pages later
   // sees the same stamps, whether or not it was parked meanwhile.
@@ -159,15 +162,17 @@ CCALLOC_HOT bool StitchEngine::park(Arena& arena, Block* b, const Origin& stack)
 }
 
 // Pooled, the parked block b would merge with a free block after it into one that starts
-// at b: a request of b's size is served at b when that merged block is the request's best
-// fit, that is, when it sorts before every other pooled block that fits.
-CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounded,
+// at b: a request of b's size for b's pool is served at b when that merged block is the
+// request's best fit, that is, when it sorts before every other pooled block that fits. A
+// large request first returns the small pool's kept islands where they would not stay
+// (malloc): then the pools alone decide.
+CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounded, bool small,
                                                 std::size_t requested, const Origin& stack) {
   Block* const b = arena.parked;
-  if (b->size == rounded) {
+  if (b->size == rounded && b->small == small && (small || !arena.keeps_island)) {
     Block* const after =
         b->next != nullptr && b->next->kind == Block::Kind::kFree ? b->next : nullptr;
-    Pool& pool = arena.pool(true);
+    Pool& pool = arena.pool(small);
     auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
     if (pos != pool.end() && *pos == after) {
       // The next one, unless after is the only one (a page's free rest, on the usual hit).
@@ -177,6 +182,10 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
     if (pos == pool.end() || merged < (*pos)->size ||
         (merged == (*pos)->size && b->ptr < (*pos)->ptr)) {
       arena.parked = nullptr;
+      if (!small) {  // as hand_out counts a large block
+        arena.large_served += b->size;
+        arena.largest_large = std::max(arena.largest_large, b->size);
+      }
       return mark_handed_out(arena, *b, requested, stack);  // (still in the live index)
     }
   }

@@ -222,14 +222,16 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
         }
       }
     }
-    // The parked block: a small block of a small space of the stream with no free block
-    // before it (pooled, it would start a free block at its own address).
+    // The parked block: a block of the stream in its space's own pool (not an island's)
+    // with no free block before it (pooled, it would start a free block at its own
+    // address).
     if (const Block* b = arena->parked) {
-      if (b->kind != Kind::kParked || b->space->arena != arena || !b->space->small ||
-          !b->small || (b->prev != nullptr && b->prev->kind == Kind::kFree)) {
+      if (b->kind != Kind::kParked || b->space->arena != arena || b->space->small != b->small ||
+          (b->prev != nullptr && b->prev->kind == Kind::kFree)) {
         violated("the parked block " + hex_address(b->ptr) + " of stream " +
                  std::to_string(arena->stream) +
-                 " is not a parked small block of the stream with no free block before it");
+                 " is not a parked block of the stream, outside islands, with no free block "
+                 "before it");
       }
       if (parked_in_spaces-- == 0) violated("the parked block " + hex_address(b->ptr) +
                                             " is in no space, or parked twice");

@@ -170,7 +170,8 @@ void StitchEngine::begin_sharing() {
     for (const auto& spaces : a->spaces) {
       for (const auto& s : spaces) {
         for (const Block* b = s->first; b != nullptr; b = b->next) {
-          if (b->kind != Block::Kind::kFree) continue;
+          // A parked block is free memory: pooled later, its pages may be lent.
+          if (b->kind != Block::Kind::kFree && b->kind != Block::Kind::kParked) continue;
           note_free(*a, *b);
         }
       }
