@@ -65,6 +65,29 @@ def fake_cupy():
     return cupy, stream
 
 
+def serves_cupys_device_and_stream_and_frees_once(test, set_stream):
+    """A request on CuPy's device 3 and stream 0x5000, its block freed once when the last
+    pointer over it goes; then device 1 and stream 0x6000 (`set_stream(0x6000)` makes it
+    CuPy's current stream), asked for as they are when the request comes."""
+    p = test.cupy.cuda.get_allocator()(1000)
+    test.assertEqual(test.lib.calls, [("malloc", 1000, 3, 0x5000)])
+    test.assertEqual((p.ptr, p.mem.size, p.mem.device_id), (0x10000, 1000, 3))
+    view = test.cupy.cuda.MemoryPointer(p.mem, 512)  # a second pointer over the block
+    del p
+    gc.collect()
+    test.assertEqual(len(test.lib.calls), 1)  # the view keeps it
+    del view
+    gc.collect()
+    test.assertEqual(test.lib.calls[1:], [("free", 0x10000, 3)])
+    set_stream(0x6000)
+    test.cupy.cuda.runtime.device = 1
+    q = test.cupy.cuda.get_allocator()(64)
+    test.assertEqual(test.lib.calls[2], ("malloc", 64, 1, 0x6000))
+    del q
+    gc.collect()
+    test.assertEqual(test.lib.calls[3], ("free", 0x11000, 1))
+
+
 class FakeFunction:
     def __init__(self, body):
         self.body = body
@@ -143,24 +166,8 @@ class CupyAllocator(unittest.TestCase):
 
     def test_serves_on_cupys_device_and_stream_and_frees_once_when_dropped(self):
         self.cc.install()
-        p = self.cupy.cuda.get_allocator()(1000)
-        self.assertEqual(self.lib.calls, [("malloc", 1000, 3, 0x5000)])
-        self.assertEqual((p.ptr, p.mem.size, p.mem.device_id), (0x10000, 1000, 3))
-        view = self.cupy.cuda.MemoryPointer(p.mem, 512)  # a second pointer over the block
-        del p
-        gc.collect()
-        self.assertEqual(len(self.lib.calls), 1)  # the view keeps it
-        del view
-        gc.collect()
-        self.assertEqual(self.lib.calls[1:], [("free", 0x10000, 3)])
-        # Another stream and device: asked for as they are when the request comes.
-        self.stream.ptr = 0x6000
-        self.cupy.cuda.runtime.device = 1
-        q = self.cupy.cuda.get_allocator()(64)
-        self.assertEqual(self.lib.calls[2], ("malloc", 64, 1, 0x6000))
-        del q
-        gc.collect()
-        self.assertEqual(self.lib.calls[3], ("free", 0x11000, 1))
+        serves_cupys_device_and_stream_and_frees_once(
+            self, lambda ptr: setattr(self.stream, "ptr", ptr))
 
     def test_out_of_memory_is_cupys_error_with_ccallocs_message(self):
         self.cc.install()
@@ -327,23 +334,9 @@ class CupyCRoute(unittest.TestCase):
         self.assertEqual(self.cc.route(), "c")
         self.assertEqual(module.stream_source(), "capsule")
         self.assertEqual(self.lib.calls, [])  # the probe reached no entry point
-        p = self.cupy.cuda.get_allocator()(1000)
-        self.assertEqual(self.lib.calls, [("malloc", 1000, 3, 0x5000)])
-        self.assertEqual((p.ptr, p.mem.size, p.mem.device_id), (0x10000, 1000, 3))
-        view = self.cupy.cuda.MemoryPointer(p.mem, 512)
-        del p
-        gc.collect()
-        self.assertEqual(len(self.lib.calls), 1)  # the view keeps it
-        del view
-        gc.collect()
-        self.assertEqual(self.lib.calls[1:], [("free", 0x10000, 3)])
-        self.stream_ptr = 0x6000  # CuPy's current stream as it is at the request
-        self.cupy.cuda.runtime.device = 1
-        q = self.cupy.cuda.get_allocator()(64)
-        self.assertEqual(self.lib.calls[2], ("malloc", 64, 1, 0x6000))
-        del q
-        gc.collect()
-        self.assertEqual(self.lib.calls[3], ("free", 0x11000, 1))
+        # The stream that the capsule's function answers.
+        serves_cupys_device_and_stream_and_frees_once(
+            self, lambda ptr: setattr(self, "stream_ptr", ptr))
 
     def test_another_signature_asks_cupys_python_function(self):
         module = self.install(capsule_name=b"int (void)")
