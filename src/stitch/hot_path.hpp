@@ -170,11 +170,11 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
                                                 std::size_t requested, const Origin& stack) {
   Block* const b = arena.parked;
   if (b->size == rounded && b->small == small && (small || !arena.keeps_island)) {
-    // (An island's free block after a large one is the small pool's: no merge.)
-    Block* const after = b->next != nullptr && b->next->kind == Block::Kind::kFree &&
-                                 b->next->small == small
-                             ? b->next
-                             : nullptr;
+    // An island's free block after a large one would not merge with it (the small pool's):
+    // counted in, it only makes `merged` larger, so the take is refused where it would be
+    // right, never made where it would be wrong; that rare case is not worth a test per hit.
+    Block* const after =
+        b->next != nullptr && b->next->kind == Block::Kind::kFree ? b->next : nullptr;
     Pool& pool = arena.pool(small);
     auto pos = pool.lower_bound(BySizeThenAddress::Key{rounded, 0});
     if (pos != pool.end() && *pos == after) {
