@@ -551,6 +551,9 @@ class StitchEngine final : public Backend {
                         const Origin& stack) REQUIRES(arena.mutex);
   // Pools the arena's parked block, merged with its free neighbours, as its free would have.
   void unpark(Arena& arena) REQUIRES(arena.mutex);
+  // A large block handed out, in the counts growth and islands decide by (hand_out,
+  // take_parked).
+  void count_large(Arena& arena, const Block& block) REQUIRES(arena.mutex);
   // Marks `block` allocated with its statistics and trace (hand_out, take_parked); its
   // address.
   DevicePtr mark_handed_out(Arena& arena, Block& block, std::size_t requested,

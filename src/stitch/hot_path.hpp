@@ -83,12 +83,16 @@ CCALLOC_HOT DevicePtr StitchEngine::hand_out(Arena& arena, Pool::iterator pos, s
   } else {
     pool.erase(pos);
   }
-  if (!small) {
-    arena.large_served += block->size;
-    arena.largest_large = std::max(arena.largest_large, block->size);
-  }
+  if (!small) count_large(arena, *block);
   arena.live.insert(block->ptr, block);
   return mark_handed_out(arena, *block, requested, stack);
+}
+
+// What growth and islands decide by: the large bytes handed out since the stream's last
+// growth and its largest large block.
+CCALLOC_HOT void StitchEngine::count_large(Arena& arena, const Block& block) {
+  arena.large_served += block.size;
+  arena.largest_large = std::max(arena.largest_large, block.size);
 }
 
 CCALLOC_HOT DevicePtr StitchEngine::mark_handed_out(Arena& arena, Block& block,
@@ -185,10 +189,7 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
     if (pos == pool.end() || merged < (*pos)->size ||
         (merged == (*pos)->size && b->ptr < (*pos)->ptr)) {
       arena.parked = nullptr;
-      if (!small) {  // as hand_out counts a large block
-        arena.large_served += b->size;
-        arena.largest_large = std::max(arena.largest_large, b->size);
-      }
+      if (!small) count_large(arena, *b);
       return mark_handed_out(arena, *b, requested, stack);  // (still in the live index)
     }
   }
