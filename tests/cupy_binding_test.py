@@ -122,17 +122,33 @@ class FakeLibrary:
         return ptr
 
 
-class CupyAllocator(unittest.TestCase):
-    def setUp(self):
-        self.cupy, self.stream = fake_cupy()
-        self.saved = {n: sys.modules.get(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.memory")}
-        sys.modules["cupy"] = self.cupy
-        sys.modules["cupy.cuda"] = self.cupy.cuda
-        sys.modules["cupy.cuda.memory"] = self.cupy.cuda.memory
+def swap_modules(modules):
+    """Puts `modules` (name: module, or None for none) in sys.modules; returns the function
+    that puts back what was there."""
+    saved = {name: sys.modules.get(name) for name in modules}
+
+    def put(what):
+        for name, module in what.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    put(modules)
+    return lambda: put(saved)
+
+
+class FakeCupyCase(unittest.TestCase):
+    """A fake cupy in sys.modules (setUp's fake_cupy) and `lib` as ccalloc_torch.cupy's
+    library, each test with the module's state fresh; all put back after it."""
+
+    def use(self, lib, modules=None):
+        self.restore_modules = swap_modules({"cupy": self.cupy, "cupy.cuda": self.cupy.cuda,
+                                             "cupy.cuda.memory": self.cupy.cuda.memory,
+                                             **(modules or {})})
         import ccalloc_torch.cupy as cc
         self.cc = cc
-        self.lib = FakeLibrary()
-        self.saved_library = cc._library
+        self.lib = lib
+        self.saved_library = (cc._library, cc.library_dir)
         cc._library = lambda: self.lib
         cc._calls = None
         cc._installed = False
@@ -140,13 +156,15 @@ class CupyAllocator(unittest.TestCase):
 
     def tearDown(self):
         self.cc.uninstall()
-        self.cc._library = self.saved_library
+        self.cc._library, self.cc.library_dir = self.saved_library
         self.cc._calls = None
-        for name, module in self.saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        self.restore_modules()
+
+
+class CupyAllocator(FakeCupyCase):
+    def setUp(self):
+        self.cupy, self.stream = fake_cupy()
+        self.use(FakeLibrary())
 
     def test_install_and_uninstall(self):
         self.assertFalse(self.cc.installed())
@@ -280,43 +298,23 @@ class CLibrary:
 
 
 @unittest.skipIf(ROUTE_MODULE is None, "_ccalloc_cupy was not built (no Python headers)")
-class CupyCRoute(unittest.TestCase):
+class CupyCRoute(FakeCupyCase):
     """The C route (bindings/cupy/cupy_route.c) as CuPy's CFunctionAllocator calls it."""
 
     def setUp(self):
         self.cupy, self.stream = fake_cupy()
         self.stream_module = types.ModuleType("cupy.cuda.stream")
         self.cupy.cuda.stream = self.stream_module
-        self.names = ("cupy", "cupy.cuda", "cupy.cuda.memory", "cupy.cuda.stream",
-                      "cupy_backends.cuda.stream")
-        self.saved = {n: sys.modules.get(n) for n in self.names}
-        sys.modules.update({"cupy": self.cupy, "cupy.cuda": self.cupy.cuda,
-                            "cupy.cuda.memory": self.cupy.cuda.memory,
-                            "cupy.cuda.stream": self.stream_module})
-        sys.modules.pop("cupy_backends.cuda.stream", None)
-        import ccalloc_torch.cupy as cc
-        self.cc = cc
-        self.lib = CLibrary()
-        self.saved_library = (cc._library, cc.library_dir)
-        cc._library = lambda: self.lib
-        cc.library_dir = lambda: os.path.dirname(ROUTE_MODULE)
-        cc._calls = None
-        cc._installed = False
-        cc.OutOfMemoryError = None
+        self.use(CLibrary(), {"cupy.cuda.stream": self.stream_module,
+                              "cupy_backends.cuda.stream": None})
+        self.cc.library_dir = lambda: os.path.dirname(ROUTE_MODULE)
         self.stream_ptr = 0x5000
         self.getter = STREAM_PTR(lambda: self.stream_ptr)
         self.capsule_name = ctypes.create_string_buffer(b"intptr_t (void)")
         self.saved_env = os.environ.pop("CCALLOC_CUPY_ROUTE", None)
 
     def tearDown(self):
-        self.cc.uninstall()
-        self.cc._library, self.cc.library_dir = self.saved_library
-        self.cc._calls = None
-        for name, module in self.saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+        super().tearDown()
         if self.saved_env is not None:
             os.environ["CCALLOC_CUPY_ROUTE"] = self.saved_env
 

@@ -117,6 +117,12 @@ static stream_ptr_fn stream_function(PyObject *capsule) {
   return (stream_ptr_fn)f;
 }
 
+/* (param, malloc, free) for CuPy's CFunctionAllocator: `r` and the two functions. */
+static PyObject *addresses(struct route *r) {
+  return Py_BuildValue("(NNN)", PyLong_FromVoidPtr(r), PyLong_FromVoidPtr((void *)route_malloc),
+                       PyLong_FromVoidPtr((void *)route_free));
+}
+
 /* bind(hook_malloc, hook_free, last_status, last_error, stream_capsule, get_current_stream,
  *      out_of_memory) -> (param, malloc, free): the addresses for CFunctionAllocator. */
 static PyObject *bind(PyObject *self, PyObject *args) {
@@ -152,18 +158,14 @@ static PyObject *bind(PyObject *self, PyObject *args) {
   the_route.stream_ptr = stream;
   the_route.current_stream = get_stream;
   the_route.out_of_memory = oom;
-  return Py_BuildValue("(NNN)", PyLong_FromVoidPtr(&the_route),
-                       PyLong_FromVoidPtr((void *)route_malloc),
-                       PyLong_FromVoidPtr((void *)route_free));
+  return addresses(&the_route);
 }
 
 /* probe() -> (param, malloc, free): a route whose malloc raises ProbeError. */
 static PyObject *probe(PyObject *self, PyObject *unused) {
   (void)self;
   (void)unused;
-  return Py_BuildValue("(NNN)", PyLong_FromVoidPtr(&probe_route),
-                       PyLong_FromVoidPtr((void *)route_malloc),
-                       PyLong_FromVoidPtr((void *)route_free));
+  return addresses(&probe_route);
 }
 
 /* stream_source() -> "capsule", "python" or None (not bound). */

@@ -31,7 +31,6 @@ CCALLOC_CUPY_ROUTE=python picks the second; route() says which one serves.
 import ctypes
 import importlib.util
 import os
-import sys
 
 from . import _library, library_dir
 
@@ -121,12 +120,10 @@ def _stream_capsule():
     (Cython exports it as `get_current_stream_ptr`), or None. _ccalloc_cupy calls it only
     if the capsule's signature is `intptr_t (void)`."""
     for name in ("cupy.cuda.stream", "cupy_backends.cuda.stream"):
-        module = sys.modules.get(name)
-        if module is None:
-            try:
-                module = importlib.import_module(name)
-            except ImportError:
-                continue
+        try:
+            module = importlib.import_module(name)  # (sys.modules' entry where there is one)
+        except ImportError:
+            continue
         capsule = getattr(module, "__pyx_capi__", {}).get("get_current_stream_ptr")
         if capsule is not None:
             return capsule
@@ -154,9 +151,9 @@ def _c_allocator(cupy):
         pass
     except BaseException:  # noqa: a SystemError where CuPy does not check for it
         return None
-    malloc, free, _, last_error, last_status = _bind()
     global _c_module
     _c_module = module
+    malloc, free, _, last_error, last_status = _bind()
     param, c_malloc, c_free = module.bind(
         _address(malloc), _address(free), _address(last_status), _address(last_error),
         _stream_capsule(), cupy.cuda.get_current_stream, OutOfMemoryError)
