@@ -128,7 +128,7 @@ void sync_block_aggregates_of(const AllLock& all, const Arenas& arenas) {
 }
 // An increase of a pool's entry of a statistic kept per pool: ledger_increase for the
 // pool's, the aggregate's peak checked against the pools' sum.
-inline void ledger_increase_pool(StatArray& stat, std::int64_t& pool_debt,
+[[gnu::always_inline]] inline void ledger_increase_pool(StatArray& stat, std::int64_t& pool_debt,
                                  std::int64_t& aggregate_debt, bool& in_debt, StatType pool,
                                  std::int64_t n) {
   ledger_increase(stat[pool], pool_debt, in_debt, n);

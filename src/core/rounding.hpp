@@ -58,16 +58,32 @@ inline std::size_t round_up_large(std::size_t rounded) {
 }
 
 // Size of the segment to allocate from the device for a rounded request.
-std::size_t segment_size_for(std::size_t rounded, const Config& config);
+inline std::size_t segment_size_for(std::size_t rounded, const Config& config) {
+  if (is_small_size(rounded)) return kSmallBuffer;
+  if (rounded < kMinLargeAlloc) return config.large_segment_size;
+  return round_up_large(rounded);
+}
 
 // Whether taking `rounded` bytes from a free block of `block_size` leaves a remainder worth
 // its own block: >= 512 B in the small pool and in expandable segments (`fine`); > 1 MiB
 // in the large pool, and never for oversize requests.
-bool should_split(std::size_t block_size, std::size_t rounded, bool fine, const Config& config);
+inline bool should_split(std::size_t block_size, std::size_t rounded, bool fine,
+                         const Config& config) {
+  const std::size_t remaining = block_size - rounded;
+  if (fine) return remaining >= kMinBlockSize;
+  return rounded < config.max_split_size && remaining > kSmallSize;
+}
 
 // Whether a cached free block of `block_size` may serve a request of `rounded` bytes under
 // the oversize rules (max_split_size, max_non_split_rounding_size).
-bool oversize_allows(std::size_t block_size, std::size_t rounded, const Config& config);
+inline bool oversize_allows(std::size_t block_size, std::size_t rounded, const Config& config) {
+  if (rounded < config.max_split_size && block_size >= config.max_split_size) return false;
+  if (rounded >= config.max_split_size &&
+      block_size >= rounded + config.max_non_split_rounding_size) {
+    return false;
+  }
+  return true;
+}
 
 inline bool is_oversize(std::size_t size, const Config& config) {
   return size >= config.max_split_size;

@@ -113,8 +113,11 @@ struct alignas(64) Arena {
   FreePool small_pool GUARDED_BY(mutex){true, this};
   FreePool large_pool GUARDED_BY(mutex){false, this};
   BlockRecycler blocks GUARDED_BY(mutex);
-  // The live (allocated) blocks of this arena by address.
+  // The live (allocated) blocks of this arena by address, and the parked one.
   PtrMap<Block*> live GUARDED_BY(mutex);
+  // The stream's last freed block, parked instead of pooled (engine.cpp, park()), if any:
+  // free memory, not allocated, still in `live`, in no pool. Default pool only.
+  Block* parked GUARDED_BY(mutex) = nullptr;
   // This stream's expandable segments (usually one per pool).
   std::vector<std::unique_ptr<ExpandableSegment>> expandable GUARDED_BY(mutex);
   // Per stream that used one of this arena's blocks: FIFO of frees waiting for its events.

@@ -76,6 +76,12 @@ DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
     reuse_in_capture(arena);
   }
   const Request req = make_request(size, stream);  // reads the config: under the lock
+  if (arena.parked != nullptr) {
+    if (const DevicePtr ptr = take_parked(arena, req)) {
+      ArenaEngine::finish(*this, arena, lock);
+      return ptr;
+    }
+  }
   const PoolPos pos = find_free_block(arena, req, /*advance_gc_clock=*/true);
   if (pos == arena.pool_for(req.small).blocks.end()) {
     return malloc_slow(arena, req, std::move(lock));
@@ -107,8 +113,11 @@ void Engine::free_cached(DevicePtr ptr) {
   if (Arena* arena = arena_of(ptr)) {
     std::unique_lock lock(arena->mutex);
     arena->mutex.assert_held();
-    if (Block* block = arena->live.erase(ptr)) {
-      release_allocation(*arena, block);
+    if (Block* block = live_block(*arena, ptr)) {
+      if (!park(*arena, block)) {  // a parked block stays in the live index
+        arena->live.erase(ptr);
+        release_allocation(*arena, block);
+      }
       ArenaEngine::finish(*this, *arena, lock);
       return;
     }
@@ -191,7 +200,8 @@ CCALLOC_HOT Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const 
   PeakBaselines& debt = arena.debts;  // increases go through arena.increase(): see arena.hpp
   // The pool's entries; the aggregates keep their peaks only (core/peak_ledger.hpp).
   const StatType t = pool_stat(pool.is_small);
-  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n) {
+  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d,
+                            std::int64_t n) __attribute__((always_inline)) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
   };
@@ -239,6 +249,19 @@ CCALLOC_HOT Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const 
     }
   }
 
+  count_handed_out(arena, block, req);
+  return block;
+}
+
+CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Request& req) {
+  DeviceStats& st = arena.stats;
+  PeakBaselines& debt = arena.debts;
+  const StatType t = pool_stat(block->pool->is_small);
+  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d,
+                            std::int64_t n) __attribute__((always_inline)) {
+    arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
+    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
+  };
   block->allocated = true;
   block->requested_size = req.requested;
   if (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks) {
@@ -253,19 +276,22 @@ CCALLOC_HOT Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const 
   if (is_oversize(block->size, config_)) {
     arena.increase(st.oversize_allocations, debt.oversize_allocations, 1);
   }
-  return block;
 }
 
 // The program freed `block`: it returns to its pool now, or once events on the other
 // streams that used it have completed.
-CCALLOC_HOT void Engine::release_allocation(Arena& arena, Block* block) {
+CCALLOC_HOT void Engine::count_released(Arena& arena, const Block* block) {
   DeviceStats& st = arena.stats;
-  block->allocated = false;
   const StatType t = pool_stat(block->pool->is_small);  // the pool's entries only
   st.allocation[t].decrease(1);
   st.allocated_bytes[t].decrease(static_cast<std::int64_t>(block->size));
-  record_trace(TraceAction::kFreeRequested, block->ptr, block->requested_size, arena.stream, block);
   if (is_oversize(block->size, config_)) st.oversize_allocations.decrease(1);
+}
+
+CCALLOC_HOT void Engine::release_allocation(Arena& arena, Block* block) {
+  block->allocated = false;
+  count_released(arena, block);
+  record_trace(TraceAction::kFreeRequested, block->ptr, block->requested_size, arena.stream, block);
   if (block->stream_uses.empty()) {
     free_block(arena, block);
   } else if (capturing()) [[unlikely]] {
@@ -286,22 +312,37 @@ CCALLOC_HOT void Engine::release_allocation(Arena& arena, Block* block) {
 }
 
 // Returns a block with no outstanding uses to its pool, merged with its free neighbours.
-// The merged block reuses a free neighbour's place in the pool when it can (its size only
-// grew), which spares the tree an erase and an insert.
 CCALLOC_HOT void Engine::free_block(Arena& arena, Block* block) {
   record_trace(TraceAction::kFreeCompleted, block->ptr, block->requested_size, arena.stream, block);
+  if (Block* const p = arena.parked; p != nullptr &&
+      (block->next == p || block->prev == p || (block->prev != nullptr && block->prev->prev == p)))
+      [[unlikely]] {
+    // Its merges would reach the parked block, or the free block after it, which the pools
+    // hold merged with it: pool the parked block first, as it was when it was freed (with
+    // this block not yet free, so that the parked one does not merge with it).
+    block->allocated = true;
+    unpark(arena);
+    block->allocated = false;
+  }
   const auto original_size = static_cast<std::int64_t>(block->size);
   const auto requested = block->requested_size;
+  std::int64_t net_split_blocks = 0;
+  std::int64_t net_split_bytes = 0;
+  const bool small = block->pool->is_small;
+  merge_into_pool(arena, block, net_split_blocks, net_split_bytes);
+  count_pooled(arena, small, net_split_blocks, net_split_bytes, original_size, requested);
+}
+
+// The merged block reuses a free neighbour's place in the pool when it can (its size only
+// grew), which spares the tree an erase and an insert.
+CCALLOC_HOT Block* Engine::merge_into_pool(Arena& arena, Block* block,
+                                           std::int64_t& net_split_blocks,
+                                           std::int64_t& net_split_bytes) {
+  const auto requested = block->requested_size;
   FreePool& pool = *block->pool;
-  const auto is_free = [](const Block* b) {
-    return b != nullptr && b->mapped && !b->allocated && b->event_count == 0 &&
-           b->stream_uses.empty();  // a deferred free still has its stream uses
-  };
   Block* const prev = is_free(block->prev) ? block->prev : nullptr;
   Block* const next = is_free(block->next) ? block->next : nullptr;
 
-  std::int64_t net_split_blocks = 0;
-  std::int64_t net_split_bytes = 0;
   Block* merged = block;
   if (prev != nullptr || next != nullptr) {
     // The survivor is a neighbour already in the pool; the others are absorbed into it.
@@ -341,11 +382,16 @@ CCALLOC_HOT void Engine::free_block(Arena& arena, Block* block) {
     net_split_blocks += 1;
     net_split_bytes += static_cast<std::int64_t>(merged->size);
   }
-
-  DeviceStats& st = arena.stats;
   if (merged->segment != nullptr) net_split_blocks = net_split_bytes = 0;  // see carve()
+  return merged;
+}
+
+CCALLOC_HOT void Engine::count_pooled(Arena& arena, bool small, std::int64_t net_split_blocks,
+                                      std::int64_t net_split_bytes, std::int64_t size,
+                                      std::size_t requested) {
+  DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;
-  const StatType t = pool_stat(pool.is_small);  // the pool's entries only
+  const StatType t = pool_stat(small);  // the pool's entries only
   if (net_split_blocks > 0) {
     ledger_increase_pool(st.inactive_split, debt.inactive_split[t], debt.inactive_split[kAggregate],
                          arena.in_debt, t, net_split_blocks);
@@ -357,8 +403,96 @@ CCALLOC_HOT void Engine::free_block(Arena& arena, Block* block) {
   }
   if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
   st.active[t].decrease(1);
-  st.active_bytes[t].decrease(original_size);
+  st.active_bytes[t].decrease(size);
   st.requested_bytes[t].decrease(static_cast<std::int64_t>(requested));
+}
+
+// ---------------------------------------------------------------------------------------
+// The parked block: a one-block cache in front of the pools, for the hit whose free and
+// malloc would merge a block into its pool and split it out again at the same address.
+// Pooled, a freed block b with no free block before it starts a free block at its own
+// address, merged with the free block after it (`after`) if there is one. The next request
+// of b's rounded size for b's pool is served from that merged block when it is the
+// request's best fit (it sorts before every other pooled block that fits, `after` aside),
+// passes the oversize rules and, with `after`, is split (the rest is `after` as it is): b
+// comes back as it is. So the stream keeps its last freed block out of the pools: a take
+// hands out exactly what best fit would, and any other request, a free whose merges
+// reach b, and every operation that takes every arena lock pool it first. Statistics fall
+// at the park and rise at the take as the pools' free and malloc would make them, peaks
+// included (the inactive split counts too).
+
+CCALLOC_HOT bool Engine::park(Arena& arena, Block* b) {
+  if (!b->stream_uses.empty() || b->segment != nullptr || arena.pool != nullptr ||
+      b->stack || trace_flags_.load(std::memory_order_relaxed) != 0 || capturing() ||
+      gc_enabled() || !parking_) {
+    return false;
+  }
+  if (arena.parked != nullptr) unpark(arena);  // the last one parked goes to its pool
+  if (is_free(b->prev)) return false;          // it would merge with what lies before it
+  b->allocated = false;
+  count_released(arena, b);
+  // Pooled, b would merge with `after` into a block that is split unless it is the
+  // segment.
+  const Block* const after = is_free(b->next) ? b->next : nullptr;
+  const std::int64_t after_size = after != nullptr ? static_cast<std::int64_t>(after->size) : 0;
+  const auto size = static_cast<std::int64_t>(b->size);
+  const bool split = b->prev != nullptr || (after != nullptr ? after->next : b->next) != nullptr;
+  count_pooled(arena, b->pool->is_small, (after != nullptr ? -1 : 0) + (split ? 1 : 0),
+               -after_size + (split ? size + after_size : 0), size, b->requested_size);
+  arena.parked = b;
+  return true;
+}
+
+CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
+  Block* const b = arena.parked;
+  FreePool& pool = arena.pool_for(req.small);
+  if (b->size == req.size && b->pool == &pool && !req.exact &&
+      trace_flags_.load(std::memory_order_relaxed) == 0) {
+    Block* const after = is_free(b->next) ? b->next : nullptr;
+    const std::size_t merged = b->size + (after != nullptr ? after->size : 0);
+    PoolPos pos = pool.lower_bound(req.size);
+    if (pos != pool.blocks.end() && *pos == after) ++pos;
+    const bool best = pos == pool.blocks.end() ||
+                      ((*pos)->segment == nullptr &&
+                       (merged < (*pos)->size || (merged == (*pos)->size && b->ptr < (*pos)->ptr)));
+    if (best && oversize_allows(merged, req.size, config_) &&
+        (after == nullptr || should_split(merged, req.size, pool.is_small, config_))) {
+      arena.parked = nullptr;
+      // carve()'s statistics for the merged block: split into b and `after`, or b whole.
+      DeviceStats& st = arena.stats;
+      const StatType t = pool_stat(pool.is_small);
+      const bool already_split =
+          b->prev != nullptr || (after != nullptr ? after->next : b->next) != nullptr;
+      if (after != nullptr) {
+        after->requested_size = b->requested_size;  // the merged block's stale value
+        after->gc_count_base = gc_clock(pool);
+        if (already_split) {
+          st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+        } else {
+          ledger_increase_pool(st.inactive_split_bytes, arena.debts.inactive_split_bytes[t],
+                               arena.debts.inactive_split_bytes[kAggregate], arena.in_debt, t,
+                               static_cast<std::int64_t>(after->size));
+          ledger_increase_pool(st.inactive_split, arena.debts.inactive_split[t],
+                               arena.debts.inactive_split[kAggregate], arena.in_debt, t, 1);
+        }
+      } else if (already_split) {
+        st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(b->size));
+        st.inactive_split[t].decrease(1);
+      }
+      count_handed_out(arena, b, req);  // (still in the live index)
+      return b->ptr;
+    }
+  }
+  unpark(arena);
+  return 0;
+}
+
+void Engine::unpark(Arena& arena) {
+  Block* const b = arena.parked;
+  arena.parked = nullptr;
+  arena.live.erase(b->ptr);
+  std::int64_t net_split_blocks = 0, net_split_bytes = 0;  // counted at the park
+  merge_into_pool(arena, b, net_split_blocks, net_split_bytes);
 }
 
 CCALLOC_HOT void Engine::insert_into_pool(FreePool& pool, Block* block) {
@@ -439,6 +573,10 @@ Engine::AllArenasLock::AllArenasLock(const Engine& engine)
   std::sort(by_stream_.begin(), by_stream_.end(), [](const Arena* x, const Arena* y) {
     return x->stream != y->stream ? x->stream < y->stream : x->order < y->order;
   });
+  // A parked block is free memory that every view, count and ladder step sees pooled.
+  for (Arena* a : by_stream_) {
+    if (a->parked != nullptr) const_cast<Engine&>(engine).unpark(*a);
+  }
 }
 
 Engine::AllArenasLock::~AllArenasLock() {

@@ -253,7 +253,8 @@ class Engine final : public Backend {
   Snapshot snapshot(bool trace_entry, std::int64_t other_active_bytes);
 
  private:
-  // Holds every arena lock (and the registry, so no arena appears meanwhile).
+  // Holds every arena lock (and the registry, so no arena appears meanwhile), and pools
+  // every parked block first: views, statistics and the ladder see free memory pooled.
   class AllArenasLock {
    public:
     // The analysis cannot follow a lock per element of a vector: users tell it which arena
@@ -316,9 +317,11 @@ class Engine final : public Backend {
   // The arena whose segment holds `ptr` (read without a lock), or nullptr. Whether `ptr`
   // is live there is for the arena's index to say, under the arena's lock.
   Arena* arena_of(DevicePtr ptr) const { return arena_by_owner(owners_.owner_of(ptr)); }
-  // The block handed out at `ptr` (nullptr: none), under its arena's lock (ArenaEngine).
+  // The block handed out at `ptr` (nullptr: none), under its arena's lock (ArenaEngine):
+  // the live index also holds the parked block, which is not allocated.
   static Block* live_block(const Arena& arena, DevicePtr ptr) REQUIRES(arena.mutex) {
-    return arena.live.find(ptr);
+    Block* const b = arena.live.find(ptr);
+    return b != nullptr && b->allocated ? b : nullptr;
   }
   Arena* arena_by_owner(SegmentMap::Owner owner) const;
   // `what` names the operation: "free of pointer 0x... which is not live".
@@ -335,6 +338,36 @@ class Engine final : public Backend {
   Block* carve(Arena& arena, Block* block, PoolPos pos, const Request& req) REQUIRES(arena.mutex);
   void release_allocation(Arena& arena, Block* block) REQUIRES(arena.mutex);
   void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
+  // The statistics of a handed-out block (carve, take_parked).
+  void count_handed_out(Arena& arena, Block* block, const Request& req) REQUIRES(arena.mutex);
+  // The statistics of a block no longer allocated (release_allocation, park).
+  void count_released(Arena& arena, const Block* block) REQUIRES(arena.mutex);
+  // The statistics of a free block pooled: `net_split_*` are the change in inactive split
+  // blocks and bytes its merges made (free_block, park).
+  void count_pooled(Arena& arena, bool small, std::int64_t net_split_blocks,
+                    std::int64_t net_split_bytes, std::int64_t size, std::size_t requested)
+      REQUIRES(arena.mutex);
+  // Puts a free block in its pool merged with its free neighbours (the structure only);
+  // returns the merged block and adds the inactive split changes to the `net_split_*`.
+  Block* merge_into_pool(Arena& arena, Block* block, std::int64_t& net_split_blocks,
+                         std::int64_t& net_split_bytes) REQUIRES(arena.mutex);
+  // A block counts as free for merging: in no use, no event outstanding.
+  static bool is_free(const Block* b) {
+    return b != nullptr && b->mapped && !b->allocated && b->event_count == 0 &&
+           b->stream_uses.empty();  // a deferred free still has its stream uses
+  }
+  // --- the parked block (engine.cpp) ---
+  // A free that would pool its block at once with nothing before it to merge with, on a
+  // default-pool arena with no history, trace, capture or GC, parks the block instead
+  // (Arena::parked), counting it as the free would; true when it did.
+  bool park(Arena& arena, Block* block) REQUIRES(arena.mutex);
+  // A request the pools would serve with the parked block merged with the free block after
+  // it takes it as it is (its address; the rest stays pooled as it is); any other pools it
+  // first and returns 0.
+  DevicePtr take_parked(Arena& arena, const Request& req) REQUIRES(arena.mutex);
+  // Pools the arena's parked block as its free would have (its statistics were counted at
+  // the park).
+  void unpark(Arena& arena) REQUIRES(arena.mutex);
   void insert_into_pool(FreePool& pool, Block* block);
   // Re-sorts a pooled block whose key changed in place, if its order changed: a block that
   // shrank can only have fallen below its predecessor, one that grew risen above its
@@ -485,8 +518,10 @@ class Engine final : public Backend {
   void check_private_pool_blocks(const InvariantWalk& walk) const;
   void check_sleepable_pools(const InvariantWalk& walk) const;
 
-  // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp).
+  // Tests reach the state through it to corrupt it on purpose (invariants_test.cpp) or
+  // to turn parking off (native_park_test.cpp).
   friend struct EngineTestAccess;
+  bool parking_ = true;  // park(); off only in tests that compare against the pools alone
   // What it does alike with the stitching policy (core/arena_engine.hpp).
   friend struct ArenaEngine;
 

@@ -1,0 +1,335 @@
+// The native engine's one-block cache (native/engine.cpp, park()): a free that parks its
+// block and a malloc that takes it back must do what PyTorch's pools alone would. Each test
+// runs the same calls on two engines over two identical simulated GPUs, one of them with
+// parking off, and compares every address and OOM, the statistics with their peaks, the
+// segments with every block (the stale requested size of free blocks included) and the
+// driver's calls.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ccalloc/config.hpp"
+#include "ccalloc/sim.hpp"
+#include "native/engine.hpp"
+
+namespace ccalloc::core {
+
+struct EngineTestAccess {
+  static void set_parking(Engine& e, bool on) { e.parking_ = on; }
+  // The stream's parked block's address (0: none).
+  static DevicePtr parked(Engine& e, StreamId stream) NO_THREAD_SAFETY_ANALYSIS {
+    const Block* b = e.arena_for(stream).parked;
+    return b == nullptr ? 0 : b->ptr;
+  }
+};
+
+}  // namespace ccalloc::core
+
+namespace {
+
+using ccalloc::Config;
+using ccalloc::DevicePtr;
+using ccalloc::StreamId;
+using ccalloc::core::Engine;
+using Access = ccalloc::core::EngineTestAccess;
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+ccalloc::sim::Options device(std::size_t capacity) {
+  ccalloc::sim::Options o;
+  o.capacity = capacity;
+  return o;
+}
+
+// Two engines, parking on (`parked`) and off (`pooled`), each on a GPU of its own.
+struct Pair {
+  explicit Pair(std::size_t capacity, const char* config = "pytorch")
+      : gpu_a(device(capacity)), gpu_b(device(capacity)),
+        parked(gpu_a, Config::parse(config)), pooled(gpu_b, Config::parse(config)) {
+    Access::set_parking(pooled, false);
+  }
+  // malloc on both: the same address, or the same OOM.
+  DevicePtr malloc(std::size_t size, StreamId stream) {
+    const auto attempt = [&](Engine& e, bool& oom) -> DevicePtr {
+      try {
+        return e.malloc(size, stream);
+      } catch (const ccalloc::OutOfMemoryError&) {
+        oom = true;
+        return 0;
+      }
+    };
+    bool oom_a = false, oom_b = false;
+    const DevicePtr was_parked = Access::parked(parked, stream);
+    const DevicePtr a = attempt(parked, oom_a);
+    if (a != 0 && a == was_parked) {
+      ++takes;
+      if (size > kMiB) ++large_takes;
+    }
+    const DevicePtr b = attempt(pooled, oom_b);
+    EXPECT_EQ(oom_a, oom_b) << size << " B on stream " << stream;
+    EXPECT_EQ(a, b) << size << " B on stream " << stream;
+    return a;
+  }
+  // free on both; counts the frees that parked (`stream`: the allocation's).
+  void free(DevicePtr p, StreamId stream = 0, std::size_t size = 0) {
+    parked.free(p);
+    pooled.free(p);
+    if (Access::parked(parked, stream) == p) {
+      ++parks;
+      if (size > kMiB) ++large_parks;
+    }
+  }
+  // Everything a caller can see, equal (the views pool the parked blocks first), and the
+  // parking engine's invariants.
+  void expect_same() {
+    EXPECT_EQ(parked.stats(), pooled.stats());
+    const auto sa = parked.segments(), sb = pooled.segments();
+    ASSERT_EQ(sa.size(), sb.size());
+    for (std::size_t i = 0; i < sa.size(); ++i) {
+      EXPECT_EQ(sa[i].address, sb[i].address);
+      EXPECT_EQ(sa[i].total_size, sb[i].total_size);
+      EXPECT_EQ(sa[i].allocated_size, sb[i].allocated_size);
+      EXPECT_EQ(sa[i].active_size, sb[i].active_size);
+      EXPECT_EQ(sa[i].requested_size, sb[i].requested_size);
+      ASSERT_EQ(sa[i].blocks.size(), sb[i].blocks.size()) << "segment " << i;
+      for (std::size_t j = 0; j < sa[i].blocks.size(); ++j) {
+        EXPECT_EQ(sa[i].blocks[j].address, sb[i].blocks[j].address);
+        EXPECT_EQ(sa[i].blocks[j].size, sb[i].blocks[j].size);
+        EXPECT_EQ(sa[i].blocks[j].state, sb[i].blocks[j].state);
+        EXPECT_EQ(sa[i].blocks[j].requested_size, sb[i].blocks[j].requested_size)
+            << "block " << j << " of segment " << i;
+      }
+    }
+    EXPECT_EQ(gpu_a.counters(), gpu_b.counters());
+    parked.check_invariants();
+  }
+
+  ccalloc::sim::SimDriver gpu_a, gpu_b;
+  Engine parked, pooled;
+  int parks = 0, large_parks = 0, takes = 0, large_takes = 0;
+};
+
+TEST(NativePark, AFreedBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) {
+  Pair p(64 * kMiB);
+  const DevicePtr a = p.malloc(512, 0);
+  p.free(a);
+  EXPECT_EQ(Access::parked(p.parked, 0), a);
+  EXPECT_EQ(p.malloc(512, 0), a);
+  EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+  EXPECT_EQ(p.takes, 1);
+  p.expect_same();
+}
+
+TEST(NativePark, StatisticsReadWhileParkedAreThoseOfThePools) {
+  Pair p(64 * kMiB);
+  const DevicePtr a = p.malloc(4096, 0);
+  p.free(a);
+  ASSERT_EQ(Access::parked(p.parked, 0), a);
+  // stats() pools the parked block first: the inactive split block is the segment's
+  // whole free rest.
+  const auto stats = p.parked.stats();
+  EXPECT_EQ(stats.allocated_bytes[ccalloc::kAggregate].current, 0);
+  EXPECT_EQ(stats.inactive_split[ccalloc::kAggregate].current, 0);  // the whole segment
+  EXPECT_EQ(stats.inactive_split_bytes[ccalloc::kAggregate].peak, 2 * kMiB - 4096);
+  EXPECT_EQ(stats, p.pooled.stats());
+  EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+  p.expect_same();
+}
+
+// A park that raises a peak (here of the inactive split blocks) leaves the arena in peak
+// debt, which the engine settles under every arena lock before the free returns: the block
+// is pooled at once. Once the peaks stand, the same free stays parked.
+TEST(NativePark, AParkThatRaisesAPeakIsPooledAtOnce) {
+  Pair p(64 * kMiB);
+  const DevicePtr x = p.malloc(1024, 0);
+  p.malloc(512, 0);
+  p.free(x);  // x and the segment's rest: two inactive split blocks, a new peak
+  EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+  EXPECT_EQ(p.malloc(1024, 0), x);
+  p.free(x);  // the same two: no new peak
+  EXPECT_EQ(Access::parked(p.parked, 0), x);
+  p.expect_same();
+}
+
+TEST(NativePark, ARequestThatBestFitServesElsewhereTakesItsBestFit) {
+  Pair p(64 * kMiB);
+  // [x 1024][y 512][a 512][z 512][rest]; a first round of frees sets the peaks.
+  const DevicePtr x = p.malloc(1024, 0);
+  p.malloc(512, 0);
+  const DevicePtr a = p.malloc(512, 0);
+  p.malloc(512, 0);
+  for (int round = 0; round < 2; ++round) {
+    p.free(x);
+    p.free(a);  // parks a, pools x (the last parked goes to its pool)
+    EXPECT_EQ(Access::parked(p.parked, 0), round == 0 ? 0u : a);
+    EXPECT_EQ(p.malloc(512, 0), a);  // a, pooled, is the best fit: taken back
+    p.free(a);
+    EXPECT_EQ(p.malloc(1024, 0), x);  // a does not fit: pooled first, best fit is x
+    EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+    EXPECT_EQ(p.malloc(512, 0), a);
+  }
+  EXPECT_EQ(p.takes, 1);
+  p.expect_same();
+}
+
+TEST(NativePark, AFreeWhoseMergesReachTheParkedBlockPoolsItFirst) {
+  Pair p(64 * kMiB);
+  // [a][b][c][d][rest]; a first free and malloc of a set the peaks.
+  const DevicePtr a = p.malloc(512, 0);
+  const DevicePtr b = p.malloc(512, 0);
+  const DevicePtr c = p.malloc(512, 0);
+  const DevicePtr d = p.malloc(512, 0);
+  p.free(a);
+  EXPECT_EQ(p.malloc(512, 0), a);
+  p.free(a);
+  EXPECT_EQ(Access::parked(p.parked, 0), a);
+  p.free(b);  // merges with a: a is pooled first
+  EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+  EXPECT_EQ(p.malloc(1024, 0), a);
+  p.expect_same();
+  // The same from the other side: c parked, d freed after it.
+  p.free(c);
+  EXPECT_EQ(Access::parked(p.parked, 0), c);
+  p.free(d);
+  EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+  p.expect_same();
+}
+
+TEST(NativePark, AFreeAfterTheFreeBlockAfterTheParkedOneKeepsTheRequestedSizesOfThePools) {
+  Pair p(64 * kMiB);
+  // [b 512][n 1024][m 1536][rest]: n freed, then b (parked; pooled it would merge with n),
+  // then m, used on stream 1: its free completes when a malloc on stream 1 finds stream 1's
+  // work done. m then merges with n, which the pools hold merged with b: b is pooled first,
+  // so that the merged block's stale requested size is m's, as in the pools.
+  const DevicePtr b = p.malloc(512, 0);
+  const DevicePtr n = p.malloc(1024, 0);
+  const DevicePtr m = p.malloc(1536, 0);
+  p.parked.record_stream(m, 1);
+  p.pooled.record_stream(m, 1);
+  p.free(n);
+  p.free(b);
+  EXPECT_EQ(Access::parked(p.parked, 0), b);
+  p.free(m);  // waits for stream 1
+  EXPECT_EQ(Access::parked(p.parked, 0), b);
+  p.gpu_a.complete_stream(1);
+  p.gpu_b.complete_stream(1);
+  p.malloc(512, 1);  // completes m's free
+  EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+  p.expect_same();
+}
+
+TEST(NativePark, AParkedPointerIsNotLive) {
+  Pair p(64 * kMiB);
+  const DevicePtr a = p.malloc(512, 0);
+  p.free(a);
+  ASSERT_EQ(Access::parked(p.parked, 0), a);
+  EXPECT_THROW(p.parked.free(a), ccalloc::InvalidPointerError);
+  EXPECT_THROW(p.parked.record_stream(a, 1), ccalloc::InvalidPointerError);
+  EXPECT_EQ(p.parked.allocation_size(a), 0u);
+  EXPECT_EQ(Access::parked(p.parked, 0), a);  // untouched by the refused calls
+  EXPECT_EQ(p.malloc(512, 0), a);
+  p.expect_same();
+}
+
+TEST(NativePark, ABlockUsedOnAnotherStreamIsNotParked) {
+  Pair p(64 * kMiB);
+  const DevicePtr a = p.malloc(512, 0);
+  p.parked.record_stream(a, 1);
+  p.pooled.record_stream(a, 1);
+  p.free(a);
+  EXPECT_EQ(Access::parked(p.parked, 0), 0u);
+  p.gpu_a.complete_stream(1);
+  p.gpu_b.complete_stream(1);
+  EXPECT_EQ(p.malloc(512, 0), a);
+  p.expect_same();
+}
+
+// Random work on three streams (record_stream, completions, empty_cache, a device small
+// enough for the OOM ladder), frees biased to the most recent allocation so that parking
+// is frequent, under several of PyTorch's settings: every address, OOM and statistic equal
+// to the pools' alone.
+struct Counts {
+  int parks = 0, large_parks = 0, takes = 0, large_takes = 0;
+};
+
+Counts random_work(const char* config, unsigned seed) {
+  SCOPED_TRACE(std::string(config) + ", seed " + std::to_string(seed));
+  Pair p(160 * kMiB, config);
+  std::mt19937 rng(seed);
+  struct Live {
+    DevicePtr ptr;
+    StreamId stream;
+    std::size_t size;
+  };
+  std::vector<Live> live;
+  const std::size_t sizes[] = {512,      1024,     1536,     4096,     8192,
+                               65536,    100000,   262144,   1 * kMiB, 3 * kMiB,
+                               9 * kMiB, 12 * kMiB, 25 * kMiB, 2 * kMiB + 512};
+  constexpr std::size_t kSizes = sizeof(sizes) / sizeof(sizes[0]);
+  std::int64_t now = 0;
+  for (int i = 0; i < 4000; ++i) {
+    now += static_cast<std::int64_t>(rng() % 500);
+    p.gpu_a.set_time_us(now);
+    p.gpu_b.set_time_us(now);
+    const unsigned op = rng() % 100;
+    if (op < 48 || live.empty()) {
+      const StreamId s = rng() % 4 == 0 ? 1 + rng() % 2 : 0;
+      const std::size_t size = rng() % 3 == 0 ? 1 + rng() % 262144 : sizes[rng() % kSizes];
+      const DevicePtr ptr = p.malloc(size, s);
+      if (ptr != 0) live.push_back(Live{ptr, s, size});
+    } else if (op < 96) {
+      const std::size_t k = rng() % 3 != 0 ? live.size() - 1 : rng() % live.size();
+      const Live l = live[k];
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      if (rng() % 8 == 0) {
+        const StreamId other = (l.stream + 1) % 3;
+        p.parked.record_stream(l.ptr, other);
+        p.pooled.record_stream(l.ptr, other);
+      }
+      p.free(l.ptr, l.stream, l.size);
+    } else if (op < 99) {
+      const StreamId s = rng() % 3;
+      p.gpu_a.complete_stream(s);
+      p.gpu_b.complete_stream(s);
+    } else {
+      p.parked.empty_cache();
+      p.pooled.empty_cache();
+    }
+    // Compared whenever no stream has a parked block (the comparison pools them), and
+    // every 500 operations.
+    if (i % 500 == 0 || (Access::parked(p.parked, 0) == 0 && Access::parked(p.parked, 1) == 0 &&
+                         Access::parked(p.parked, 2) == 0)) {
+      p.expect_same();
+    }
+    if (testing::Test::HasFailure()) return {};
+  }
+  p.expect_same();
+  std::printf("%s, seed %u: %d parks (%d large), %d taken back (%d large)\n", config, seed,
+              p.parks, p.large_parks, p.takes, p.large_takes);
+  return {p.parks, p.large_parks, p.takes, p.large_takes};
+}
+
+// The cache was at work, for large blocks too.
+void expect_busy(const Counts& c) {
+  EXPECT_GT(c.parks, 500);
+  EXPECT_GT(c.takes, 80);
+  EXPECT_GT(c.large_parks, 20);
+  EXPECT_GT(c.large_takes, 5);
+}
+
+TEST(NativePark, RandomWorkHandsOutWhatThePoolsAloneWould) {
+  for (const unsigned seed : {1u, 2u, 3u}) expect_busy(random_work("pytorch", seed));
+}
+
+TEST(NativePark, RandomWorkUnderOtherSettingsHandsOutWhatThePoolsAloneWould) {
+  expect_busy(random_work("pytorch,max_split_size_mb:24", 4));
+  expect_busy(random_work("pytorch,roundup_power2_divisions:4", 5));
+  // Under the age-based GC and with expandable segments nothing parks: the pools serve.
+  EXPECT_EQ(random_work("pytorch,garbage_collection_threshold:0.6", 6).parks, 0);
+  EXPECT_EQ(random_work("pytorch,expandable_segments:True", 7).parks, 0);
+}
+
+}  // namespace
