@@ -161,13 +161,25 @@ class BestFitPool {
       : set_(SizeThenAddress<B>{}, RecyclingAllocator<B*>(nodes)) {}
 
   iterator insert(B* b) {
+    ++version_;
     const iterator it = set_.insert(b).first;
     b->pool_pos = it;
     return it;
   }
-  void erase(iterator it) { set_.erase(it); }
+  void erase(iterator it) {
+    ++version_;
+    set_.erase(it);
+  }
   // b must be in this pool.
-  void erase(B* b) { set_.erase(b->pool_pos); }
+  void erase(B* b) {
+    ++version_;
+    set_.erase(b->pool_pos);
+  }
+  // Counts every change of the pool: each insert and erase, and touch(), which a caller
+  // that changes a pooled block's size or address in place calls. Equal versions: the
+  // same blocks, of the same sizes at the same addresses.
+  std::uint64_t version() const { return version_; }
+  void touch() { ++version_; }
   // b must be in this pool.
   iterator find(B* b) const { return b->pool_pos; }
   // Where b is in this pool, or end(), by search (for checks of what a caller passes in).
@@ -182,6 +194,7 @@ class BestFitPool {
 
  private:
   Set set_;
+  std::uint64_t version_ = 0;
 };
 
 // The free blocks of one kind (small or large) of one stream.
@@ -219,12 +232,10 @@ class BlockRecycler {
   BlockRecycler(const BlockRecycler&) = delete;
   BlockRecycler& operator=(const BlockRecycler&) = delete;
 
-  Block* make() {
+  // Inline into the split of a hit (docs/hot-path.md); a new block is made out of line.
+  [[gnu::always_inline]] Block* make() {
     Block* b = free_;
-    if (b == nullptr) {
-      owned_.push_back(std::make_unique<Padded>());
-      return &owned_.back()->block;
-    }
+    if (b == nullptr) [[unlikely]] return make_new();
     free_ = b->next;
     b->next = nullptr;
     b->prev = nullptr;
@@ -233,6 +244,10 @@ class BlockRecycler {
     b->segment = nullptr;
     b->mapped = true;
     return b;
+  }
+  [[gnu::noinline]] Block* make_new() {
+    owned_.push_back(std::make_unique<Padded>());
+    return &owned_.back()->block;
   }
   void recycle(Block* b) {
     b->stack.clear();  // contexts are released when the block goes, not when it is reused

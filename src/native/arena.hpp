@@ -118,6 +118,14 @@ struct alignas(64) Arena {
   // The stream's last freed block, parked instead of pooled (engine.cpp, park()), if any:
   // free memory, not allocated, still in `live`, in no pool. Default pool only.
   Block* parked GUARDED_BY(mutex) = nullptr;
+  // Since the park, nothing else changed the statistics (count_released and count_pooled
+  // clear it): a take returns every block statistic but the requested bytes to its value
+  // before the park, which the peaks already cover.
+  bool park_exact GUARDED_BY(mutex) = false;
+  // The parked block last found the best fit of a request of its size (take_parked), and
+  // its pool's version then: while both hold, it still is.
+  const Block* fit_block GUARDED_BY(mutex) = nullptr;
+  std::uint64_t fit_version GUARDED_BY(mutex) = 0;
   // This stream's expandable segments (usually one per pool).
   std::vector<std::unique_ptr<ExpandableSegment>> expandable GUARDED_BY(mutex);
   // Per stream that used one of this arena's blocks: FIFO of frees waiting for its events.

@@ -281,6 +281,7 @@ CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Requ
 // The program freed `block`: it returns to its pool now, or once events on the other
 // streams that used it have completed.
 CCALLOC_HOT void Engine::count_released(Arena& arena, const Block* block) {
+  arena.park_exact = false;
   DeviceStats& st = arena.stats;
   const StatType t = pool_stat(block->pool->is_small);  // the pool's entries only
   st.allocation[t].decrease(1);
@@ -389,6 +390,7 @@ CCALLOC_HOT Block* Engine::merge_into_pool(Arena& arena, Block* block,
 CCALLOC_HOT void Engine::count_pooled(Arena& arena, bool small, std::int64_t net_split_blocks,
                                       std::int64_t net_split_bytes, std::int64_t size,
                                       std::size_t requested) {
+  arena.park_exact = false;
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;
   const StatType t = pool_stat(small);  // the pool's entries only
@@ -440,6 +442,7 @@ CCALLOC_HOT bool Engine::park(Arena& arena, Block* b) {
   count_pooled(arena, b->pool->is_small, (after != nullptr ? -1 : 0) + (split ? 1 : 0),
                -after_size + (split ? size + after_size : 0), size, b->requested_size);
   arena.parked = b;
+  arena.park_exact = true;
   return true;
 }
 
@@ -450,17 +453,40 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
       trace_flags_.load(std::memory_order_relaxed) == 0) {
     Block* const after = is_free(b->next) ? b->next : nullptr;
     const std::size_t merged = b->size + (after != nullptr ? after->size : 0);
-    PoolPos pos = pool.lower_bound(req.size);
-    if (pos != pool.blocks.end() && *pos == after) ++pos;
-    const bool best = pos == pool.blocks.end() ||
-                      ((*pos)->segment == nullptr &&
-                       (merged < (*pos)->size || (merged == (*pos)->size && b->ptr < (*pos)->ptr)));
+    // Best fit: the merged block sorts before every pooled block that fits but `after`. An
+    // unchanged pool (its version) keeps the answer of the last take of this block.
+    bool best = b == arena.fit_block && pool.blocks.version() == arena.fit_version;
+    if (!best) {
+      PoolPos pos = pool.lower_bound(req.size);
+      if (pos != pool.blocks.end() && *pos == after) ++pos;
+      best = pos == pool.blocks.end() ||
+             ((*pos)->segment == nullptr &&
+              (merged < (*pos)->size || (merged == (*pos)->size && b->ptr < (*pos)->ptr)));
+      if (best) {
+        arena.fit_block = b;
+        arena.fit_version = pool.blocks.version();
+      }
+    }
     if (best && oversize_allows(merged, req.size, config_) &&
         (after == nullptr || should_split(merged, req.size, pool.is_small, config_))) {
       arena.parked = nullptr;
       // carve()'s statistics for the merged block: split into b and `after`, or b whole.
+      // Where nothing else changed them since the park (park_exact), each returns to its
+      // value before the park, which the peaks cover: no peak to check but the requested
+      // bytes'.
       DeviceStats& st = arena.stats;
       const StatType t = pool_stat(pool.is_small);
+      const bool exact = arena.park_exact;
+      const auto increase = [&](StatArray& stat, PeakBaselines::Array& d,
+                                std::int64_t n) __attribute__((always_inline)) {
+        arena.mutex.assert_held();  // the analysis does not carry the caller's locks
+        if (exact) {
+          stat[t].current += n;
+          stat[t].allocated += n;
+        } else {
+          ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
+        }
+      };
       const bool already_split =
           b->prev != nullptr || (after != nullptr ? after->next : b->next) != nullptr;
       if (after != nullptr) {
@@ -469,17 +495,29 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
         if (already_split) {
           st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(b->size));
         } else {
-          ledger_increase_pool(st.inactive_split_bytes, arena.debts.inactive_split_bytes[t],
-                               arena.debts.inactive_split_bytes[kAggregate], arena.in_debt, t,
-                               static_cast<std::int64_t>(after->size));
-          ledger_increase_pool(st.inactive_split, arena.debts.inactive_split[t],
-                               arena.debts.inactive_split[kAggregate], arena.in_debt, t, 1);
+          increase(st.inactive_split_bytes, arena.debts.inactive_split_bytes,
+                   static_cast<std::int64_t>(after->size));
+          increase(st.inactive_split, arena.debts.inactive_split, 1);
         }
       } else if (already_split) {
         st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(b->size));
         st.inactive_split[t].decrease(1);
       }
-      count_handed_out(arena, b, req);  // (still in the live index)
+      if (!exact) {
+        count_handed_out(arena, b, req);  // (still in the live index)
+        return b->ptr;
+      }
+      b->allocated = true;  // as count_handed_out (no stack: no trace flag is set)
+      b->requested_size = req.requested;
+      const auto size = static_cast<std::int64_t>(b->size);
+      increase(st.allocation, arena.debts.allocation, 1);
+      increase(st.allocated_bytes, arena.debts.allocated_bytes, size);
+      increase(st.active, arena.debts.active, 1);
+      increase(st.active_bytes, arena.debts.active_bytes, size);
+      ledger_increase_pool(st.requested_bytes, arena.debts.requested_bytes[t],
+                           arena.debts.requested_bytes[kAggregate], arena.in_debt, t,
+                           static_cast<std::int64_t>(req.requested));
+      if (is_oversize(b->size, config_)) st.oversize_allocations.increase(1);
       return b->ptr;
     }
   }
@@ -490,6 +528,7 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
 void Engine::unpark(Arena& arena) {
   Block* const b = arena.parked;
   arena.parked = nullptr;
+  arena.fit_block = nullptr;
   arena.live.erase(b->ptr);
   std::int64_t net_split_blocks = 0, net_split_bytes = 0;  // counted at the park
   merge_into_pool(arena, b, net_split_blocks, net_split_bytes);
@@ -501,6 +540,7 @@ CCALLOC_HOT void Engine::insert_into_pool(FreePool& pool, Block* block) {
 }
 
 CCALLOC_HOT void Engine::fix_pool_position(FreePool& pool, PoolPos pos, Change change) {
+  pool.blocks.touch();  // the block's size and address changed in place
   const BySizeThenAddress less;
   const bool in_order = change == Change::kShrank
                             ? pos == pool.blocks.begin() || less(*std::prev(pos), *pos)
