@@ -221,6 +221,61 @@ TEST(NativePark, AFreeAfterTheFreeBlockAfterTheParkedOneKeepsTheRequestedSizesOf
   p.expect_same();
 }
 
+// Between the park and the take, another free (here one that waited for stream 1) raised
+// a statistic the park had lowered: the take must check the peaks again. [X][Y][rest] in a
+// large segment (X freed and taken once: two inactive split blocks at the peak), [B][rest]
+// in a small one. B's park makes its segment whole (one inactive split block fewer), X's
+// free makes X one more (two, as at the peak), and B's take adds the small rest again:
+// three, a new peak.
+TEST(NativePark, ATakeAfterAnotherChangeOfTheStatisticsChecksThePeaks) {
+  Pair p(64 * kMiB);
+  const DevicePtr x = p.malloc(2 * kMiB + 512, 0);
+  p.malloc(2 * kMiB, 0);
+  p.free(x);
+  EXPECT_EQ(p.malloc(2 * kMiB + 512, 0), x);
+  const DevicePtr b = p.malloc(512, 0);
+  EXPECT_EQ(p.parked.stats().inactive_split[ccalloc::kAggregate].peak, 2);
+  p.parked.record_stream(x, 1);
+  p.pooled.record_stream(x, 1);
+  p.free(x);  // waits for stream 1
+  p.free(b);
+  EXPECT_EQ(Access::parked(p.parked, 0), b);
+  p.gpu_a.complete_stream(1);
+  p.gpu_b.complete_stream(1);
+  const int takes = p.takes;
+  EXPECT_EQ(p.malloc(512, 0), b);  // completes x's free, then takes b back
+  EXPECT_EQ(p.takes, takes + 1);
+  EXPECT_EQ(p.parked.stats().inactive_split[ccalloc::kAggregate].peak, 3);
+  p.expect_same();
+}
+
+// The take keeps its best-fit answer while the pool is unchanged. A pooled block that grows
+// in place (a free merged into it, which keeps its place in the pool) changes the pool: in
+// [Z 512][X 4096][W 512][B 4096][rest], X's free (waiting for stream 1) makes Z 4608 bytes,
+// a better fit for B's size than B merged with the rest.
+TEST(NativePark, APooledBlockThatGrewInPlaceEndsTheKeptBestFit) {
+  Pair p(64 * kMiB);
+  const DevicePtr z = p.malloc(512, 0);
+  const DevicePtr x = p.malloc(4096, 0);
+  p.malloc(512, 0);
+  const DevicePtr b = p.malloc(4096, 0);
+  p.free(z);
+  for (int round = 0; round < 3; ++round) {
+    p.free(b);
+    EXPECT_EQ(p.malloc(4096, 0), b);
+  }
+  EXPECT_GE(p.takes, 1);  // the best fit is kept
+  p.parked.record_stream(x, 1);
+  p.pooled.record_stream(x, 1);
+  p.free(x);
+  p.free(b);
+  EXPECT_EQ(Access::parked(p.parked, 0), b);
+  p.gpu_a.complete_stream(1);
+  p.gpu_b.complete_stream(1);
+  EXPECT_EQ(p.malloc(4096, 0), z);  // x's free completes first: z is the best fit now
+  p.expect_same();
+}
+
 TEST(NativePark, AParkedPointerIsNotLive) {
   Pair p(64 * kMiB);
   const DevicePtr a = p.malloc(512, 0);
