@@ -7,6 +7,7 @@
 // pool as the cudaMallocAsync column).
 //
 //   bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N] [--no-pin]
+//             [--pairs-only]
 //
 // Workloads, each the median (and min) of N >= 5 repetitions (default 11) after warm-up:
 //   pair      malloc+free of one size (512 B, 1 MiB, 64 MiB), one thread, default stream;
@@ -14,6 +15,8 @@
 //             for every allocator (cudaMalloc runs a shorter prefix of it);
 //   threads   1, 4 and 8 threads, each on its own stream, 512 B cache-hit pairs; aggregate
 //             pairs per second from a common start (barrier) to the last thread's end.
+// --pairs-only runs the pair workloads alone (a second run under another CCALLOC_CONF,
+// for the process API's column under that config).
 // Repetitions run in interleaved rounds: for each workload, round r runs one repetition of
 // every allocator, starting with allocator r mod k. On a shared VM the speed of the whole
 // machine drifts in phases lasting seconds; back-to-back repetitions put a slow phase on one
@@ -461,6 +464,7 @@ struct Options {
   std::size_t random_steps = 200'000;
   std::string json;
   bool pin = true;
+  bool pairs_only = false;  // the pair workloads alone
 };
 
 struct Column {
@@ -537,6 +541,7 @@ class Bench {
             },
             [size](Column& c, long n) { return c.runner->pairs(size, n); });
       }
+      if (opt_.pairs_only) return errors_.empty();
       interleave(
           "random", "ns_per_op",
           [&](Column& c) {
@@ -801,6 +806,13 @@ class Bench {
                      "PyTorch / ccalloc (direct), 512 B pair time, medians (> 1: ccalloc faster)",
                      torch->median / direct->median});
     }
+    const Sample* pytorch_preset = find("pair_512B", "ccalloc pytorch preset");
+    if (pytorch_preset != nullptr && torch != nullptr) {
+      out.push_back({"pytorch_over_ccalloc_pytorch_preset_pair_512B",
+                     "PyTorch / ccalloc pytorch preset (direct), 512 B pair time, medians (> 1: "
+                     "ccalloc faster)",
+                     torch->median / pytorch_preset->median});
+    }
     // The `ccalloc` preset against the `pytorch` preset, the same engine code otherwise.
     for (const char* w : kWorkloads) {
       const Sample* preset = find(w, "ccalloc (direct)");
@@ -870,12 +882,13 @@ class Bench {
 void usage() {
   std::printf(
       "usage: bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N] "
-      "[--no-pin]\n"
+      "[--no-pin] [--pairs-only]\n"
       "  --reps N          interleaved rounds per workload (default 11, at least 5)\n"
       "  --json FILE       also write the results as JSON\n"
       "  --target-ms MS    time per repetition of the pair and thread workloads (default 50)\n"
       "  --random-steps N  length of the random workload (default 200000)\n"
-      "  --no-pin          leave the threads' CPU affinity alone\n");
+      "  --no-pin          leave the threads' CPU affinity alone\n"
+      "  --pairs-only      run the pair workloads alone\n");
 }
 
 int run(int argc, char** argv) {
@@ -896,6 +909,8 @@ int run(int argc, char** argv) {
       opt.random_steps = std::max<std::size_t>(1000, std::stoul(value()));
     } else if (arg == "--no-pin") {
       opt.pin = false;
+    } else if (arg == "--pairs-only") {
+      opt.pairs_only = true;
     } else if (arg == "-h" || arg == "--help") {
       usage();
       return 0;
