@@ -53,8 +53,21 @@ class ProcessAllocator {
   ProcessAllocator(const ProcessAllocator&) = delete;
   ProcessAllocator& operator=(const ProcessAllocator&) = delete;
 
-  DevicePtr malloc(std::size_t size, StreamId stream = 0, int device = -1);
-  void free(DevicePtr ptr);
+  // Inline where one device is visible (the allocator's own call is all that remains).
+  DevicePtr malloc(std::size_t size, StreamId stream = 0, int device = -1) {
+    if (Allocator* a = only_.load(std::memory_order_acquire);
+        a != nullptr && (device == -1 || device == 0)) [[likely]] {
+      return a->malloc(size, stream);
+    }
+    return malloc_routed(size, stream, device);
+  }
+  void free(DevicePtr ptr) {
+    if (Allocator* a = only_.load(std::memory_order_acquire)) [[likely]] {
+      a->free(ptr);  // throws InvalidPointerError for a pointer it does not hold
+      return;
+    }
+    free_routed(ptr);
+  }
   void record_stream(DevicePtr ptr, StreamId stream);
   // Empties the cache of one device, or of every device created so far (-2).
   void empty_cache(int device = kAllDevices);
@@ -102,6 +115,9 @@ class ProcessAllocator {
     std::unique_ptr<Allocator> allocator;
   };
   int resolve(int device) const;
+  // malloc and free where more than one device is visible, or before the first allocator.
+  DevicePtr malloc_routed(std::size_t size, StreamId stream, int device);
+  void free_routed(DevicePtr ptr);
   const Config& config_locked() const;  // create_mutex_ held
 
   const Devices devices_;

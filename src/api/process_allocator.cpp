@@ -116,20 +116,12 @@ int ProcessAllocator::device_of(DevicePtr ptr) {
   return -1;
 }
 
-DevicePtr ProcessAllocator::malloc(std::size_t size, StreamId stream, int device) {
-  if (Allocator* a = only_.load(std::memory_order_acquire);
-      a != nullptr && (device == -1 || device == 0)) {
-    return a->malloc(size, stream);
-  }
+DevicePtr ProcessAllocator::malloc_routed(std::size_t size, StreamId stream, int device) {
   return allocator(device).malloc(size, stream);
 }
 
-void ProcessAllocator::free(DevicePtr ptr) {
+void ProcessAllocator::free_routed(DevicePtr ptr) {
   if (ptr == 0) return;
-  if (Allocator* a = only_.load(std::memory_order_acquire)) {
-    a->free(ptr);  // throws InvalidPointerError for a pointer it does not hold
-    return;
-  }
   if (const int sole = sole_device_.load(std::memory_order_acquire); sole >= 0) {
     existing(sole)->free(ptr);  // throws InvalidPointerError for a pointer it does not hold
     return;
