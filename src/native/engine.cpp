@@ -55,10 +55,14 @@ DevicePtr Engine::malloc(std::size_t size, StreamId stream) {
     const OperationContext context(flags & kCaptureOnMalloc ? capture(flags) : Origin{});
     return malloc_cached(size, stream);
   }
-  return malloc_cached(size, stream);
+  return malloc_body(size, stream);
 }
 
 DevicePtr Engine::malloc_cached(std::size_t size, StreamId stream) {
+  return malloc_body(size, stream);
+}
+
+CCALLOC_HOT DevicePtr Engine::malloc_body(std::size_t size, StreamId stream) {
   // During capture events may be neither queried nor recorded: pending frees wait.
   poll_events();
   const bool capture = capturing();
@@ -103,13 +107,17 @@ void Engine::free(DevicePtr ptr) {
     free_cached(ptr);
     return;
   }
-  free_cached(ptr);
+  free_body(ptr);
+}
+
+void Engine::free_cached(DevicePtr ptr) {
+  free_body(ptr);
 }
 
 // free and record_stream look the pointer up once: the SegmentMap names the arena (no
 // lock), and one probe of the arena's live index under its lock yields the block (free
 // removes it in the same probe).
-void Engine::free_cached(DevicePtr ptr) {
+CCALLOC_HOT void Engine::free_body(DevicePtr ptr) {
   if (Arena* arena = arena_of(ptr)) {
     std::unique_lock lock(arena->mutex);
     arena->mutex.assert_held();

@@ -314,6 +314,11 @@ class Engine final : public Backend {
   // malloc and free once any history context is set up.
   DevicePtr malloc_cached(std::size_t size, StreamId stream);
   void free_cached(DevicePtr ptr);
+  // Their bodies: inline into malloc and free where no history is recorded (a call frame
+  // spared on the hit), out of line through malloc_cached and free_cached where it is (the
+  // stack a history entry captures skips a known number of frames).
+  DevicePtr malloc_body(std::size_t size, StreamId stream);
+  void free_body(DevicePtr ptr);
   // The arena whose segment holds `ptr` (read without a lock), or nullptr. Whether `ptr`
   // is live there is for the arena's index to say, under the arena's lock.
   Arena* arena_of(DevicePtr ptr) const { return arena_by_owner(owners_.owner_of(ptr)); }
