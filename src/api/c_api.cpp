@@ -506,14 +506,20 @@ void ccalloc_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
   ccalloc_hook_free(ptr, device);
 }
 
+// The hooks call the process's allocator themselves (ccalloc_malloc's and ccalloc_free's
+// work without their frames: CuPy's and PyTorch's every allocation passes here).
 void* ccalloc_hook_malloc(size_t size, int device, void* stream) {
   void* ptr = nullptr;
-  (void)ccalloc_malloc(&ptr, size, device, stream);
+  (void)guarded(
+      [&] { ptr = reinterpret_cast<void*>(process().malloc(size, stream_id(stream), device)); });
   return ptr;
 }
 
 void ccalloc_hook_free(void* ptr, int /*device*/) {
-  if (ccalloc_free(ptr) != CCALLOC_SUCCESS) std::fprintf(stderr, "%s\n", ccalloc_last_error());
+  if (guarded([&] { process().free(reinterpret_cast<ccalloc::DevicePtr>(ptr)); }) !=
+      CCALLOC_SUCCESS) {
+    std::fprintf(stderr, "%s\n", ccalloc_last_error());
+  }
 }
 
 }  // extern "C"
