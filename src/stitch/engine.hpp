@@ -555,9 +555,12 @@ class StitchEngine final : public Backend {
   // take_parked).
   void count_large(Arena& arena, const Block& block) REQUIRES(arena.mutex);
   // Marks `block` allocated with its statistics and trace (hand_out, take_parked); its
-  // address.
+  // address. `restores`: the block's own park lowered the allocation and active counts by
+  // what this raises them, and only frees (which lower them) came since, so none can pass
+  // its peak and only the requested bytes are checked (take_parked).
   DevicePtr mark_handed_out(Arena& arena, Block& block, std::size_t requested,
-                            const Origin& stack) REQUIRES(arena.mutex);
+                            const Origin& stack,
+                            bool restores = false) REQUIRES(arena.mutex);
   // A free's statistics in pool `t` (the block's segment's): at the free (count_release),
   // and once no use is outstanding (count_inactive); release, free_block, park.
   void count_release(Arena& arena, const Block& b, StatType t) REQUIRES(arena.mutex);

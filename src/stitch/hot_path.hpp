@@ -96,7 +96,8 @@ CCALLOC_HOT void StitchEngine::count_large(Arena& arena, const Block& block) {
 }
 
 CCALLOC_HOT DevicePtr StitchEngine::mark_handed_out(Arena& arena, Block& block,
-                                                    std::size_t requested, const Origin& stack) {
+                                                    std::size_t requested, const Origin& stack,
+                                                    bool restores) {
   block.kind = Block::Kind::kAllocated;
   block.requested = requested;
   if (stack) block.stack = stack;  // a free or parked block has none
@@ -110,10 +111,21 @@ CCALLOC_HOT DevicePtr StitchEngine::mark_handed_out(Arena& arena, Block& block,
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
     ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
   };
-  increase(st.allocation, debt.allocation, 1);
-  increase(st.allocated_bytes, debt.allocated_bytes, bytes);
-  increase(st.active, debt.active, 1);
-  increase(st.active_bytes, debt.active_bytes, bytes);
+  if (restores) {
+    for (StatArray* stat : {&st.allocation, &st.active}) {
+      (*stat)[t].current += 1;
+      (*stat)[t].allocated += 1;
+    }
+    for (StatArray* stat : {&st.allocated_bytes, &st.active_bytes}) {
+      (*stat)[t].current += bytes;
+      (*stat)[t].allocated += bytes;
+    }
+  } else {
+    increase(st.allocation, debt.allocation, 1);
+    increase(st.allocated_bytes, debt.allocated_bytes, bytes);
+    increase(st.active, debt.active, 1);
+    increase(st.active_bytes, debt.active_bytes, bytes);
+  }
   increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested));
   record_trace(TraceAction::kAlloc, block.ptr, requested, arena.stream, stack);
   return block.ptr;
@@ -190,7 +202,8 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
         (merged == (*pos)->size && b->ptr < (*pos)->ptr)) {
       arena.parked = nullptr;
       if (!small) count_large(arena, *b);
-      return mark_handed_out(arena, *b, requested, stack);  // (still in the live index)
+      // (still in the live index; its park's counts come back)
+      return mark_handed_out(arena, *b, requested, stack, /*restores=*/true);
     }
   }
   unpark(arena);
