@@ -123,6 +123,19 @@ TEST(NativePark, AFreedBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) {
   p.expect_same();
 }
 
+// A request of the same rounded size may ask for more bytes than the parked block's: the
+// take checks the requested bytes' peak.
+TEST(NativePark, ATakeThatAsksForMoreBytesRaisesTheRequestedPeak) {
+  Pair p(64 * kMiB);
+  const DevicePtr a = p.malloc(500, 0);
+  p.free(a);
+  EXPECT_EQ(Access::parked(p.parked, 0), a);
+  EXPECT_EQ(p.malloc(512, 0), a);
+  EXPECT_EQ(p.takes, 1);
+  EXPECT_EQ(p.parked.stats().requested_bytes[ccalloc::kAggregate].peak, 512);
+  p.expect_same();
+}
+
 TEST(NativePark, StatisticsReadWhileParkedAreThoseOfThePools) {
   Pair p(64 * kMiB);
   const DevicePtr a = p.malloc(4096, 0);

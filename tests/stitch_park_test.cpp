@@ -133,6 +133,19 @@ TEST(StitchPark, AFreedSmallBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) 
   p.expect_same();
 }
 
+// The take restores the counts its park lowered without checking their peaks, but a
+// request of the same rounded size may ask for more bytes: the requested bytes' peak rises.
+TEST(StitchPark, ATakeThatAsksForMoreBytesRaisesTheRequestedPeak) {
+  Pair p(64 * kMiB);
+  const DevicePtr a = p.malloc(500, 0);
+  p.free(a);
+  EXPECT_EQ(Access::parked(p.parked, 0), a);
+  EXPECT_EQ(p.malloc(512, 0), a);
+  EXPECT_EQ(p.takes, 1);
+  EXPECT_EQ(p.parked.stats().requested_bytes[ccalloc::kAggregate].peak, 512);
+  p.expect_same();
+}
+
 TEST(StitchPark, ARequestThatBestFitServesElsewhereTakesItsBestFit) {
   Pair p(64 * kMiB);
   // [x 1024][y 512][a 512][z 512][rest]: x and a freed, x pooled (free, before y), a parked.
