@@ -7,13 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <random>
 #include <string>
-#include <vector>
 
-#include "ccalloc/config.hpp"
-#include "ccalloc/sim.hpp"
 #include "native/engine.hpp"
+#include "park_pair.hpp"
 
 namespace ccalloc::core {
 
@@ -30,7 +27,6 @@ struct EngineTestAccess {
 
 namespace {
 
-using ccalloc::Config;
 using ccalloc::DevicePtr;
 using ccalloc::StreamId;
 using ccalloc::core::Engine;
@@ -38,78 +34,22 @@ using Access = ccalloc::core::EngineTestAccess;
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
-ccalloc::sim::Options device(std::size_t capacity) {
-  ccalloc::sim::Options o;
-  o.capacity = capacity;
-  return o;
-}
-
-// Two engines, parking on (`parked`) and off (`pooled`), each on a GPU of its own.
-struct Pair {
+// Two native engines, parking on and off (park_pair.hpp); large: above 1 MiB.
+struct Pair : ccalloc::test::ParkPair<Engine, Access> {
   explicit Pair(std::size_t capacity, const char* config = "pytorch")
-      : gpu_a(device(capacity)), gpu_b(device(capacity)),
-        parked(gpu_a, Config::parse(config)), pooled(gpu_b, Config::parse(config)) {
-    Access::set_parking(pooled, false);
-  }
-  // malloc on both: the same address, or the same OOM.
-  DevicePtr malloc(std::size_t size, StreamId stream) {
-    const auto attempt = [&](Engine& e, bool& oom) -> DevicePtr {
-      try {
-        return e.malloc(size, stream);
-      } catch (const ccalloc::OutOfMemoryError&) {
-        oom = true;
-        return 0;
-      }
-    };
-    bool oom_a = false, oom_b = false;
-    const DevicePtr was_parked = Access::parked(parked, stream);
-    const DevicePtr a = attempt(parked, oom_a);
-    if (a != 0 && a == was_parked) {
-      ++takes;
-      if (size > kMiB) ++large_takes;
-    }
-    const DevicePtr b = attempt(pooled, oom_b);
-    EXPECT_EQ(oom_a, oom_b) << size << " B on stream " << stream;
-    EXPECT_EQ(a, b) << size << " B on stream " << stream;
-    return a;
-  }
-  // free on both; counts the frees that parked (`stream`: the allocation's).
-  void free(DevicePtr p, StreamId stream = 0, std::size_t size = 0) {
-    parked.free(p);
-    pooled.free(p);
-    if (Access::parked(parked, stream) == p) {
-      ++parks;
-      if (size > kMiB) ++large_parks;
-    }
-  }
-  // Everything a caller can see, equal (the views pool the parked blocks first), and the
+      : ParkPair(capacity, config, kMiB) {}
+  // Everything a caller can see, the stale requested sizes of free blocks included, and the
   // parking engine's invariants.
   void expect_same() {
-    EXPECT_EQ(parked.stats(), pooled.stats());
-    const auto sa = parked.segments(), sb = pooled.segments();
-    ASSERT_EQ(sa.size(), sb.size());
-    for (std::size_t i = 0; i < sa.size(); ++i) {
-      EXPECT_EQ(sa[i].address, sb[i].address);
-      EXPECT_EQ(sa[i].total_size, sb[i].total_size);
-      EXPECT_EQ(sa[i].allocated_size, sb[i].allocated_size);
-      EXPECT_EQ(sa[i].active_size, sb[i].active_size);
-      EXPECT_EQ(sa[i].requested_size, sb[i].requested_size);
-      ASSERT_EQ(sa[i].blocks.size(), sb[i].blocks.size()) << "segment " << i;
-      for (std::size_t j = 0; j < sa[i].blocks.size(); ++j) {
-        EXPECT_EQ(sa[i].blocks[j].address, sb[i].blocks[j].address);
-        EXPECT_EQ(sa[i].blocks[j].size, sb[i].blocks[j].size);
-        EXPECT_EQ(sa[i].blocks[j].state, sb[i].blocks[j].state);
-        EXPECT_EQ(sa[i].blocks[j].requested_size, sb[i].blocks[j].requested_size)
-            << "block " << j << " of segment " << i;
+    expect_same_views([](const ccalloc::SegmentInfo& a, const ccalloc::SegmentInfo& b) {
+      EXPECT_EQ(a.requested_size, b.requested_size);
+      for (std::size_t j = 0; j < a.blocks.size(); ++j) {
+        EXPECT_EQ(a.blocks[j].requested_size, b.blocks[j].requested_size)
+            << "block " << j << " of the segment at " << a.address;
       }
-    }
-    EXPECT_EQ(gpu_a.counters(), gpu_b.counters());
+    });
     parked.check_invariants();
   }
-
-  ccalloc::sim::SimDriver gpu_a, gpu_b;
-  Engine parked, pooled;
-  int parks = 0, large_parks = 0, takes = 0, large_takes = 0;
 };
 
 TEST(NativePark, AFreedBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) {
@@ -220,15 +160,13 @@ TEST(NativePark, AFreeAfterTheFreeBlockAfterTheParkedOneKeepsTheRequestedSizesOf
   const DevicePtr b = p.malloc(512, 0);
   const DevicePtr n = p.malloc(1024, 0);
   const DevicePtr m = p.malloc(1536, 0);
-  p.parked.record_stream(m, 1);
-  p.pooled.record_stream(m, 1);
+  p.record_stream(m, 1);
   p.free(n);
   p.free(b);
   EXPECT_EQ(Access::parked(p.parked, 0), b);
   p.free(m);  // waits for stream 1
   EXPECT_EQ(Access::parked(p.parked, 0), b);
-  p.gpu_a.complete_stream(1);
-  p.gpu_b.complete_stream(1);
+  p.complete_stream(1);
   p.malloc(512, 1);  // completes m's free
   EXPECT_EQ(Access::parked(p.parked, 0), 0u);
   p.expect_same();
@@ -248,13 +186,11 @@ TEST(NativePark, ATakeAfterAnotherChangeOfTheStatisticsChecksThePeaks) {
   EXPECT_EQ(p.malloc(2 * kMiB + 512, 0), x);
   const DevicePtr b = p.malloc(512, 0);
   EXPECT_EQ(p.parked.stats().inactive_split[ccalloc::kAggregate].peak, 2);
-  p.parked.record_stream(x, 1);
-  p.pooled.record_stream(x, 1);
+  p.record_stream(x, 1);
   p.free(x);  // waits for stream 1
   p.free(b);
   EXPECT_EQ(Access::parked(p.parked, 0), b);
-  p.gpu_a.complete_stream(1);
-  p.gpu_b.complete_stream(1);
+  p.complete_stream(1);
   const int takes = p.takes;
   EXPECT_EQ(p.malloc(512, 0), b);  // completes x's free, then takes b back
   EXPECT_EQ(p.takes, takes + 1);
@@ -278,13 +214,11 @@ TEST(NativePark, APooledBlockThatGrewInPlaceEndsTheKeptBestFit) {
     EXPECT_EQ(p.malloc(4096, 0), b);
   }
   EXPECT_GE(p.takes, 1);  // the best fit is kept
-  p.parked.record_stream(x, 1);
-  p.pooled.record_stream(x, 1);
+  p.record_stream(x, 1);
   p.free(x);
   p.free(b);
   EXPECT_EQ(Access::parked(p.parked, 0), b);
-  p.gpu_a.complete_stream(1);
-  p.gpu_b.complete_stream(1);
+  p.complete_stream(1);
   EXPECT_EQ(p.malloc(4096, 0), z);  // x's free completes first: z is the best fit now
   p.expect_same();
 }
@@ -305,12 +239,10 @@ TEST(NativePark, AParkedPointerIsNotLive) {
 TEST(NativePark, ABlockUsedOnAnotherStreamIsNotParked) {
   Pair p(64 * kMiB);
   const DevicePtr a = p.malloc(512, 0);
-  p.parked.record_stream(a, 1);
-  p.pooled.record_stream(a, 1);
+  p.record_stream(a, 1);
   p.free(a);
   EXPECT_EQ(Access::parked(p.parked, 0), 0u);
-  p.gpu_a.complete_stream(1);
-  p.gpu_b.complete_stream(1);
+  p.complete_stream(1);
   EXPECT_EQ(p.malloc(512, 0), a);
   p.expect_same();
 }
@@ -326,54 +258,19 @@ struct Counts {
 Counts random_work(const char* config, unsigned seed) {
   SCOPED_TRACE(std::string(config) + ", seed " + std::to_string(seed));
   Pair p(160 * kMiB, config);
-  std::mt19937 rng(seed);
-  struct Live {
-    DevicePtr ptr;
-    StreamId stream;
-    std::size_t size;
-  };
-  std::vector<Live> live;
-  const std::size_t sizes[] = {512,      1024,     1536,     4096,     8192,
-                               65536,    100000,   262144,   1 * kMiB, 3 * kMiB,
-                               9 * kMiB, 12 * kMiB, 25 * kMiB, 2 * kMiB + 512};
-  constexpr std::size_t kSizes = sizeof(sizes) / sizeof(sizes[0]);
-  std::int64_t now = 0;
-  for (int i = 0; i < 4000; ++i) {
-    now += static_cast<std::int64_t>(rng() % 500);
-    p.gpu_a.set_time_us(now);
-    p.gpu_b.set_time_us(now);
-    const unsigned op = rng() % 100;
-    if (op < 48 || live.empty()) {
-      const StreamId s = rng() % 4 == 0 ? 1 + rng() % 2 : 0;
-      const std::size_t size = rng() % 3 == 0 ? 1 + rng() % 262144 : sizes[rng() % kSizes];
-      const DevicePtr ptr = p.malloc(size, s);
-      if (ptr != 0) live.push_back(Live{ptr, s, size});
-    } else if (op < 96) {
-      const std::size_t k = rng() % 3 != 0 ? live.size() - 1 : rng() % live.size();
-      const Live l = live[k];
-      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
-      if (rng() % 8 == 0) {
-        const StreamId other = (l.stream + 1) % 3;
-        p.parked.record_stream(l.ptr, other);
-        p.pooled.record_stream(l.ptr, other);
-      }
-      p.free(l.ptr, l.stream, l.size);
-    } else if (op < 99) {
-      const StreamId s = rng() % 3;
-      p.gpu_a.complete_stream(s);
-      p.gpu_b.complete_stream(s);
-    } else {
-      p.parked.empty_cache();
-      p.pooled.empty_cache();
-    }
-    // Compared whenever no stream has a parked block (the comparison pools them), and
-    // every 500 operations.
+  static constexpr std::size_t kSizes[] = {512,      1024,     1536,      4096,
+                                           8192,     65536,    100000,    262144,
+                                           1 * kMiB, 3 * kMiB, 9 * kMiB,  12 * kMiB,
+                                           25 * kMiB, 2 * kMiB + 512};
+  // Compared whenever no stream has a parked block (the comparison pools them), and every
+  // 500 operations.
+  ccalloc::test::random_park_work(p, seed, kSizes, 4000, [&](int i) {
     if (i % 500 == 0 || (Access::parked(p.parked, 0) == 0 && Access::parked(p.parked, 1) == 0 &&
                          Access::parked(p.parked, 2) == 0)) {
       p.expect_same();
     }
-    if (testing::Test::HasFailure()) return {};
-  }
+  });
+  if (testing::Test::HasFailure()) return {};
   p.expect_same();
   std::printf("%s, seed %u: %d parks (%d large), %d taken back (%d large)\n", config, seed,
               p.parks, p.large_parks, p.takes, p.large_takes);

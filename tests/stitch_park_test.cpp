@@ -5,17 +5,13 @@
 // the segments and the driver's calls.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <random>
 #include <string>
 #include <tuple>
-#include <vector>
 
-#include "ccalloc/config.hpp"
-#include "ccalloc/sim.hpp"
 #include "stitch/engine.hpp"
 #include "stitch/tunables.hpp"
+#include "park_pair.hpp"
 
 namespace ccalloc::core {
 
@@ -40,7 +36,6 @@ struct StitchEngineTestAccess {
 
 namespace {
 
-using ccalloc::Config;
 using ccalloc::DevicePtr;
 using ccalloc::StreamId;
 using ccalloc::core::StitchEngine;
@@ -48,78 +43,21 @@ using Access = ccalloc::core::StitchEngineTestAccess;
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
-ccalloc::sim::Options device(std::size_t capacity) {
-  ccalloc::sim::Options o;
-  o.capacity = capacity;
-  return o;
-}
-
-// Two engines, parking on (`parked`) and off (`pooled`), each on a GPU of its own.
-struct Pair {
+// Two stitching engines, parking on and off (park_pair.hpp); large: above the small pool.
+struct Pair : ccalloc::test::ParkPair<StitchEngine, Access> {
   explicit Pair(std::size_t capacity, const char* config = "ccalloc")
-      : gpu_a(device(capacity)), gpu_b(device(capacity)),
-        parked(gpu_a, Config::parse(config)), pooled(gpu_b, Config::parse(config)) {
-    Access::set_parking(pooled, false);
-  }
-  // malloc on both: the same address, or the same OOM.
-  DevicePtr malloc(std::size_t size, StreamId stream) {
-    const auto attempt = [&](StitchEngine& e, bool& oom) -> DevicePtr {
-      try {
-        return e.malloc(size, stream);
-      } catch (const ccalloc::OutOfMemoryError&) {
-        oom = true;
-        return 0;
-      }
-    };
-    bool oom_a = false, oom_b = false;
-    const DevicePtr was_parked = Access::parked(parked, stream);
-    const DevicePtr a = attempt(parked, oom_a);
-    if (a != 0 && a == was_parked) {
-      ++takes;
-      if (size > ccalloc::core::kSmallPoolMax) ++large_takes;
-    }
-    const DevicePtr b = attempt(pooled, oom_b);
-    EXPECT_EQ(oom_a, oom_b) << size << " B on stream " << stream;
-    EXPECT_EQ(a, b) << size << " B on stream " << stream;
-    return a;
-  }
-  // free on both; counts the frees that parked (`stream`: the allocation's).
-  void free(DevicePtr p, StreamId stream = 0, std::size_t size = 0) {
-    parked.free(p);
-    pooled.free(p);
-    if (Access::parked(parked, stream) == p) {
-      ++parks;
-      if (size > ccalloc::core::kSmallPoolMax) ++large_parks;
-    }
-  }
+      : ParkPair(capacity, config, ccalloc::core::kSmallPoolMax) {}
   // The parking engine's invariants with its parked blocks in place; then everything a
-  // caller can see, equal (the views pool the parked blocks).
+  // caller can see, equal (the views pool the parked blocks), with the segments' pieces and
+  // each stream's growth and island state.
   void expect_same() {
     parked.check_invariants();
-    EXPECT_EQ(parked.stats(), pooled.stats());
-    const auto sa = parked.segments(), sb = pooled.segments();
-    ASSERT_EQ(sa.size(), sb.size());
-    for (std::size_t i = 0; i < sa.size(); ++i) {
-      EXPECT_EQ(sa[i].address, sb[i].address);
-      EXPECT_EQ(sa[i].total_size, sb[i].total_size);
-      EXPECT_EQ(sa[i].allocated_size, sb[i].allocated_size);
-      EXPECT_EQ(sa[i].active_size, sb[i].active_size);
-      ASSERT_EQ(sa[i].blocks.size(), sb[i].blocks.size()) << "segment " << i;
-      for (std::size_t j = 0; j < sa[i].blocks.size(); ++j) {
-        EXPECT_EQ(sa[i].blocks[j].address, sb[i].blocks[j].address);
-        EXPECT_EQ(sa[i].blocks[j].size, sb[i].blocks[j].size);
-        EXPECT_EQ(sa[i].blocks[j].state, sb[i].blocks[j].state);
-      }
-      EXPECT_EQ(sa[i].pieces, sb[i].pieces);
-    }
-    EXPECT_EQ(gpu_a.counters(), gpu_b.counters());
+    expect_same_views([](const ccalloc::SegmentInfo& a, const ccalloc::SegmentInfo& b) {
+      EXPECT_EQ(a.pieces, b.pieces);
+    });
     for (StreamId s = 0; s < 3; ++s)
       EXPECT_EQ(Access::large_state(parked, s), Access::large_state(pooled, s)) << s;
   }
-
-  ccalloc::sim::SimDriver gpu_a, gpu_b;
-  StitchEngine parked, pooled;
-  int parks = 0, large_parks = 0, takes = 0, large_takes = 0;
 };
 
 TEST(StitchPark, AFreedSmallBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) {
@@ -216,13 +154,11 @@ TEST(StitchPark, ABlockBeforeTheParkedOneFreedLaterMergesWithIt) {
   const DevicePtr x = p.malloc(1024, 0);
   const DevicePtr a = p.malloc(512, 0);
   p.malloc(512, 0);
-  p.parked.record_stream(x, 1);
-  p.pooled.record_stream(x, 1);
+  p.record_stream(x, 1);
   p.free(x);  // pending: waits for stream 1's work
   p.free(a);
   EXPECT_EQ(Access::parked(p.parked, 0), a);
-  p.gpu_a.complete_stream(1);
-  p.gpu_b.complete_stream(1);
+  p.complete_stream(1);
   // The next malloc completes x's free first: pooled, x and a are one free block of
   // 1.5 KiB at x, the request's best fit; a alone would not be.
   EXPECT_EQ(p.malloc(512, 0), x);
@@ -237,47 +173,13 @@ TEST(StitchPark, RandomWorkHandsOutWhatThePoolsAloneWould) {
   for (const unsigned seed : {1u, 2u, 3u}) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     Pair p(96 * kMiB);
-    std::mt19937 rng(seed);
-    struct Live {
-      DevicePtr ptr;
-      StreamId stream;
-      std::size_t size;
-    };
-    std::vector<Live> live;
-    const std::size_t sizes[] = {512, 1024, 1536, 4096, 8192, 65536, 100000, 262144,
-                                 300000, 1 * kMiB, 3 * kMiB, 9 * kMiB};
-    std::int64_t now = 0;
-    for (int i = 0; i < 4000; ++i) {
-      now += static_cast<std::int64_t>(rng() % 500);
-      p.gpu_a.set_time_us(now);
-      p.gpu_b.set_time_us(now);
-      const unsigned op = rng() % 100;
-      if (op < 48 || live.empty()) {
-        const StreamId s = rng() % 4 == 0 ? 1 + rng() % 2 : 0;
-        const std::size_t size = rng() % 3 == 0 ? 1 + rng() % 262144 : sizes[rng() % 12];
-        const DevicePtr ptr = p.malloc(size, s);
-        if (ptr != 0) live.push_back(Live{ptr, s, size});
-      } else if (op < 96) {
-        const std::size_t k = rng() % 3 != 0 ? live.size() - 1 : rng() % live.size();
-        const Live l = live[k];
-        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
-        if (rng() % 8 == 0) {
-          const StreamId other = (l.stream + 1) % 3;
-          p.parked.record_stream(l.ptr, other);
-          p.pooled.record_stream(l.ptr, other);
-        }
-        p.free(l.ptr, l.stream, l.size);
-      } else if (op < 99) {
-        const StreamId s = rng() % 3;
-        p.gpu_a.complete_stream(s);
-        p.gpu_b.complete_stream(s);
-      } else {
-        p.parked.empty_cache();
-        p.pooled.empty_cache();
-      }
+    static constexpr std::size_t kSizes[] = {512,    1024,     1536,     4096,
+                                             8192,   65536,    100000,   262144,
+                                             300000, 1 * kMiB, 3 * kMiB, 9 * kMiB};
+    ccalloc::test::random_park_work(p, seed, kSizes, 4000, [&](int i) {
       if (i % 500 == 0) p.expect_same();
-      if (testing::Test::HasFailure()) return;
-    }
+    });
+    if (testing::Test::HasFailure()) return;
     p.expect_same();
     EXPECT_GT(p.parks, 500);  // the cache was at work
     EXPECT_GT(p.takes, 80);
