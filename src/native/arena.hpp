@@ -119,8 +119,8 @@ struct alignas(64) Arena {
   // free memory, not allocated, still in `live`, in no pool. Default pool only.
   Block* parked GUARDED_BY(mutex) = nullptr;
   // Since the park, nothing else changed the statistics (count_released and count_pooled
-  // clear it): a take returns every block statistic but the requested bytes to its value
-  // before the park, which the peaks already cover.
+  // clear it): a take returns the inactive split counts to their values before the park,
+  // which the peaks already cover (a free since may have raised them).
   bool park_exact GUARDED_BY(mutex) = false;
   // The parked block last found the best fit of a request of its size (take_parked), and
   // its pool's version then: while both hold, it still is.

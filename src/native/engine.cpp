@@ -257,22 +257,28 @@ CCALLOC_HOT Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const 
     }
   }
 
-  count_handed_out(arena, block, req);
+  count_handed_out(arena, block, req, t);
   return block;
 }
 
-CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Request& req) {
+CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Request& req,
+                                          StatType t, bool restores) {
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;
-  const StatType t = pool_stat(block->pool->is_small);
   const auto increase = [&](StatArray& stat, PeakBaselines::Array& d,
                             std::int64_t n) __attribute__((always_inline)) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
+    if (restores) {
+      stat[t].current += n;
+      stat[t].allocated += n;
+    } else {
+      ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
+    }
   };
   block->allocated = true;
   block->requested_size = req.requested;
-  if (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks) {
+  // (A take runs with no trace flag set: no stack to keep.)
+  if (!restores && (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks)) {
     block->stack = OperationContext::current();
   }
   const auto size = static_cast<std::int64_t>(block->size);
@@ -280,9 +286,16 @@ CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Requ
   increase(st.allocated_bytes, debt.allocated_bytes, size);
   increase(st.active, debt.active, 1);
   increase(st.active_bytes, debt.active_bytes, size);
-  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(req.requested));
+  // A request of the parked block's size may ask for more bytes than its park gave back.
+  ledger_increase_pool(st.requested_bytes, debt.requested_bytes[t],
+                       debt.requested_bytes[kAggregate], arena.in_debt, t,
+                       static_cast<std::int64_t>(req.requested));
   if (is_oversize(block->size, config_)) {
-    arena.increase(st.oversize_allocations, debt.oversize_allocations, 1);
+    if (restores) {
+      st.oversize_allocations.increase(1);  // back to where the park left it: no new peak
+    } else {
+      arena.increase(st.oversize_allocations, debt.oversize_allocations, 1);
+    }
   }
 }
 
@@ -479,9 +492,9 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
         (after == nullptr || should_split(merged, req.size, pool.is_small, config_))) {
       arena.parked = nullptr;
       // carve()'s statistics for the merged block: split into b and `after`, or b whole.
-      // Where nothing else changed them since the park (park_exact), each returns to its
-      // value before the park, which the peaks cover: no peak to check but the requested
-      // bytes'.
+      // The inactive split counts its park changed return to their values before it where
+      // nothing else changed the statistics since (park_exact), which the peaks cover;
+      // otherwise a free since may have raised them, and the peaks are checked.
       DeviceStats& st = arena.stats;
       const StatType t = pool_stat(pool.is_small);
       const bool exact = arena.park_exact;
@@ -511,21 +524,10 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
         st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(b->size));
         st.inactive_split[t].decrease(1);
       }
-      if (!exact) {
-        count_handed_out(arena, b, req);  // (still in the live index)
-        return b->ptr;
-      }
-      b->allocated = true;  // as count_handed_out (no stack: no trace flag is set)
-      b->requested_size = req.requested;
-      const auto size = static_cast<std::int64_t>(b->size);
-      increase(st.allocation, arena.debts.allocation, 1);
-      increase(st.allocated_bytes, arena.debts.allocated_bytes, size);
-      increase(st.active, arena.debts.active, 1);
-      increase(st.active_bytes, arena.debts.active_bytes, size);
-      ledger_increase_pool(st.requested_bytes, arena.debts.requested_bytes[t],
-                           arena.debts.requested_bytes[kAggregate], arena.in_debt, t,
-                           static_cast<std::int64_t>(req.requested));
-      if (is_oversize(b->size, config_)) st.oversize_allocations.increase(1);
+      // The allocation and active counts return to their values before the park whatever
+      // came between: only frees can, and they lower them (count_handed_out's `restores`).
+      // No stack: no trace flag is set. (Still in the live index.)
+      count_handed_out(arena, b, req, t, /*restores=*/true);
       return b->ptr;
     }
   }

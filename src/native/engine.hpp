@@ -343,8 +343,13 @@ class Engine final : public Backend {
   Block* carve(Arena& arena, Block* block, PoolPos pos, const Request& req) REQUIRES(arena.mutex);
   void release_allocation(Arena& arena, Block* block) REQUIRES(arena.mutex);
   void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
-  // The statistics of a handed-out block (carve, take_parked).
-  void count_handed_out(Arena& arena, Block* block, const Request& req) REQUIRES(arena.mutex);
+  // The statistics of a handed-out block, in pool `t` (its pool's entries; carve,
+  // take_parked). `restores`: the block's own
+  // park lowered the allocation and active counts by what this raises them, and only frees
+  // (which lower them) came since, so none can pass its peak; the requested bytes are
+  // checked always (take_parked).
+  void count_handed_out(Arena& arena, Block* block, const Request& req, StatType t,
+                        bool restores = false) REQUIRES(arena.mutex);
   // The statistics of a block no longer allocated (release_allocation, park).
   void count_released(Arena& arena, const Block* block) REQUIRES(arena.mutex);
   // The statistics of a free block pooled: `net_split_*` are the change in inactive split
