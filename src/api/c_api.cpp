@@ -28,9 +28,11 @@ ccalloc_status fail(ccalloc_status status, const char* message) {
   return status;
 }
 
-// Runs `fn`, mapping each exception type to its status.
+// Runs `fn`, mapping each exception type to its status. Inline into each entry point, so
+// that malloc and free (and the hooks through them) call the allocator without a frame of
+// their own between.
 template <typename Fn>
-ccalloc_status guarded(Fn&& fn) noexcept {
+[[gnu::always_inline]] inline ccalloc_status guarded(Fn&& fn) noexcept {
   try {
     fn();
     return CCALLOC_SUCCESS;
@@ -506,20 +508,14 @@ void ccalloc_torch_free(void* ptr, size_t size, int device, void* /*stream*/) {
   ccalloc_hook_free(ptr, device);
 }
 
-// The hooks call the process's allocator themselves (ccalloc_malloc's and ccalloc_free's
-// work without their frames: CuPy's and PyTorch's every allocation passes here).
 void* ccalloc_hook_malloc(size_t size, int device, void* stream) {
   void* ptr = nullptr;
-  (void)guarded(
-      [&] { ptr = reinterpret_cast<void*>(process().malloc(size, stream_id(stream), device)); });
+  (void)ccalloc_malloc(&ptr, size, device, stream);
   return ptr;
 }
 
 void ccalloc_hook_free(void* ptr, int /*device*/) {
-  if (guarded([&] { process().free(reinterpret_cast<ccalloc::DevicePtr>(ptr)); }) !=
-      CCALLOC_SUCCESS) {
-    std::fprintf(stderr, "%s\n", ccalloc_last_error());
-  }
+  if (ccalloc_free(ptr) != CCALLOC_SUCCESS) std::fprintf(stderr, "%s\n", ccalloc_last_error());
 }
 
 }  // extern "C"
