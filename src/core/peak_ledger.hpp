@@ -135,6 +135,21 @@ void sync_block_aggregates_of(const AllLock& all, const Arenas& arenas) {
   ledger_check_aggregate(stat, aggregate_debt, in_debt);
 }
 
+// The same where `covered` says the increase returns the entry to at most a value it had
+// since the peaks were last checked (a take of a parked block raising what its park
+// lowered): no peak can rise, and no check is made.
+[[gnu::always_inline]] inline void ledger_increase_pool(StatArray& stat, std::int64_t& pool_debt,
+                                                        std::int64_t& aggregate_debt,
+                                                        bool& in_debt, StatType pool,
+                                                        std::int64_t n, bool covered) {
+  if (covered) {
+    stat[pool].current += n;
+    stat[pool].allocated += n;
+    return;
+  }
+  ledger_increase_pool(stat, pool_debt, aggregate_debt, in_debt, pool, n);
+}
+
 // One arena's part of the ledger, as the settlement and the device-wide sums see it. The
 // caller holds the arena's lock (every arena's, for settle_peak_debts).
 struct LedgerShare {

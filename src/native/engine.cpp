@@ -268,12 +268,7 @@ CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Requ
   const auto increase = [&](StatArray& stat, PeakBaselines::Array& d,
                             std::int64_t n) __attribute__((always_inline)) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    if (restores) {
-      stat[t].current += n;
-      stat[t].allocated += n;
-    } else {
-      ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
-    }
+    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n, restores);
   };
   block->allocated = true;
   block->requested_size = req.requested;
@@ -501,12 +496,7 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
       const auto increase = [&](StatArray& stat, PeakBaselines::Array& d,
                                 std::int64_t n) __attribute__((always_inline)) {
         arena.mutex.assert_held();  // the analysis does not carry the caller's locks
-        if (exact) {
-          stat[t].current += n;
-          stat[t].allocated += n;
-        } else {
-          ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
-        }
+        ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n, exact);
       };
       const bool already_split =
           b->prev != nullptr || (after != nullptr ? after->next : b->next) != nullptr;

@@ -107,26 +107,16 @@ CCALLOC_HOT DevicePtr StitchEngine::mark_handed_out(Arena& arena, Block& block,
   // The segment's pool's entries; the aggregates keep their peaks only
   // (core/peak_ledger.hpp).
   const StatType t = pool_stat(block.space->small);
-  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n) {
+  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n,
+                            bool covered) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
+    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n, covered);
   };
-  if (restores) {
-    for (StatArray* stat : {&st.allocation, &st.active}) {
-      (*stat)[t].current += 1;
-      (*stat)[t].allocated += 1;
-    }
-    for (StatArray* stat : {&st.allocated_bytes, &st.active_bytes}) {
-      (*stat)[t].current += bytes;
-      (*stat)[t].allocated += bytes;
-    }
-  } else {
-    increase(st.allocation, debt.allocation, 1);
-    increase(st.allocated_bytes, debt.allocated_bytes, bytes);
-    increase(st.active, debt.active, 1);
-    increase(st.active_bytes, debt.active_bytes, bytes);
-  }
-  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested));
+  increase(st.allocation, debt.allocation, 1, restores);
+  increase(st.allocated_bytes, debt.allocated_bytes, bytes, restores);
+  increase(st.active, debt.active, 1, restores);
+  increase(st.active_bytes, debt.active_bytes, bytes, restores);
+  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested), false);
   record_trace(TraceAction::kAlloc, block.ptr, requested, arena.stream, stack);
   return block.ptr;
 }
