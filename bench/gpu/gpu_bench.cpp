@@ -4,7 +4,8 @@
 // environment's config), as a direct Allocator with that config ("ccalloc (direct)"), with
 // expandable segments ("ccalloc expandable": pytorch,expandable_segments:True) and with the
 // cudaMallocAsync backend ("ccalloc async": backend:cudaMallocAsync, on the same default
-// pool as the cudaMallocAsync column).
+// pool as the cudaMallocAsync column); "CPU control", a thread-private best-fit cache on the
+// CPU alone, gives the host's own ceiling for the thread workloads (CpuControl).
 //
 //   bench_gpu [--reps N] [--json FILE] [--target-ms MS] [--random-steps N] [--no-pin]
 //             [--pairs-only]
@@ -46,6 +47,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "ccalloc/allocator.hpp"
@@ -303,6 +305,48 @@ struct MallocAsync {
     check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     check(cudaMemPoolTrimTo(pool, 0), "cudaMemPoolTrimTo");
   }
+};
+
+// The CPU control: a best-fit cache private to each thread (a size-ordered tree of free
+// blocks and a hash index of live ones, the shape of a caching allocator's hit) on the CPU
+// alone: no GPU, no lock, nothing shared between threads, addresses made up. Its 8 threads
+// / 1 thread is the host's own ceiling for the thread workloads (turbo headroom, cores
+// shared with other guests); an allocator's ratio read against it says what the
+// allocator's shared state costs.
+struct CpuControl {
+  struct Cache {
+    std::multimap<std::size_t, std::uintptr_t> free;
+    std::unordered_map<std::uintptr_t, std::size_t> live;
+    std::uintptr_t next = 4096;
+  };
+  static Cache& cache() {
+    thread_local Cache c;
+    return c;
+  }
+  void* alloc(std::size_t n, cudaStream_t) {
+    Cache& c = cache();
+    std::size_t size = (n + 511) / 512 * 512;
+    std::uintptr_t p;
+    if (auto it = c.free.lower_bound(size); it != c.free.end()) {
+      size = it->first;
+      p = it->second;
+      c.free.erase(it);
+    } else {
+      p = c.next;
+      c.next += size;
+    }
+    c.live.emplace(p, size);
+    return reinterpret_cast<void*>(p);
+  }
+  void free(void* p, cudaStream_t) {
+    Cache& c = cache();
+    const auto it = c.live.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == c.live.end()) throw std::runtime_error("CPU control: free of an unknown pointer");
+    c.free.emplace(it->second, it->first);
+    c.live.erase(it);
+  }
+  void finish(cudaStream_t) {}
+  void release() {}
 };
 
 struct Malloc {
@@ -829,6 +873,19 @@ class Bench {
       out.push_back({"ccalloc_threads_8_over_1", "ccalloc 8 threads / 1 thread, aggregate pairs/s",
                      eight->median / one->median});
     }
+    const Sample* control_one = find("threads_1", "CPU control");
+    const Sample* control_eight = find("threads_8", "CPU control");
+    if (control_one != nullptr && control_eight != nullptr) {
+      out.push_back({"control_threads_8_over_1",
+                     "CPU control 8 threads / 1 thread, aggregate pairs/s (the host's ceiling)",
+                     control_eight->median / control_one->median});
+      if (one != nullptr && eight != nullptr) {
+        out.push_back(
+            {"ccalloc_threads_8_over_1_of_control",
+             "ccalloc's 8 threads / 1 thread over the CPU control's (1: scales as the host does)",
+             (eight->median / one->median) / (control_eight->median / control_one->median)});
+      }
+    }
     const Sample* torch_one = find("threads_1", "PyTorch");
     const Sample* torch_eight = find("threads_8", "PyTorch");
     if (torch_one != nullptr && torch_eight != nullptr) {
@@ -1007,6 +1064,7 @@ int run(int argc, char** argv) {
 #endif
   bench.add({"cudaMallocAsync", std::make_unique<RunnerOf<MallocAsync>>(async)});
   bench.add({"cudaMalloc", std::make_unique<RunnerOf<Malloc>>(Malloc{}), 2000, 200, 5000, true});
+  bench.add({"CPU control", std::make_unique<RunnerOf<CpuControl>>(CpuControl{})});
 
   const bool ok = bench.run();
   if (!opt.json.empty()) {
