@@ -76,6 +76,51 @@ TEST(NativePark, ATakeThatAsksForMoreBytesRaisesTheRequestedPeak) {
   p.expect_same();
 }
 
+// The park leaves the allocation, active, requested and oversize counts as they were and
+// the take changes none of them: what the pairs add to their cumulative counts is added
+// when the statistics are read, exactly as the pools' frees and mallocs would count them.
+TEST(NativePark, PairsOfParkAndTakeAddToTheCumulativeCounts) {
+  Pair p(160 * kMiB, "pytorch,max_split_size_mb:24");
+  const DevicePtr big = p.malloc(26 * kMiB, 0);  // oversize: a segment of its own
+  const DevicePtr small = p.malloc(4096, 0);
+  for (int i = 0; i < 3; ++i) {
+    p.free(big);
+    ASSERT_EQ(Access::parked(p.parked, 0), big);
+    ASSERT_EQ(p.malloc(26 * kMiB, 0), big);
+    p.free(small);
+    ASSERT_EQ(Access::parked(p.parked, 0), small);
+    ASSERT_EQ(p.malloc(4096, 0), small);
+  }
+  EXPECT_EQ(p.takes, 6);
+  const auto stats = p.parked.stats();
+  EXPECT_EQ(stats.allocation[ccalloc::kAggregate].allocated, 8);
+  EXPECT_EQ(stats.allocation[ccalloc::kAggregate].freed, 6);
+  EXPECT_EQ(stats.oversize_allocations.allocated, 4);
+  EXPECT_EQ(stats.oversize_allocations.freed, 3);
+  EXPECT_EQ(stats.oversize_allocations.current, 1);
+  EXPECT_EQ(stats.requested_bytes[ccalloc::kSmallPool].allocated, 4 * 4096);
+  EXPECT_EQ(stats.active_bytes[ccalloc::kLargePool].freed, 3 * 26 * static_cast<long>(kMiB));
+  p.expect_same();
+}
+
+// A reset of the cumulative counts while a block is parked clears its free and its takes
+// too, as it clears the pools' counts of them.
+TEST(NativePark, AResetWhileParkedClearsTheParkedBlocksCounts) {
+  Pair p(64 * kMiB);
+  const DevicePtr a = p.malloc(4096, 0);
+  p.free(a);
+  ASSERT_EQ(p.malloc(4096, 0), a);
+  p.free(a);
+  ASSERT_EQ(Access::parked(p.parked, 0), a);
+  p.parked.reset_accumulated_stats();
+  p.pooled.reset_accumulated_stats();
+  p.malloc(8192, 0);  // pools the parked block
+  const auto stats = p.parked.stats();
+  EXPECT_EQ(stats.allocation[ccalloc::kAggregate].allocated, 1);
+  EXPECT_EQ(stats.allocation[ccalloc::kAggregate].freed, 0);
+  p.expect_same();
+}
+
 TEST(NativePark, StatisticsReadWhileParkedAreThoseOfThePools) {
   Pair p(64 * kMiB);
   const DevicePtr a = p.malloc(4096, 0);

@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ccalloc/stats.hpp"
@@ -149,6 +150,41 @@ void sync_block_aggregates_of(const AllLock& all, const Arenas& arenas) {
   }
   ledger_increase_pool(stat, pool_debt, aggregate_debt, in_debt, pool, n);
 }
+
+// The pairs of a parked block's park and take (both engines' hit: a free that keeps its
+// block out of the pools and the malloc that takes it back as it is). The park counts no
+// release and the take no allocation: the allocation, active and requested statistics
+// keep counting the block, their currents exact once it is taken back, and the block's
+// release is counted only if it is pooled instead. What each pair adds to their
+// cumulative counts (one free and one allocation of the same block and requested size) is
+// kept here, per pool entry, and added by flush() before anything reads the statistics.
+struct TakenPairs {
+  struct Entry {
+    std::int64_t pairs = 0;      // allocation and active
+    std::int64_t bytes = 0;      // allocated_bytes and active_bytes
+    std::int64_t requested = 0;  // requested_bytes
+  };
+  std::array<Entry, 3> by_pool{};  // indexed by StatType (kSmallPool, kLargePool)
+
+  [[gnu::always_inline]] void add(StatType t, std::int64_t bytes, std::int64_t requested) {
+    Entry& e = by_pool[t];
+    e.pairs += 1;
+    e.bytes += bytes;
+    e.requested += requested;
+  }
+  void flush(DeviceStats& st) {
+    for (const StatType t : {kSmallPool, kLargePool}) {
+      Entry& e = by_pool[t];
+      for (auto [stat, n] : {std::pair{&st.allocation[t], e.pairs}, {&st.active[t], e.pairs},
+                             {&st.allocated_bytes[t], e.bytes}, {&st.active_bytes[t], e.bytes},
+                             {&st.requested_bytes[t], e.requested}}) {
+        stat->allocated += n;
+        stat->freed += n;
+      }
+      e = {};
+    }
+  }
+};
 
 // One arena's part of the ledger, as the settlement and the device-wide sums see it. The
 // caller holds the arena's lock (every arena's, for settle_peak_debts).

@@ -122,6 +122,10 @@ struct alignas(64) Arena {
   // clear it): a take returns the inactive split counts to their values before the park,
   // which the peaks already cover (a free since may have raised them).
   bool park_exact GUARDED_BY(mutex) = false;
+  // What the takes of parked blocks add to the statistics' cumulative counts, until they
+  // are read (core/peak_ledger.hpp; the oversize count's here).
+  TakenPairs taken GUARDED_BY(mutex);
+  std::int64_t taken_oversize GUARDED_BY(mutex) = 0;  // oversize_allocations
   // The parked block last found the best fit of a request of its size (take_parked), and
   // its pool's version then: while both hold, it still is.
   const Block* fit_block GUARDED_BY(mutex) = nullptr;

@@ -262,18 +262,17 @@ CCALLOC_HOT Block* Engine::carve(Arena& arena, Block* block, PoolPos pos, const 
 }
 
 CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Request& req,
-                                          StatType t, bool restores) {
+                                          StatType t) {
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;
   const auto increase = [&](StatArray& stat, PeakBaselines::Array& d,
                             std::int64_t n) __attribute__((always_inline)) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n, restores);
+    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
   };
   block->allocated = true;
   block->requested_size = req.requested;
-  // (A take runs with no trace flag set: no stack to keep.)
-  if (!restores && (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks)) {
+  if (trace_flags_.load(std::memory_order_relaxed) & kStacksOnBlocks) {
     block->stack = OperationContext::current();
   }
   const auto size = static_cast<std::int64_t>(block->size);
@@ -281,16 +280,9 @@ CCALLOC_HOT void Engine::count_handed_out(Arena& arena, Block* block, const Requ
   increase(st.allocated_bytes, debt.allocated_bytes, size);
   increase(st.active, debt.active, 1);
   increase(st.active_bytes, debt.active_bytes, size);
-  // A request of the parked block's size may ask for more bytes than its park gave back.
-  ledger_increase_pool(st.requested_bytes, debt.requested_bytes[t],
-                       debt.requested_bytes[kAggregate], arena.in_debt, t,
-                       static_cast<std::int64_t>(req.requested));
+  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(req.requested));
   if (is_oversize(block->size, config_)) {
-    if (restores) {
-      st.oversize_allocations.increase(1);  // back to where the park left it: no new peak
-    } else {
-      arena.increase(st.oversize_allocations, debt.oversize_allocations, 1);
-    }
+    arena.increase(st.oversize_allocations, debt.oversize_allocations, 1);
   }
 }
 
@@ -407,9 +399,16 @@ CCALLOC_HOT void Engine::count_pooled(Arena& arena, bool small, std::int64_t net
                                       std::int64_t net_split_bytes, std::int64_t size,
                                       std::size_t requested) {
   arena.park_exact = false;
+  const StatType t = pool_stat(small);  // the pool's entries only
+  count_inactive_split(arena, t, net_split_blocks, net_split_bytes);
+  count_deactivated(arena, t, size, requested);
+}
+
+CCALLOC_HOT void Engine::count_inactive_split(Arena& arena, StatType t,
+                                              std::int64_t net_split_blocks,
+                                              std::int64_t net_split_bytes) {
   DeviceStats& st = arena.stats;
   PeakBaselines& debt = arena.debts;
-  const StatType t = pool_stat(small);  // the pool's entries only
   if (net_split_blocks > 0) {
     ledger_increase_pool(st.inactive_split, debt.inactive_split[t], debt.inactive_split[kAggregate],
                          arena.in_debt, t, net_split_blocks);
@@ -420,9 +419,21 @@ CCALLOC_HOT void Engine::count_pooled(Arena& arena, bool small, std::int64_t net
                          debt.inactive_split_bytes[kAggregate], arena.in_debt, t, net_split_bytes);
   }
   if (net_split_bytes < 0) st.inactive_split_bytes[t].decrease(-net_split_bytes);
+}
+
+CCALLOC_HOT void Engine::count_deactivated(Arena& arena, StatType t, std::int64_t size,
+                                           std::size_t requested) {
+  DeviceStats& st = arena.stats;
   st.active[t].decrease(1);
   st.active_bytes[t].decrease(size);
   st.requested_bytes[t].decrease(static_cast<std::int64_t>(requested));
+}
+
+void Engine::flush_taken(Arena& arena) {
+  arena.taken.flush(arena.stats);
+  arena.stats.oversize_allocations.allocated += arena.taken_oversize;
+  arena.stats.oversize_allocations.freed += arena.taken_oversize;
+  arena.taken_oversize = 0;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -435,9 +446,13 @@ CCALLOC_HOT void Engine::count_pooled(Arena& arena, bool small, std::int64_t net
 // passes the oversize rules and, with `after`, is split (the rest is `after` as it is): b
 // comes back as it is. So the stream keeps its last freed block out of the pools: a take
 // hands out exactly what best fit would, and any other request, a free whose merges
-// reach b, and every operation that takes every arena lock pool it first. Statistics fall
-// at the park and rise at the take as the pools' free and malloc would make them, peaks
-// included (the inactive split counts too).
+// reach b, and every operation that takes every arena lock pool it first. The inactive
+// split counts change at the park and the take as the pools' free and malloc would change
+// them, peaks included. The allocation, active, requested and oversize counts fall only
+// when the block is pooled (unpark): a take restores them exactly, and every operation
+// that could raise them or read them pools the parked block first, so counting its
+// release late changes no value anyone sees (Arena::taken keeps the pairs' cumulative
+// counts until they are read).
 
 CCALLOC_HOT bool Engine::park(Arena& arena, Block* b) {
   if (!b->stream_uses.empty() || b->segment != nullptr || arena.pool != nullptr ||
@@ -448,15 +463,15 @@ CCALLOC_HOT bool Engine::park(Arena& arena, Block* b) {
   if (arena.parked != nullptr) unpark(arena);  // the last one parked goes to its pool
   if (is_free(b->prev)) return false;          // it would merge with what lies before it
   b->allocated = false;
-  count_released(arena, b);
   // Pooled, b would merge with `after` into a block that is split unless it is the
   // segment.
   const Block* const after = is_free(b->next) ? b->next : nullptr;
   const std::int64_t after_size = after != nullptr ? static_cast<std::int64_t>(after->size) : 0;
   const auto size = static_cast<std::int64_t>(b->size);
   const bool split = b->prev != nullptr || (after != nullptr ? after->next : b->next) != nullptr;
-  count_pooled(arena, b->pool->is_small, (after != nullptr ? -1 : 0) + (split ? 1 : 0),
-               -after_size + (split ? size + after_size : 0), size, b->requested_size);
+  count_inactive_split(arena, pool_stat(b->pool->is_small),
+                       (after != nullptr ? -1 : 0) + (split ? 1 : 0),
+                       -after_size + (split ? size + after_size : 0));
   arena.parked = b;
   arena.park_exact = true;
   return true;
@@ -514,10 +529,22 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
         st.inactive_split_bytes[t].decrease(static_cast<std::int64_t>(b->size));
         st.inactive_split[t].decrease(1);
       }
-      // The allocation and active counts return to their values before the park whatever
-      // came between: only frees can, and they lower them (count_handed_out's `restores`).
-      // No stack: no trace flag is set. (Still in the live index.)
-      count_handed_out(arena, b, req, t, /*restores=*/true);
+      // The allocation, active and oversize counts still count b (its release is counted
+      // at its unpark): the pair adds to their cumulative counts alone. No stack: no trace
+      // flag is set. (Still in the live index.)
+      b->allocated = true;
+      if (req.requested == b->requested_size) [[likely]] {
+        arena.taken.add(t, static_cast<std::int64_t>(b->size),
+                        static_cast<std::int64_t>(req.requested));
+      } else {  // the pair's requested bytes as the pools count them, peak checked
+        arena.taken.add(t, static_cast<std::int64_t>(b->size), 0);
+        st.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested_size));
+        ledger_increase_pool(st.requested_bytes, arena.debts.requested_bytes[t],
+                             arena.debts.requested_bytes[kAggregate], arena.in_debt, t,
+                             static_cast<std::int64_t>(req.requested));
+        b->requested_size = req.requested;
+      }
+      if (is_oversize(b->size, config_)) ++arena.taken_oversize;
       return b->ptr;
     }
   }
@@ -530,6 +557,9 @@ void Engine::unpark(Arena& arena) {
   arena.parked = nullptr;
   arena.fit_block = nullptr;
   arena.live.erase(b->ptr);
+  count_released(arena, b);  // the release its park left uncounted
+  count_deactivated(arena, pool_stat(b->pool->is_small), static_cast<std::int64_t>(b->size),
+                    b->requested_size);
   std::int64_t net_split_blocks = 0, net_split_bytes = 0;  // counted at the park
   merge_into_pool(arena, b, net_split_blocks, net_split_bytes);
 }
@@ -616,6 +646,7 @@ Engine::AllArenasLock::AllArenasLock(const Engine& engine)
   // A parked block is free memory that every view, count and ladder step sees pooled.
   for (Arena* a : by_stream_) {
     if (a->parked != nullptr) const_cast<Engine&>(engine).unpark(*a);
+    flush_taken(*a);
   }
 }
 

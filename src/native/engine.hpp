@@ -343,20 +343,25 @@ class Engine final : public Backend {
   Block* carve(Arena& arena, Block* block, PoolPos pos, const Request& req) REQUIRES(arena.mutex);
   void release_allocation(Arena& arena, Block* block) REQUIRES(arena.mutex);
   void free_block(Arena& arena, Block* block) REQUIRES(arena.mutex);
-  // The statistics of a handed-out block, in pool `t` (its pool's entries; carve,
-  // take_parked). `restores`: the block's own
-  // park lowered the allocation and active counts by what this raises them, and only frees
-  // (which lower them) came since, so none can pass its peak; the requested bytes are
-  // checked always (take_parked).
-  void count_handed_out(Arena& arena, Block* block, const Request& req, StatType t,
-                        bool restores = false) REQUIRES(arena.mutex);
-  // The statistics of a block no longer allocated (release_allocation, park).
+  // The statistics of a handed-out block, in pool `t` (its pool's entries; carve).
+  void count_handed_out(Arena& arena, Block* block, const Request& req, StatType t)
+      REQUIRES(arena.mutex);
+  // The statistics of a block no longer allocated (release_allocation, unpark).
   void count_released(Arena& arena, const Block* block) REQUIRES(arena.mutex);
   // The statistics of a free block pooled: `net_split_*` are the change in inactive split
-  // blocks and bytes its merges made (free_block, park).
+  // blocks and bytes its merges made (free_block): count_inactive_split and
+  // count_deactivated.
   void count_pooled(Arena& arena, bool small, std::int64_t net_split_blocks,
                     std::int64_t net_split_bytes, std::int64_t size, std::size_t requested)
       REQUIRES(arena.mutex);
+  void count_inactive_split(Arena& arena, StatType t, std::int64_t net_split_blocks,
+                            std::int64_t net_split_bytes) REQUIRES(arena.mutex);
+  // A block of `size` bytes, `requested` of them asked for, is no longer active.
+  void count_deactivated(Arena& arena, StatType t, std::int64_t size, std::size_t requested)
+      REQUIRES(arena.mutex);
+  // Adds what the arena's takes of its parked blocks left to the statistics' cumulative
+  // counts (Arena::taken): before anything reads them.
+  static void flush_taken(Arena& arena) REQUIRES(arena.mutex);
   // Puts a free block in its pool merged with its free neighbours (the structure only);
   // returns the merged block and adds the inactive split changes to the `net_split_*`.
   Block* merge_into_pool(Arena& arena, Block* block, std::int64_t& net_split_blocks,

@@ -35,13 +35,16 @@ void Engine::reset_peak_stats() {
   device_stats_.reset_peak();
 }
 
+// Under every arena lock: a parked block's release, and what its takes added, are counted
+// before the totals are cleared (AllArenasLock pools it), as the pools counted them.
 void Engine::reset_accumulated_stats() {
+  const AllArenasLock all(*this);
   {
     Lock lock(device_mutex_);
     device_stats_.reset_accumulated();
   }
-  for (Arena* arena : arena_list()) {
-    Lock lock(arena->mutex);
+  for (Arena* arena : all.by_stream()) {
+    all.held(*arena);
     arena->stats.reset_accumulated();
   }
 }

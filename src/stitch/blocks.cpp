@@ -21,6 +21,9 @@ void StitchEngine::unpark(Arena& arena) {
   Block* const b = arena.parked;
   arena.parked = nullptr;
   arena.live.erase(b->ptr);
+  const StatType t = pool_stat(b->small);  // the release its park left uncounted
+  count_release(arena, *b, t);
+  count_inactive(arena, *b, t);
   b->kind = Block::Kind::kFree;  // its pages were stamped when it was parked
   pool_free(arena, b);
 }

@@ -366,11 +366,14 @@ StitchEngine::AllArenasLock::AllArenasLock(const StitchEngine& engine, Parked pa
     a->mutex.lock();
     arenas_.push_back(a.get());
   }
-  if (parked == Parked::kKeep) return;
   // A parked block is free memory that every view, count and ladder step sees pooled:
-  // pooling it changes nothing a caller can observe, so a const operation may do it.
+  // pooling it changes nothing a caller can observe, so a const operation may do it. The
+  // takes' cumulative counts join the statistics.
   for (Arena* a : arenas_) {
-    if (a->parked != nullptr) const_cast<StitchEngine&>(engine).unpark(*a);
+    if (a->parked != nullptr && parked == Parked::kPool) {
+      const_cast<StitchEngine&>(engine).unpark(*a);
+    }
+    a->taken.flush(a->stats);
   }
 }
 

@@ -347,8 +347,10 @@ class StitchEngine final : public Backend {
     Pool pools[2] GUARDED_BY(mutex){Pool(&pool_nodes), Pool(&pool_nodes)};
     std::vector<std::unique_ptr<Space>> spaces[2] GUARDED_BY(mutex);
     PtrMap<Block*> live GUARDED_BY(mutex);  // allocated blocks and the parked one, by address
-    // The parked block (hot_path.hpp, park()), if any.
+    // The parked block (hot_path.hpp, park()), if any. The statistics count it allocated
+    // until it is pooled; its takes' cumulative counts wait in `taken` until read.
     Block* parked GUARDED_BY(mutex) = nullptr;
+    TakenPairs taken GUARDED_BY(mutex);
     std::vector<PendingEvent> pending GUARDED_BY(mutex);
     // Frees with other streams' uses made while a capture was underway: pending, with no
     // events yet (insert_deferred_events records them once no capture is underway).
@@ -554,15 +556,12 @@ class StitchEngine final : public Backend {
   // A large block handed out, in the counts growth and islands decide by (hand_out,
   // take_parked).
   void count_large(Arena& arena, const Block& block) REQUIRES(arena.mutex);
-  // Marks `block` allocated with its statistics and trace (hand_out, take_parked); its
-  // address. `restores`: the block's own park lowered the allocation and active counts by
-  // what this raises them, and only frees (which lower them) came since, so none can pass
-  // its peak and only the requested bytes are checked (take_parked).
+  // Marks `block` allocated with its statistics and trace (hand_out); its address.
   DevicePtr mark_handed_out(Arena& arena, Block& block, std::size_t requested,
-                            const Origin& stack,
-                            bool restores = false) REQUIRES(arena.mutex);
+                            const Origin& stack) REQUIRES(arena.mutex);
   // A free's statistics in pool `t` (the block's segment's): at the free (count_release),
-  // and once no use is outstanding (count_inactive); release, free_block, park.
+  // and once no use is outstanding (count_inactive); release, free_block, unpark (a park
+  // leaves them uncounted: core/peak_ledger.hpp, TakenPairs).
   void count_release(Arena& arena, const Block& b, StatType t) REQUIRES(arena.mutex);
   void count_inactive(Arena& arena, const Block& b, StatType t) REQUIRES(arena.mutex);
   void process_events(Arena& arena) REQUIRES(arena.mutex);

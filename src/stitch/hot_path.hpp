@@ -96,8 +96,7 @@ CCALLOC_HOT void StitchEngine::count_large(Arena& arena, const Block& block) {
 }
 
 CCALLOC_HOT DevicePtr StitchEngine::mark_handed_out(Arena& arena, Block& block,
-                                                    std::size_t requested, const Origin& stack,
-                                                    bool restores) {
+                                                    std::size_t requested, const Origin& stack) {
   block.kind = Block::Kind::kAllocated;
   block.requested = requested;
   if (stack) block.stack = stack;  // a free or parked block has none
@@ -107,16 +106,15 @@ CCALLOC_HOT DevicePtr StitchEngine::mark_handed_out(Arena& arena, Block& block,
   // The segment's pool's entries; the aggregates keep their peaks only
   // (core/peak_ledger.hpp).
   const StatType t = pool_stat(block.space->small);
-  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n,
-                            bool covered) {
+  const auto increase = [&](StatArray& stat, PeakBaselines::Array& d, std::int64_t n) {
     arena.mutex.assert_held();  // the analysis does not carry the caller's locks into a lambda
-    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n, covered);
+    ledger_increase_pool(stat, d[t], d[kAggregate], arena.in_debt, t, n);
   };
-  increase(st.allocation, debt.allocation, 1, restores);
-  increase(st.allocated_bytes, debt.allocated_bytes, bytes, restores);
-  increase(st.active, debt.active, 1, restores);
-  increase(st.active_bytes, debt.active_bytes, bytes, restores);
-  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested), false);
+  increase(st.allocation, debt.allocation, 1);
+  increase(st.allocated_bytes, debt.allocated_bytes, bytes);
+  increase(st.active, debt.active, 1);
+  increase(st.active_bytes, debt.active_bytes, bytes);
+  increase(st.requested_bytes, debt.requested_bytes, static_cast<std::int64_t>(requested));
   record_trace(TraceAction::kAlloc, block.ptr, requested, arena.stream, stack);
   return block.ptr;
 }
@@ -144,7 +142,10 @@ CCALLOC_HOT void StitchEngine::count_inactive(Arena& arena, const Block& b, Stat
 // that request from that merged block's start (the same address, the rest pooled as it is
 // now); any other pools it first, as does a free next to it, a growth and every operation
 // that takes all arena locks. So the blocks handed out, and every statistic, are those of
-// the pools alone; what is saved is the merge, the split and the tree updates of a pair.
+// the pools alone; what is saved is the merge, the split and the tree updates of a pair,
+// and its statistics: the park counts no release and the take no allocation (the block's
+// release is counted if it is pooled; the pair's cumulative counts wait in Arena::taken
+// until the statistics are read: core/peak_ledger.hpp, TakenPairs).
 // Small and large blocks alike, but not an island's (a small block in a large space, whose
 // pooling may end the island).
 CCALLOC_HOT bool StitchEngine::park(Arena& arena, Block* b, const Origin& stack) {
@@ -155,9 +156,6 @@ CCALLOC_HOT bool StitchEngine::park(Arena& arena, Block* b, const Origin& stack)
   if (arena.parked != nullptr) unpark(arena);  // the last one parked goes to its pool
   const Block* const prev = b->prev;
   if (prev != nullptr && prev->kind == Block::Kind::kFree) return false;  // (same pool)
-  const StatType t = pool_stat(b->small);  // (not an island: its space's pool)
-  count_release(arena, *b, t);
-  count_inactive(arena, *b, t);
   b->kind = Block::Kind::kParked;
   // Stamped (and the fences polled) as the free would: a stream that takes its pages later
   // sees the same stamps, whether or not it was parked meanwhile.
@@ -192,8 +190,24 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
         (merged == (*pos)->size && b->ptr < (*pos)->ptr)) {
       arena.parked = nullptr;
       if (!small) count_large(arena, *b);
-      // (still in the live index; its park's counts come back)
-      return mark_handed_out(arena, *b, requested, stack, /*restores=*/true);
+      // Still in the live index, and counted allocated: the pair adds to the cumulative
+      // counts alone, and to the requested bytes what it asks beyond the park's.
+      b->kind = Block::Kind::kAllocated;
+      if (stack) b->stack = stack;
+      const StatType t = pool_stat(small);  // (not an island: its space's pool)
+      if (requested == b->requested) [[likely]] {
+        arena.taken.add(t, static_cast<std::int64_t>(b->size),
+                        static_cast<std::int64_t>(requested));
+      } else {
+        arena.taken.add(t, static_cast<std::int64_t>(b->size), 0);
+        arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
+        ledger_increase_pool(arena.stats.requested_bytes, arena.debts.requested_bytes[t],
+                             arena.debts.requested_bytes[kAggregate], arena.in_debt, t,
+                             static_cast<std::int64_t>(requested));
+        b->requested = requested;
+      }
+      record_trace(TraceAction::kAlloc, b->ptr, requested, arena.stream, stack);
+      return b->ptr;
     }
   }
   unpark(arena);

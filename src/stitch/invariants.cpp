@@ -147,13 +147,20 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
             ++free_blocks;
             continue;
           }
-          if (b->kind == Kind::kParked) {  // free memory: no statistic, no live byte
+          DeviceStats& rc = recount[arena->owner - 1];
+          if (b->kind == Kind::kParked) {  // free memory, no live byte; counted allocated
             ++parked_in_spaces;
             ++parked_blocks;
+            for (StatType t : {kAggregate, pool_stat(s.small)}) {  // until it is pooled
+              rc.allocation[t].current += 1;
+              rc.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
+              rc.active[t].current += 1;
+              rc.active_bytes[t].current += static_cast<std::int64_t>(b->size);
+              rc.requested_bytes[t].current += static_cast<std::int64_t>(b->requested);
+            }
             continue;
           }
           (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
-          DeviceStats& rc = recount[arena->owner - 1];
           for (StatType t : {kAggregate, pool_stat(s.small)}) {  // the segment's pool
             if (b->kind == Kind::kAllocated) {
               rc.allocation[t].current += 1;
