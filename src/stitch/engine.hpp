@@ -500,6 +500,8 @@ class StitchEngine final : public Backend {
   // Sharing between streams (stitch/share.cpp). Stamps the pages of the block `b`, just
   // freed, with its arena's epoch and keeps fences in flight.
   void note_free(Arena& arena, const Block& b) REQUIRES(arena.mutex);
+  // note_free's poll of the fences once no skip is left (share.cpp).
+  void note_free_poll(Arena& arena) REQUIRES(arena.mutex);
   // Stamps the pages of `b` with `epoch` (its arena's when `b` was freed), as note_free
   // does with the current one, keeping a page's later stamp; no fence poll.
   void stamp_freed(Arena& arena, const Block& b, std::uint64_t epoch) REQUIRES(arena.mutex);

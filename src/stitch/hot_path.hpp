@@ -214,6 +214,22 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
   return 0;
 }
 
+// The stamp of a free on a stream that shares: its pages' epoch, then the fence poll
+// unless a skip granted by the last cycle-counter read is left (share.cpp, note_free_poll).
+CCALLOC_HOT void StitchEngine::note_free(Arena& arena, const Block& b) {
+  Space& s = *b.space;
+  const std::size_t p0 = page_index(b.ptr - s.base);
+  const std::size_t p1 = page_index(b.end() - s.base + page_ - 1);
+  for (std::size_t p = p0; p < p1; ++p)
+    s.pages[p].freed = arena.epoch;
+  arena.unfenced = true;
+  if (arena.fence_skips != 0 && arena.fence_clock_span != 0) {
+    --arena.fence_skips;
+    return;
+  }
+  note_free_poll(arena);
+}
+
 // Returns a block with no outstanding uses to its pool, merged with free neighbours.
 CCALLOC_HOT void StitchEngine::free_block(Arena& arena, Block* b) {
   count_inactive(arena, *b, pool_stat(b->space->small));

@@ -61,21 +61,12 @@ std::uint64_t StitchEngine::stamp_of(const Space& s, DevicePtr va, std::size_t n
   return stamp;
 }
 
-void StitchEngine::note_free(Arena& arena, const Block& b) {
-  Space& s = *b.space;
-  const std::size_t p0 = page_index(b.ptr - s.base);
-  const std::size_t p1 = page_index(b.end() - s.base + page_ - 1);
-  for (std::size_t p = p0; p < p1; ++p)
-    s.pages[p].freed = arena.epoch;
-  arena.unfenced = true;
+// The free's stamp and a skip granted are note_free's inline part (hot_path.hpp).
+void StitchEngine::note_free_poll(Arena& arena) {
   // The poll below returns at once until kFenceIntervalUs after the last: where the cycle
   // counter shows that this is still so, the clock need not be read to know (a counter
   // that went backwards shows a huge span: the clock is read).
   if (arena.fence_clock_span != 0) {
-    if (arena.fence_skips != 0) {
-      --arena.fence_skips;
-      return;
-    }
     const std::uint64_t now = cycle_count();
     const std::uint64_t since = now - arena.fence_clock_cycles;
     if (since < arena.fence_clock_span) {
