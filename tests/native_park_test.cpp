@@ -67,12 +67,7 @@ TEST(NativePark, AFreedBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) {
 // take checks the requested bytes' peak.
 TEST(NativePark, ATakeThatAsksForMoreBytesRaisesTheRequestedPeak) {
   Pair p(64 * kMiB);
-  const DevicePtr a = p.malloc(500, 0);
-  p.free(a);
-  EXPECT_EQ(Access::parked(p.parked, 0), a);
-  EXPECT_EQ(p.malloc(512, 0), a);
-  EXPECT_EQ(p.takes, 1);
-  EXPECT_EQ(p.parked.stats().requested_bytes[ccalloc::kAggregate].peak, 512);
+  p.expect_take_raises_requested_peak();
   p.expect_same();
 }
 

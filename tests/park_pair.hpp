@@ -13,6 +13,7 @@
 
 #include "ccalloc/config.hpp"
 #include "ccalloc/sim.hpp"
+#include "ccalloc/stats.hpp"
 
 namespace ccalloc::test {
 
@@ -90,6 +91,17 @@ struct ParkPair {
       more(sa[i], sb[i]);
     }
     EXPECT_EQ(gpu_a.counters(), gpu_b.counters());
+  }
+
+  // A request of the parked block's rounded size may ask for more bytes than it did (500
+  // B freed, 512 B asked): the take must raise the requested bytes' peak to 512.
+  void expect_take_raises_requested_peak() {
+    const DevicePtr a = malloc(500, 0);
+    free(a);
+    EXPECT_EQ(Access::parked(parked, 0), a);
+    EXPECT_EQ(malloc(512, 0), a);
+    EXPECT_EQ(takes, 1);
+    EXPECT_EQ(parked.stats().requested_bytes[kAggregate].peak, 512);
   }
 
   sim::SimDriver gpu_a, gpu_b;

@@ -75,12 +75,7 @@ TEST(StitchPark, AFreedSmallBlockIsParkedAndTakenBackByTheNextRequestOfItsSize) 
 // request of the same rounded size may ask for more bytes: the requested bytes' peak rises.
 TEST(StitchPark, ATakeThatAsksForMoreBytesRaisesTheRequestedPeak) {
   Pair p(64 * kMiB);
-  const DevicePtr a = p.malloc(500, 0);
-  p.free(a);
-  EXPECT_EQ(Access::parked(p.parked, 0), a);
-  EXPECT_EQ(p.malloc(512, 0), a);
-  EXPECT_EQ(p.takes, 1);
-  EXPECT_EQ(p.parked.stats().requested_bytes[ccalloc::kAggregate].peak, 512);
+  p.expect_take_raises_requested_peak();
   p.expect_same();
 }
 

@@ -867,30 +867,31 @@ class Bench {
                          ", median of per-round speed ratios (> 1: ccalloc preset faster)",
                      paired_speedup(*preset, *pytorch)});
     }
-    const Sample* one = find("threads_1", "ccalloc");
-    const Sample* eight = find("threads_8", "ccalloc");
-    if (one != nullptr && eight != nullptr) {
+    // A column's 8 threads / 1 thread (0 where it did not run both).
+    const auto scaling = [this](const char* column) {
+      const Sample* one = find("threads_1", column);
+      const Sample* eight = find("threads_8", column);
+      return one != nullptr && eight != nullptr ? eight->median / one->median : 0.0;
+    };
+    const double ccalloc = scaling("ccalloc"), control = scaling("CPU control");
+    if (ccalloc > 0) {
       out.push_back({"ccalloc_threads_8_over_1", "ccalloc 8 threads / 1 thread, aggregate pairs/s",
-                     eight->median / one->median});
+                     ccalloc});
     }
-    const Sample* control_one = find("threads_1", "CPU control");
-    const Sample* control_eight = find("threads_8", "CPU control");
-    if (control_one != nullptr && control_eight != nullptr) {
+    if (control > 0) {
       out.push_back({"control_threads_8_over_1",
                      "CPU control 8 threads / 1 thread, aggregate pairs/s (the host's ceiling)",
-                     control_eight->median / control_one->median});
-      if (one != nullptr && eight != nullptr) {
-        out.push_back(
-            {"ccalloc_threads_8_over_1_of_control",
-             "ccalloc's 8 threads / 1 thread over the CPU control's (1: scales as the host does)",
-             (eight->median / one->median) / (control_eight->median / control_one->median)});
-      }
+                     control});
     }
-    const Sample* torch_one = find("threads_1", "PyTorch");
-    const Sample* torch_eight = find("threads_8", "PyTorch");
-    if (torch_one != nullptr && torch_eight != nullptr) {
+    if (ccalloc > 0 && control > 0) {
+      out.push_back(
+          {"ccalloc_threads_8_over_1_of_control",
+           "ccalloc's 8 threads / 1 thread over the CPU control's (1: scales as the host does)",
+           ccalloc / control});
+    }
+    if (const double torch_scaling = scaling("PyTorch"); torch_scaling > 0) {
       out.push_back({"pytorch_threads_8_over_1", "PyTorch 8 threads / 1 thread, aggregate pairs/s",
-                     torch_eight->median / torch_one->median});
+                     torch_scaling});
     }
     return out;
   }

@@ -172,6 +172,25 @@ struct TakenPairs {
     e.bytes += bytes;
     e.requested += requested;
   }
+  // A take, in pool entry `t`, of a parked block of `bytes` whose requested size is
+  // `block_requested`, for a request of `requested` bytes: the pair's cumulative counts
+  // and, where the request asks for other bytes, the requested bytes' change as the park's
+  // decrease and the take's increase would make it, peak checked; `block_requested`
+  // becomes `requested`.
+  [[gnu::always_inline]] void take(DeviceStats& st, PeakBaselines& debts, bool& in_debt,
+                                   StatType t, std::int64_t bytes,
+                                   std::size_t& block_requested, std::size_t requested) {
+    if (requested == block_requested) [[likely]] {
+      add(t, bytes, static_cast<std::int64_t>(requested));
+      return;
+    }
+    add(t, bytes, 0);
+    st.requested_bytes[t].decrease(static_cast<std::int64_t>(block_requested));
+    ledger_increase_pool(st.requested_bytes, debts.requested_bytes[t],
+                         debts.requested_bytes[kAggregate], in_debt, t,
+                         static_cast<std::int64_t>(requested));
+    block_requested = requested;
+  }
   void flush(DeviceStats& st) {
     for (const StatType t : {kSmallPool, kLargePool}) {
       Entry& e = by_pool[t];

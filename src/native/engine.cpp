@@ -533,17 +533,8 @@ CCALLOC_HOT DevicePtr Engine::take_parked(Arena& arena, const Request& req) {
       // at its unpark): the pair adds to their cumulative counts alone. No stack: no trace
       // flag is set. (Still in the live index.)
       b->allocated = true;
-      if (req.requested == b->requested_size) [[likely]] {
-        arena.taken.add(t, static_cast<std::int64_t>(b->size),
-                        static_cast<std::int64_t>(req.requested));
-      } else {  // the pair's requested bytes as the pools count them, peak checked
-        arena.taken.add(t, static_cast<std::int64_t>(b->size), 0);
-        st.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested_size));
-        ledger_increase_pool(st.requested_bytes, arena.debts.requested_bytes[t],
-                             arena.debts.requested_bytes[kAggregate], arena.in_debt, t,
-                             static_cast<std::int64_t>(req.requested));
-        b->requested_size = req.requested;
-      }
+      arena.taken.take(st, arena.debts, arena.in_debt, t, static_cast<std::int64_t>(b->size),
+                       b->requested_size, req.requested);
       if (is_oversize(b->size, config_)) ++arena.taken_oversize;
       return b->ptr;
     }

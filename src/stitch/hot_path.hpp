@@ -195,17 +195,8 @@ CCALLOC_HOT DevicePtr StitchEngine::take_parked(Arena& arena, std::size_t rounde
       b->kind = Block::Kind::kAllocated;
       if (stack) b->stack = stack;
       const StatType t = pool_stat(small);  // (not an island: its space's pool)
-      if (requested == b->requested) [[likely]] {
-        arena.taken.add(t, static_cast<std::int64_t>(b->size),
-                        static_cast<std::int64_t>(requested));
-      } else {
-        arena.taken.add(t, static_cast<std::int64_t>(b->size), 0);
-        arena.stats.requested_bytes[t].decrease(static_cast<std::int64_t>(b->requested));
-        ledger_increase_pool(arena.stats.requested_bytes, arena.debts.requested_bytes[t],
-                             arena.debts.requested_bytes[kAggregate], arena.in_debt, t,
-                             static_cast<std::int64_t>(requested));
-        b->requested = requested;
-      }
+      arena.taken.take(arena.stats, arena.debts, arena.in_debt, t,
+                       static_cast<std::int64_t>(b->size), b->requested, requested);
       record_trace(TraceAction::kAlloc, b->ptr, requested, arena.stream, stack);
       return b->ptr;
     }

@@ -147,22 +147,11 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
             ++free_blocks;
             continue;
           }
+          // Allocated, pending or parked; a parked block is counted allocated until it is
+          // pooled (core/peak_ledger.hpp, TakenPairs).
           DeviceStats& rc = recount[arena->owner - 1];
-          if (b->kind == Kind::kParked) {  // free memory, no live byte; counted allocated
-            ++parked_in_spaces;
-            ++parked_blocks;
-            for (StatType t : {kAggregate, pool_stat(s.small)}) {  // until it is pooled
-              rc.allocation[t].current += 1;
-              rc.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
-              rc.active[t].current += 1;
-              rc.active_bytes[t].current += static_cast<std::int64_t>(b->size);
-              rc.requested_bytes[t].current += static_cast<std::int64_t>(b->requested);
-            }
-            continue;
-          }
-          (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
           for (StatType t : {kAggregate, pool_stat(s.small)}) {  // the segment's pool
-            if (b->kind == Kind::kAllocated) {
+            if (b->kind != Kind::kPending) {
               rc.allocation[t].current += 1;
               rc.allocated_bytes[t].current += static_cast<std::int64_t>(b->size);
             }
@@ -170,6 +159,12 @@ void StitchEngine::check_locked(const AllArenasLock& all) const {
             rc.active_bytes[t].current += static_cast<std::int64_t>(b->size);
             rc.requested_bytes[t].current += static_cast<std::int64_t>(b->requested);
           }
+          if (b->kind == Kind::kParked) {  // free memory: no live byte
+            ++parked_in_spaces;
+            ++parked_blocks;
+            continue;
+          }
+          (b->kind == Kind::kAllocated ? allocated_blocks : pending_blocks) += 1;
           for (std::size_t p = p0; p < p1; ++p) {
             const Page& pg = s.pages[p];
             const DevicePtr va = page_va(s, p);
