@@ -3,7 +3,7 @@
 LLM training, a training run with side streams and serving, each on PyTorch's native
 allocator, PyTorch with expandable_segments:True and ccalloc's default preset.
 
-    python3 bench/torch/scale.py [--cases fsdp2,fsdp2_avoid_rs,ddp,llama_train,gpt2_side,serve]
+    python3 bench/torch/scale.py [--cases fsdp2,fsdp2_avoid_rs,ddp,fsdp2_tp,pp,llama_train,gpt2_side,serve]
         [--allocators native,expandable,ccalloc] [--rounds 4] [--cpus 0-7] [--json out.json]
     python3 bench/torch/scale.py --record DIR --allocators native   # recordings, as data/traces
 
@@ -49,11 +49,16 @@ CASES = {
                        "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}},
     "ddp": {"kind": "dist", "workload": "ddp_lm", "steps": 16,
             "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}},
+    # Four GPUs' layouts (any rank count: tp = 2 where it is even; one stage per rank).
+    "fsdp2_tp": {"kind": "dist", "workload": "fsdp2_tp_lm", "steps": 16,
+                 "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}},
+    "pp": {"kind": "dist", "workload": "pp_lm", "steps": 16,
+           "env": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}},
     "llama_train": {"kind": "one", "workload": "llama_train_dyn", "steps": 12},
     "gpt2_side": {"kind": "one", "workload": "gpt2_sidestreams", "steps": 20},
     "serve": {"kind": "one", "workload": "llama_generate", "steps": 12},
 }
-WARMUP = {"fsdp2_lm": 3, "ddp_lm": 3, "llama_train_dyn": 2, "gpt2_sidestreams": 3,
+WARMUP = {"fsdp2_lm": 3, "ddp_lm": 3, "fsdp2_tp_lm": 3, "pp_lm": 4, "llama_train_dyn": 2, "gpt2_sidestreams": 3,
           "llama_generate": 2}
 ALLOCATORS = {
     "native": ("pytorch", {}),
