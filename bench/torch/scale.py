@@ -321,6 +321,15 @@ def summarize(name, runs, allocators):
                 row["outputs_equal_first"] = all(
                     [x["outputs"] for x in r["ranks"]] == [x["outputs"] for x in b["ranks"]]
                     for r, b in pairs)
+                # How far apart, where they differ: the largest relative difference of any
+                # rank's step output (reduction orders that depend on an address's alignment
+                # or on timing move losses by a few units in the fifth digit).
+                row["outputs_max_rel_diff"] = max(
+                    (abs(u - v) / max(abs(v), 1e-30)
+                     for r, b in pairs for x, y in zip(r["ranks"], b["ranks"])
+                     for u, v in zip(x["outputs"], y["outputs"])
+                     if isinstance(u, (int, float)) and isinstance(v, (int, float))),
+                    default=0.0)
         rows[a] = row
     return rows
 
@@ -348,12 +357,13 @@ def table(summary, allocators):
                 lo, hi = r["ratio_spread"]
                 vs = f"{r['ratio_vs_first']:.3f} [{lo:.3f},{hi:.3f}]"
             same = r.get("outputs_equal_first")
+            apart = "" if same in (None, True) else f" (<= {r['outputs_max_rel_diff']:.1e})"
             lines.append(
                 f"{name:15s} {a:11s} {r['peak_reserved_bytes'] / 1e6:12.1f} "
                 f"{r['peak_requested_bytes'] / 1e6:13.1f} "
                 f"{(r['reserved_over_requested'] or 0):6.3f} {r['median_step_s'] * 1e3:9.2f} "
                 f"{vs:>22s} {count:11.2f} {us:8.1f} "
-                f"{'' if same is None else ('equal' if same else 'DIFFER')}")
+                f"{'' if same is None else ('equal' if same else 'DIFFER')}{apart}")
     for name, rows in summary.items():
         for a in allocators:
             r = rows.get(a) or {}
