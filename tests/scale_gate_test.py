@@ -123,5 +123,58 @@ class GatedDistTest(unittest.TestCase):
         self.assertEqual(len(results["native"]["ranks"][0]["step_times_s"]), 5)
 
 
+class LayoutsTest(unittest.TestCase):
+    """run_dist.py's meshes and stages, and scale.py's comparison of outputs."""
+
+    def test_tp_mesh_is_two_wide_where_the_ranks_are_even(self):
+        from run_dist import tp_mesh_shape
+        self.assertEqual(tp_mesh_shape(4), (2, 2))
+        self.assertEqual(tp_mesh_shape(8), (4, 2))
+        self.assertEqual(tp_mesh_shape(2), (1, 2))
+        self.assertEqual(tp_mesh_shape(3), (3, 1))
+        self.assertEqual(tp_mesh_shape(1), (1, 1))
+
+    def test_pipeline_stages_cover_every_layer_once_in_order(self):
+        from run_dist import PP_LAYERS, pp_layers
+        self.assertEqual([pp_layers(r, 4) for r in range(4)], [(0, 2), (2, 4), (4, 6), (6, 8)])
+        self.assertEqual([pp_layers(r, 3) for r in range(3)], [(0, 2), (2, 5), (5, 8)])
+        for world in range(1, PP_LAYERS + 1):
+            spans = [pp_layers(r, world) for r in range(world)]
+            self.assertEqual(spans[0][0], 0)
+            self.assertEqual(spans[-1][1], PP_LAYERS)
+            for (_, hi), (lo, _) in zip(spans, spans[1:]):
+                self.assertEqual(hi, lo)
+            self.assertTrue(all(hi > lo for lo, hi in spans))
+
+    def test_outputs_that_differ_report_the_largest_relative_difference(self):
+        saved = (dict(scale.CASES), dict(scale.WARMUP))
+        try:
+            scale.CASES["fake"] = {"kind": "dist", "workload": "fake", "steps": 2}
+            scale.WARMUP["fake"] = 1
+
+            def result(outputs_per_rank):
+                return {"ranks": [dict(rank=r, step_times_s=[0.1, 0.1], outputs=o,
+                                       step_probes=[], peak_reserved_bytes=100,
+                                       peak_requested_bytes=90)
+                                  for r, o in enumerate(outputs_per_rank)]}
+
+            runs = {"native": [result([[10.0, 8.0, 4.0], [0.0, 0.0, 0.0]])],
+                    "same": [result([[10.0, 8.0, 4.0], [0.0, 0.0, 0.0]])],
+                    "other": [result([[10.0, 8.002, 4.0], [0.0, 0.0, 0.0]])]}
+            rows = scale.summarize("fake", runs, ["native", "same", "other"])
+            self.assertTrue(rows["same"]["outputs_equal_first"])
+            self.assertEqual(rows["same"]["outputs_max_rel_diff"], 0.0)
+            self.assertFalse(rows["other"]["outputs_equal_first"])
+            self.assertAlmostEqual(rows["other"]["outputs_max_rel_diff"], 0.002 / 8.0, places=12)
+            text = scale.table({"fake": rows}, ["native", "same", "other"])
+            self.assertIn("equal", text.splitlines()[-2])
+            self.assertIn("DIFFER (<= 2.5e-04)", text.splitlines()[-1])
+        finally:
+            scale.CASES.clear()
+            scale.CASES.update(saved[0])
+            scale.WARMUP.clear()
+            scale.WARMUP.update(saved[1])
+
+
 if __name__ == "__main__":
     unittest.main()

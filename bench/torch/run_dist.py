@@ -136,6 +136,12 @@ PP_LENGTHS = (256, 512, 768, 1024)
 PP_MICROBATCHES = 4
 
 
+def pp_layers(rank, world):
+    """The decoder layers [lo, hi) of pp_lm's stage on `rank`: PP_LAYERS split evenly, in
+    order, every layer on exactly one stage."""
+    return rank * PP_LAYERS // world, (rank + 1) * PP_LAYERS // world
+
+
 def build_pp(rank, world, device):
     """pp_lm's stage of this rank: (config, stage module, parameters' optimizer)."""
     import torch
@@ -145,7 +151,7 @@ def build_pp(rank, world, device):
     config = workloads._llama_config(layers=PP_LAYERS)
     torch.manual_seed(0)  # the whole model on the CPU, the same on every rank
     full = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    lo, hi = rank * PP_LAYERS // world, (rank + 1) * PP_LAYERS // world
+    lo, hi = pp_layers(rank, world)
 
     class Stage(torch.nn.Module):
         def __init__(self):
