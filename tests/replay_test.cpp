@@ -249,6 +249,66 @@ TEST(ReplayOom, FailedAllocIsCountedAndItsFreesAreSkipped) {
   EXPECT_EQ(ccalloc::replay::recorded_figures(trace).ooms, 0);
 }
 
+// Three 30 MiB requests on a 64 MiB device under PyTorch's policy: the third fails. The
+// snapshot kept at that OOM holds the two live blocks (and nothing freed later), its
+// history ends with the oom entry for the request, and the replay goes on.
+std::string three_thirty_mib_csv() {
+  std::string csv = "action,addr,size,stream,time_us\n";
+  csv += line_of("alloc", kSeg, 30 * kMiB, 1);
+  csv += line_of("alloc", kSeg + 256 * kMiB, 30 * kMiB, 2);
+  csv += line_of("alloc", kSeg + 512 * kMiB, 30 * kMiB, 3);  // OOM: 4 MiB left
+  csv += line_of("free_requested", kSeg, 30 * kMiB, 4);
+  csv += line_of("free_completed", kSeg, 30 * kMiB, 4);
+  return csv;
+}
+
+std::size_t active_bytes(const ccalloc::Snapshot& s) {
+  std::size_t n = 0;
+  for (const auto& seg : s.segments) {
+    for (const auto& b : seg.blocks)
+      n += b.state == ccalloc::BlockState::kActiveAllocated ? b.size : 0;
+  }
+  return n;
+}
+
+TEST(ReplayOom, SnapshotAtTheFirstOomHoldsTheMemoryAsItFailed) {
+  const auto trace = parse(three_thirty_mib_csv());
+  ccalloc::replay::Options options;
+  options.conf = "pytorch";
+  options.capacity = 64 * kMiB;
+  options.keep_oom_snapshot = true;
+  const auto r = ccalloc::replay::run(trace, options);
+  EXPECT_EQ(r.ooms, 1);
+  EXPECT_EQ(r.first_oom_record, 2u);
+  ASSERT_TRUE(r.oom_snapshot.has_value());
+  EXPECT_EQ(active_bytes(*r.oom_snapshot), 60 * kMiB);
+  ASSERT_EQ(r.oom_snapshot->device_traces.size(), 1u);
+  // The history ends with the failed request's oom entry, then the snapshot's own entry
+  // (its size: the active bytes).
+  const auto& history = r.oom_snapshot->device_traces[0];
+  ASSERT_GE(history.size(), 2u);
+  EXPECT_EQ(history.back().action, TraceAction::kSnapshot);
+  EXPECT_EQ(history.back().size, 60 * kMiB);
+  const auto& oom = history[history.size() - 2];
+  EXPECT_EQ(oom.action, TraceAction::kOom);
+  EXPECT_EQ(oom.size, 30 * kMiB);
+  EXPECT_EQ(oom.addr, 4 * kMiB);  // the device's free bytes
+  // The replay went on: the first block was freed after the OOM.
+  EXPECT_EQ(r.stats.allocated_bytes[ccalloc::kAggregate].current,
+            static_cast<std::int64_t>(30 * kMiB));
+}
+
+TEST(ReplayOom, NoOomKeepsNoOomSnapshot) {
+  const auto trace = parse(three_thirty_mib_csv());
+  ccalloc::replay::Options options;
+  options.conf = "pytorch";
+  options.capacity = 128 * kMiB;
+  options.keep_oom_snapshot = true;
+  const auto r = ccalloc::replay::run(trace, options);
+  EXPECT_EQ(r.ooms, 0);
+  EXPECT_FALSE(r.oom_snapshot.has_value());
+}
+
 // A request PyTorch refuses before its OOM ladder (more than 1 EB) replays as an OOM with
 // PyTorch's message, and its frees are skipped like those of any failed alloc.
 TEST(ReplayOom, AllocAboveOneExabyteIsAnOomWithPyTorchsMessage) {
@@ -652,6 +712,48 @@ TEST_F(ReplayCli, EmitTraceWithTwoConfigsWritesNumberedFiles) {
     EXPECT_EQ(rows[1].entry.size, 512u);
   }
   EXPECT_FALSE(fs::exists(dir_.file("out.csv.gz")));
+}
+
+// --oom-snapshot with two configs, each of which runs out of memory at the third request:
+// each writes its numbered snapshot (the two live blocks) and the table names the failing
+// entry.
+TEST_F(ReplayCli, OomSnapshotIsWrittenPerConfigThatRunsOutOfMemory) {
+  const std::string csv = dir_.file("three.csv");
+  write_text(csv, three_thirty_mib_csv());
+  const CliResult r =
+      run_cli("replay '" + csv + "' --capacity 64MiB --conf pytorch --conf " +
+                  "'pytorch,expandable_segments:True' --oom-snapshot '" + dir_.file("oom.json") +
+                  "' --snapshot-out '" + dir_.file("end.pickle.gz") + "'",
+              dir_);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // Numbered before the whole extension, which names the format; the final snapshots hold
+  // only the second block (the first was freed after the OOM).
+  for (const char* name : {"end.1.pickle.gz", "end.2.pickle.gz"}) {
+    ASSERT_TRUE(fs::exists(dir_.file(name))) << name;
+    EXPECT_EQ(active_bytes(ccalloc::io::read_snapshot(dir_.file(name))), 30 * kMiB) << name;
+  }
+  EXPECT_EQ(read_text(dir_.file("oom.1.json")).substr(0, 1), "{");  // JSON, as named
+  for (const char* name : {"oom.1.json", "oom.2.json"}) {
+    ASSERT_TRUE(fs::exists(dir_.file(name))) << name;
+    EXPECT_EQ(active_bytes(ccalloc::io::read_snapshot(dir_.file(name))), 60 * kMiB) << name;
+  }
+  EXPECT_TRUE(contains(r.out, "first OOM under A, at entry 3 of the trace: ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "first OOM under B, at entry 3 of the trace: ")) << r.out;
+  EXPECT_TRUE(contains(r.err, "the snapshot at the first OOM under pytorch: " +
+                                  dir_.file("oom.1.json")))
+      << r.err;
+  EXPECT_FALSE(fs::exists(dir_.file("oom.json")));
+}
+
+TEST_F(ReplayCli, OomSnapshotWithoutAnOomWritesNothingAndSaysSo) {
+  const std::string csv = dir_.file("three.csv");
+  write_text(csv, three_thirty_mib_csv());
+  const CliResult r = run_cli("replay '" + csv + "' --capacity 1GiB --conf pytorch --oom-snapshot '" +
+                                  dir_.file("oom.pickle") + "'",
+                              dir_);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(dir_.file("oom.pickle")));
+  EXPECT_TRUE(contains(r.err, "no OOM under pytorch: no OOM snapshot written")) << r.err;
 }
 
 // fit on a synthetic trace (3 MiB and 3 MiB, the first freed, then 5 MiB): the ccalloc

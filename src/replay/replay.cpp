@@ -101,7 +101,7 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
   if (options.keep_trace) {
     allocator.add_trace_observer([&result](const TraceEntry& e) { result.emitted.push_back(e); });
   }
-  if (options.keep_snapshot) {
+  if (options.keep_snapshot || options.keep_oom_snapshot) {
     HistoryOptions history;
     history.context = HistoryOptions::Context::kNone;
     history.stacks = HistoryOptions::Stacks::kNone;
@@ -124,7 +124,8 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
   io::TraceRecord rec;
   io::TraceRecord ahead;
   bool have_ahead = source(ahead);
-  while (have_ahead) {
+  std::uint64_t record = 0;  // the index of `rec` among the trace's records
+  for (; have_ahead; ++record) {
     rec = ahead;
     have_ahead = source(ahead);
     const TraceEntry& e = rec.entry;
@@ -140,7 +141,11 @@ Result run(const TraceSource& source, const Options& options, std::vector<sim::O
         } catch (const OutOfMemoryError& oom) {
           // Refused as the recorded run's allocator would refuse it: counted as an OOM, and
           // its frees are skipped.
-          if (result.ooms++ == 0) result.first_oom_message = oom.what();
+          if (result.ooms++ == 0) {
+            result.first_oom_message = oom.what();
+            result.first_oom_record = record;
+            if (options.keep_oom_snapshot) result.oom_snapshot = allocator.snapshot();
+          }
           ++failed[e.addr];
         }
         break;

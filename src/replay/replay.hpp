@@ -33,6 +33,10 @@ struct Options {
   bool keep_trace = false;
   // Record history (context none) and keep the final snapshot in Result::snapshot.
   bool keep_snapshot = false;
+  // Record history (context none) and keep the allocator's snapshot just after its first
+  // OOM in Result::oom_snapshot: the memory as it was when the request failed, after the
+  // OOM ladder had released what it could.
+  bool keep_oom_snapshot = false;
   // Run the allocator's invariant checker after every operation (slow: for tests).
   bool check_invariants = false;
   // How far the GPU runs behind the trace's clock: an event the allocator records on a
@@ -54,15 +58,18 @@ struct Result {
   // Every request the allocator refused with OutOfMemoryError: the OOM ladder's (num_ooms)
   // and those refused before it, such as PyTorch's guard against more than 1 EB.
   std::int64_t ooms = 0;
-  // The allocator's message for the first of them.
+  // The allocator's message for the first of them, and the index of its alloc row among
+  // the trace's records (0-based).
   std::string first_oom_message;
+  std::uint64_t first_oom_record = 0;
   double simulated_driver_us = 0.0;
   sim::Counters driver_counters;  // the simulated GPU's call counts for the workload
   std::size_t oracle_hits = 0;
   bool oracle_diverged = false;
   DeviceStats stats;                 // at the end of the replay
   std::vector<TraceEntry> emitted;   // with keep_trace
-  std::optional<Snapshot> snapshot;  // with keep_snapshot
+  std::optional<Snapshot> snapshot;      // with keep_snapshot
+  std::optional<Snapshot> oom_snapshot;  // with keep_oom_snapshot, where an OOM happened
 };
 
 // What the recorded allocator did, computed from the trace itself.

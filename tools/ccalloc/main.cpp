@@ -1,7 +1,8 @@
 // The ccalloc command-line tool.
 //
 //   ccalloc replay FILE [--conf STRING]... [--capacity SIZE] [--address-oracle]
-//                       [--emit-trace FILE] [--snapshot-out FILE] [--json] [--max-entries N]
+//                       [--emit-trace FILE] [--snapshot-out FILE] [--oom-snapshot FILE]
+//                       [--json] [--max-entries N]
 //                       [--device N] [--gpu-lag-us N]
 //   ccalloc fit FILE [--conf STRING]... [--json] [--device N]
 //   ccalloc summary FILE [--device N]
@@ -65,7 +66,8 @@ std::string numbered_path(const std::string& path, std::size_t index, std::size_
   if (count == 1) return path;
   std::string stem = path;
   std::string ext;
-  for (const char* e : {".csv.gz", ".csv", ".gz"}) {
+  // The number goes before the whole extension, which the writers read the format from.
+  for (const char* e : {".pickle.gz", ".json.gz", ".csv.gz", ".pickle", ".json", ".csv", ".gz"}) {
     const std::string es(e);
     if (stem.size() > es.size() && stem.compare(stem.size() - es.size(), es.size(), es) == 0) {
       ext = es;
@@ -164,8 +166,9 @@ void print_table(const std::string& trace_path, std::size_t rows, std::size_t ca
   }
   for (std::size_t i = 0; i < results.size(); ++i) {
     if (results[i].ooms == 0) continue;
-    std::cout << "\nfirst OOM under " << header[i + 2] << ": " << results[i].first_oom_message
-              << "\n";
+    std::cout << "\nfirst OOM under " << header[i + 2] << ", at entry "
+              << grouped(static_cast<std::int64_t>(results[i].first_oom_record + 1))
+              << " of the trace: " << results[i].first_oom_message << "\n";
   }
   std::cout << "\nrecorded: what the recorded allocator did (from the trace's own segment rows).\n";
 }
@@ -180,7 +183,10 @@ nlohmann::json to_json(const Result& r) {
   j["device_frees"] = r.device_frees;
   j["alloc_retries"] = r.alloc_retries;
   j["ooms"] = r.ooms;
-  if (r.ooms != 0) j["first_oom_message"] = r.first_oom_message;
+  if (r.ooms != 0) {
+    j["first_oom_message"] = r.first_oom_message;
+    j["first_oom_entry"] = r.first_oom_record + 1;  // 1-based, as the table prints it
+  }
   j["simulated_driver_us"] = r.simulated_driver_us;
   const ccalloc::sim::Counters& c = r.driver_counters;
   j["driver_calls"] = {
@@ -209,8 +215,8 @@ int trace_device(const std::string& path, int device, const ccalloc::io::ReadLim
 // not the file's length.
 int run_replay(const std::string& trace_path, const std::vector<std::string>& confs,
                const std::string& capacity_text, bool oracle, const std::string& emit_path,
-               const std::string& snapshot_path, bool json, std::uint64_t max_entries,
-               int device_arg, std::int64_t gpu_lag_us) {
+               const std::string& snapshot_path, const std::string& oom_snapshot_path,
+               bool json, std::uint64_t max_entries, int device_arg, std::int64_t gpu_lag_us) {
   ccalloc::io::ReadLimits limits = ccalloc::io::ReadLimits::from_environment();
   if (max_entries != 0) limits.max_entries = max_entries;
   const int device = trace_device(trace_path, device_arg, limits);
@@ -219,6 +225,7 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
   options.address_oracle = oracle;
   options.keep_trace = !emit_path.empty();
   options.keep_snapshot = !snapshot_path.empty();
+  options.keep_oom_snapshot = !oom_snapshot_path.empty();
 
   if (gpu_lag_us >= 0) options.gpu_lag_us = gpu_lag_us;
 
@@ -259,6 +266,17 @@ int run_replay(const std::string& trace_path, const std::vector<std::string>& co
       ccalloc::io::write_snapshot(numbered_path(snapshot_path, i, configs.size()),
                                   *results.back().snapshot);
       results.back().snapshot.reset();
+    }
+    if (options.keep_oom_snapshot) {
+      const std::string name = configs[i].empty() ? "the default config" : configs[i];
+      if (results.back().oom_snapshot) {
+        const std::string path = numbered_path(oom_snapshot_path, i, configs.size());
+        ccalloc::io::write_snapshot(path, *results.back().oom_snapshot);
+        results.back().oom_snapshot.reset();
+        std::cerr << "the snapshot at the first OOM under " << name << ": " << path << "\n";
+      } else {
+        std::cerr << "no OOM under " << name << ": no OOM snapshot written\n";
+      }
     }
   }
   if (json) {
@@ -591,6 +609,11 @@ int main(int argc, char** argv) {
   replay->add_option("--snapshot-out", snapshot_path,
                      "Write the replay's final snapshot with its history (.pickle or .json, "
                      "optionally .gz; numbered per config if several)");
+  std::string oom_snapshot_path;
+  replay->add_option("--oom-snapshot", oom_snapshot_path,
+                     "Write the allocator's snapshot just after its first OOM, with its history "
+                     "(.pickle or .json, optionally .gz; numbered per config if several; open "
+                     "it with `ccalloc viz` or `ccalloc summary`)");
   replay->add_flag("--json", json, "Print a JSON array, one object per config");
   int replay_device = -1;
   replay->add_option("--device", replay_device,
@@ -645,7 +668,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (replay->parsed()) {
-      return run_replay(trace_path, confs, capacity, oracle, emit_path, snapshot_path, json,
+      return run_replay(trace_path, confs, capacity, oracle, emit_path, snapshot_path,
+                        oom_snapshot_path, json,
                         max_entries, replay_device, gpu_lag_us);
     }
     if (fit->parsed()) return run_fit(fit_path, fit_confs, fit_json, fit_device);
