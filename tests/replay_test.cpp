@@ -271,13 +271,17 @@ std::size_t active_bytes(const ccalloc::Snapshot& s) {
   return n;
 }
 
-TEST(ReplayOom, SnapshotAtTheFirstOomHoldsTheMemoryAsItFailed) {
-  const auto trace = parse(three_thirty_mib_csv());
+// That trace under PyTorch's policy on a device of `capacity`, keeping the OOM snapshot.
+ccalloc::replay::Result replay_three_thirty_mib(std::size_t capacity) {
   ccalloc::replay::Options options;
   options.conf = "pytorch";
-  options.capacity = 64 * kMiB;
+  options.capacity = capacity;
   options.keep_oom_snapshot = true;
-  const auto r = ccalloc::replay::run(trace, options);
+  return ccalloc::replay::run(parse(three_thirty_mib_csv()), options);
+}
+
+TEST(ReplayOom, SnapshotAtTheFirstOomHoldsTheMemoryAsItFailed) {
+  const auto r = replay_three_thirty_mib(64 * kMiB);
   EXPECT_EQ(r.ooms, 1);
   EXPECT_EQ(r.first_oom_record, 2u);
   ASSERT_TRUE(r.oom_snapshot.has_value());
@@ -299,12 +303,7 @@ TEST(ReplayOom, SnapshotAtTheFirstOomHoldsTheMemoryAsItFailed) {
 }
 
 TEST(ReplayOom, NoOomKeepsNoOomSnapshot) {
-  const auto trace = parse(three_thirty_mib_csv());
-  ccalloc::replay::Options options;
-  options.conf = "pytorch";
-  options.capacity = 128 * kMiB;
-  options.keep_oom_snapshot = true;
-  const auto r = ccalloc::replay::run(trace, options);
+  const auto r = replay_three_thirty_mib(128 * kMiB);
   EXPECT_EQ(r.ooms, 0);
   EXPECT_FALSE(r.oom_snapshot.has_value());
 }

@@ -104,7 +104,7 @@ def tp_mesh_shape(world):
 
 
 def build_fsdp2_tp(world):
-    """fsdp2_tp_lm's model on its (dp, tp) mesh; returns (config, model, mesh)."""
+    """fsdp2_tp_lm's model on its (dp, tp) mesh; returns (config, model)."""
     import torch
     import workloads
     from torch.distributed.device_mesh import init_device_mesh
@@ -128,7 +128,7 @@ def build_fsdp2_tp(world):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
-    return config, model, mesh
+    return config, model
 
 
 PP_LAYERS = 8
@@ -143,7 +143,7 @@ def pp_layers(rank, world):
 
 
 def build_pp(rank, world, device):
-    """pp_lm's stage of this rank: (config, stage module, parameters' optimizer)."""
+    """pp_lm's stage of this rank: (config, stage module)."""
     import torch
     import workloads
     from transformers import AutoModelForCausalLM
@@ -182,7 +182,6 @@ def pp_step_factory(module, rank, world, device, config, rng, gen):
     by its first step)."""
     import torch
     import torch.nn.functional as F
-    import workloads
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
@@ -259,7 +258,7 @@ def main():
         make_step = pp_step_factory(module, rank, world, device, config, rng, gen)
     else:
         if args.workload == "fsdp2_tp_lm":
-            config, model, _ = build_fsdp2_tp(world)
+            config, model = build_fsdp2_tp(world)
             autocast = None
         else:
             config, model, autocast = build(args.workload, local_rank)
